@@ -1,0 +1,1 @@
+"""vLLM integration: SessionTierConnector, its offloading spec and the CPU worker."""

@@ -1,0 +1,67 @@
+"""``SessionTierSpec``: vLLM's tiering spec with sessionkv's configuration and a
+CPU-platform worker.
+
+G2 is vLLM's CPU primary tier in the shared host region; G3 tiers plug in as
+``SecondaryTierManager``s. On CUDA/XPU the worker is vLLM's own; on the CPU
+platform (where vLLM's refuses to start) it is ``TorchCopyWorker`` over the
+same shared region.
+
+The spec is built in the scheduler process and in every worker process; it
+parses the configuration in each (once per process, at start).
+"""
+
+from __future__ import annotations
+
+from vllm.platforms import current_platform
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from sessionkv.config import SessionKVConfig, parse_extra_config
+
+from .cpu_worker import TorchCopyWorker
+
+
+def has_device_worker() -> bool:
+    """Whether vLLM's own G1 <-> G2 worker runs on this platform."""
+    return current_platform.is_cuda_alike() or current_platform.is_xpu()
+
+
+class SessionTierSpec(TieringOffloadingSpec):
+    """Tiering spec whose G2 policy comes from the sessionkv policy file."""
+
+    def __init__(self, config: OffloadingConfig):
+        self.sessionkv: SessionKVConfig = parse_extra_config(config.extra_config)
+        super().__init__(config)
+        self.eviction_policy = self.sessionkv.policy.g2.eviction
+        self.cache_policy_module_path = None
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if has_device_worker():
+            return super().get_worker(kv_caches)
+        if self._worker is None:
+            self._worker = self._create_cpu_worker(kv_caches)
+        return self._worker
+
+    def _create_cpu_worker(self, kv_caches: CanonicalKVCaches) -> TorchCopyWorker:
+        if self.config.canonical_layout:
+            raise ValueError(
+                "canonical_layout is not supported on the CPU platform; remove it "
+                "from kv_connector_extra_config"
+            )
+        # The same region layout as TieringOffloadingSpec.create_worker, so the
+        # scheduler's view (and every G3 tier reading it) sees these bytes.
+        rank = 0 if self.replicated_layout else self.config.parallel.rank
+        region = SharedOffloadRegion(
+            engine_id=self._engine_id,
+            num_chunks=self.num_chunks,
+            rank=rank,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+        try:
+            return TorchCopyWorker(kv_caches, self.blocks_per_chunk, region)
+        except Exception:
+            region.cleanup()
+            raise

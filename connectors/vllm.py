@@ -1,0 +1,157 @@
+"""``SessionTierConnector``: the vLLM KV connector users name in ``--kv-transfer-config``.
+
+    --kv-transfer-config '{"kv_connector": "SessionTierConnector",
+        "kv_connector_module_path": "sessionkv.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 1073741824,
+                                      "sessionkv": {"policy_file": "tiers.yaml"}}}'
+
+It is vLLM's ``OffloadingConnector`` over ``SessionTierSpec`` (G2 = the CPU
+primary tier, G3 = secondary tiers), plus:
+
+- the request's ``session_id`` copied into its ``kv_transfer_params``, so every
+  offloading manager sees it through ``ReqContext`` (vLLM 0.32 does not pass it);
+- generated tokens offloaded too (agentic turns reuse them), unless the user
+  sets vLLM's ``offload_prompt_only``;
+- a per-request report (``sessionkv.report.RequestReport``) returned from
+  ``request_finished`` into the response's ``kv_transfer_params``;
+- configurations it cannot serve correctly refused at start.
+
+Threading: every scheduler-side method runs on vLLM's scheduler thread.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from sessionkv.report import RequestReport
+
+from .spec import SessionTierSpec, has_device_worker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+
+SPEC_NAME = SessionTierSpec.__name__
+SPEC_MODULE = SessionTierSpec.__module__
+SESSION_PARAM = "session_id"
+
+
+def check_supported(
+    kv_role: str | None,
+    kv_cache_groups: "list[KVCacheGroupSpec]",
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    device_worker: bool,
+) -> None:
+    """Refuse, at start, configurations sessionkv would serve wrongly or untested."""
+    if kv_role != "kv_both":
+        raise ValueError(f"kv_role must be 'kv_both' for SessionTierConnector, got {kv_role!r}")
+    if len(kv_cache_groups) != 1 or type(kv_cache_groups[0].kv_cache_spec) is not FullAttentionSpec:
+        kinds = [type(g.kv_cache_spec).__name__ for g in kv_cache_groups]
+        raise ValueError(
+            "SessionTierConnector supports full-attention models with one KV cache "
+            f"group; this model has {kinds}"
+        )
+    if not device_worker and (tensor_parallel_size != 1 or pipeline_parallel_size != 1):
+        raise ValueError(
+            "SessionTierConnector supports tensor_parallel_size=1 and "
+            "pipeline_parallel_size=1 on the CPU platform, got "
+            f"{tensor_parallel_size} and {pipeline_parallel_size}"
+        )
+
+
+class SessionTierConnector(OffloadingConnector):
+    """vLLM's offloading connector over sessionkv's tiers (see module docstring)."""
+
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        role: KVConnectorRole,
+        kv_cache_config: "KVCacheConfig",
+    ):
+        kvt = vllm_config.kv_transfer_config
+        extra = kvt.kv_connector_extra_config
+        for key, ours in (("spec_name", SPEC_NAME), ("spec_module_path", SPEC_MODULE)):
+            if extra.get(key, ours) != ours:
+                raise ValueError(
+                    f"{key} is set by SessionTierConnector; remove it from "
+                    "kv_connector_extra_config"
+                )
+            extra[key] = ours
+        extra.setdefault("offload_prompt_only", False)
+        par = vllm_config.parallel_config
+        check_supported(
+            kvt.kv_role,
+            kv_cache_config.kv_cache_groups,
+            par.tensor_parallel_size,
+            par.pipeline_parallel_size,
+            has_device_worker(),
+        )
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        # req_id -> (local G1 hit tokens, {source: external tokens})
+        self._hits: dict[str, tuple[int, dict[CacheHitSource, int]]] = {}
+
+    # ---- scheduler side -------------------------------------------------
+
+    def on_new_request(self, request: "Request") -> None:
+        if request.session_id is not None:
+            params = dict(request.kv_transfer_params or {})
+            params[SESSION_PARAM] = request.session_id
+            request.kv_transfer_params = params
+        super().on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        # num_computed_tokens are the G1 prefix-cache hits of this attempt.
+        self._hits[request.request_id] = (num_computed_tokens, {})
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ):
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        # Called again with 0 when a request resumes after its async load;
+        # only an allocation that loads something carries a load plan.
+        if num_external_tokens > 0:
+            g1, _ = self._hits.get(request.request_id, (0, {}))
+            # The split by tier exists only once the load is planned (above).
+            sources = self.get_external_cache_hit_sources(request, num_external_tokens)
+            self._hits[request.request_id] = (g1, sources)
+
+    def _report(self, request: "Request") -> RequestReport:
+        g1, sources = self._hits.pop(request.request_id, (0, {}))
+        g2 = sources.get(CacheHitSource.HOST, 0)
+        g3 = sum(sources.values()) - g2
+        session = (request.kv_transfer_params or {}).get(SESSION_PARAM)
+        return RequestReport.build(
+            session_id=session,
+            block_size=self._block_size,
+            prompt_tokens=request.num_prompt_tokens,
+            g1_tokens=g1,
+            g2_tokens=g2,
+            g3_tokens=g3,
+        )
+
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = super().request_finished(request, block_ids)
+        return delay, {**(params or {}), **self._report(request).to_params()}
+
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = super().request_finished_all_groups(request, block_ids)
+        return delay, {**(params or {}), **self._report(request).to_params()}

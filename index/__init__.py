@@ -1,0 +1,1 @@
+"""SessionPrefixIndex: engine-side session topology and residency. Imports no vLLM."""

@@ -1,0 +1,131 @@
+"""Connector configuration, parsed once at start into frozen dataclasses.
+
+sessionkv's own keys live in one sub-dict of vLLM's ``kv_connector_extra_config``::
+
+    {"cpu_bytes_to_use": 1073741824,          # vLLM's keys pass through untouched
+     "sessionkv": {"policy_file": "tiers.yaml"}}
+
+Every error is a ``ValueError`` whose message names the offending key, raised
+while the engine starts, never later. Nothing here reads the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import yaml
+
+SUBKEY = "sessionkv"
+
+# G2 eviction policies the policy file may name (vLLM's built-ins).
+G2_EVICTION_POLICIES = ("lru", "arc")
+
+
+@dataclass(frozen=True)
+class G2Policy:
+    """Policy of the G2 tier (pinned host memory, vLLM's CPU primary tier)."""
+
+    eviction: str = "lru"
+
+
+@dataclass(frozen=True)
+class TierPolicy:
+    """The YAML tier policy file, parsed. Defaults apply when no file is given."""
+
+    g2: G2Policy = field(default_factory=G2Policy)
+
+
+@dataclass(frozen=True)
+class SessionKVConfig:
+    """Everything sessionkv reads from ``kv_connector_extra_config``."""
+
+    policy: TierPolicy = field(default_factory=TierPolicy)
+    policy_file: str | None = None
+
+
+def _reject_unknown(section: Mapping[str, Any], known: tuple[str, ...], where: str) -> None:
+    for key in section:
+        if key not in known:
+            raise ValueError(
+                f"unknown key {where}{key!r}; supported keys: {', '.join(known)}"
+            )
+
+
+def _mapping(value: Any, where: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _positive_int(value: Any, where: str) -> int:
+    # bool is an int subclass; "true" is never a size.
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{where} must be a positive integer, got {value!r}")
+    return value
+
+
+def parse_policy(doc: Any, source: str = "policy") -> TierPolicy:
+    """Parse a tier policy document (the YAML file's content)."""
+    doc = _mapping(doc, source)
+    _reject_unknown(doc, ("version", "g2"), f"{source}: ")
+    version = doc.get("version", 1)
+    if version != 1:
+        raise ValueError(f"{source}: version must be 1, got {version!r}")
+    g2 = _mapping(doc.get("g2"), f"{source}: g2")
+    _reject_unknown(g2, ("eviction",), f"{source}: g2.")
+    eviction = g2.get("eviction", "lru")
+    if eviction not in G2_EVICTION_POLICIES:
+        raise ValueError(
+            f"{source}: g2.eviction must be one of {', '.join(G2_EVICTION_POLICIES)},"
+            f" got {eviction!r}"
+        )
+    return TierPolicy(g2=G2Policy(eviction=eviction))
+
+
+def load_policy_file(path: str) -> TierPolicy:
+    """Read and parse a YAML tier policy file."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{SUBKEY}.policy_file: no such file {path!r}")
+    with open(path, encoding="utf-8") as f:
+        try:
+            doc = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{SUBKEY}.policy_file {path!r}: invalid YAML: {e}") from e
+    return parse_policy(doc, source=path)
+
+
+def parse_extra_config(extra_config: Mapping[str, Any]) -> SessionKVConfig:
+    """Validate vLLM's ``kv_connector_extra_config`` and parse our sub-dict.
+
+    vLLM's keys are left to vLLM, except the sizes that vLLM itself reports
+    poorly (``cpu_bytes_to_use``, ``block_size``, ``blocks_per_chunk``) and
+    ``eviction_policy``, which the policy file owns.
+    """
+    if "cpu_bytes_to_use" not in extra_config:
+        raise ValueError(
+            "cpu_bytes_to_use is required in kv_connector_extra_config (bytes of "
+            "pinned host memory for G2)"
+        )
+    _positive_int(extra_config["cpu_bytes_to_use"], "cpu_bytes_to_use")
+    for key in ("block_size", "blocks_per_chunk"):
+        if key in extra_config:
+            _positive_int(extra_config[key], key)
+    for key in ("eviction_policy", "cache_policy_module_path"):
+        if key in extra_config:
+            raise ValueError(
+                f"{key} is owned by sessionkv: set g2.eviction in the policy file "
+                f"({SUBKEY}.policy_file) instead"
+            )
+
+    ours = _mapping(extra_config.get(SUBKEY), SUBKEY)
+    _reject_unknown(ours, ("policy_file",), f"{SUBKEY}.")
+    policy_file = ours.get("policy_file")
+    if policy_file is None:
+        return SessionKVConfig()
+    if not isinstance(policy_file, str) or not policy_file:
+        raise ValueError(f"{SUBKEY}.policy_file must be a path, got {policy_file!r}")
+    return SessionKVConfig(policy=load_policy_file(policy_file), policy_file=policy_file)

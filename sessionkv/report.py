@@ -1,0 +1,67 @@
+"""The per-request report an engine returns in the response's ``kv_transfer_params``.
+
+A finished request's response carries ``kv_transfer_params["sessionkv"]``: where
+its prompt KV came from. Counts are in tokens and in blocks of the engine's
+G1 block size; hits are whole blocks, the recomputed tail may end mid-block.
+Only non-streaming responses carry ``kv_transfer_params`` (a vLLM limitation).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import msgspec
+
+REPORT_KEY = "sessionkv"
+
+
+class TierCounts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Prompt tokens (or blocks) by where their KV came from."""
+
+    g1: int = 0
+    g2: int = 0
+    g3: int = 0
+    recomputed: int = 0
+
+
+class RequestReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where one request's prompt KV came from."""
+
+    session_id: str | None
+    block_size: int
+    prompt_tokens: int
+    tokens: TierCounts
+    blocks: TierCounts
+
+    @classmethod
+    def build(
+        cls,
+        session_id: str | None,
+        block_size: int,
+        prompt_tokens: int,
+        g1_tokens: int,
+        g2_tokens: int,
+        g3_tokens: int,
+    ) -> "RequestReport":
+        recomputed = prompt_tokens - g1_tokens - g2_tokens - g3_tokens
+        if recomputed < 0:
+            raise ValueError("hit tokens exceed the prompt")
+        tokens = TierCounts(g1_tokens, g2_tokens, g3_tokens, recomputed)
+        blocks = TierCounts(
+            g1_tokens // block_size,
+            g2_tokens // block_size,
+            g3_tokens // block_size,
+            -(-recomputed // block_size),
+        )
+        return cls(session_id, block_size, prompt_tokens, tokens, blocks)
+
+    def to_params(self) -> dict[str, Any]:
+        """The ``kv_transfer_params`` entry, JSON-ready."""
+        return {REPORT_KEY: msgspec.to_builtins(self)}
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> "RequestReport | None":
+        """Read the report back from a response's ``kv_transfer_params``."""
+        if not params or REPORT_KEY not in params:
+            return None
+        return msgspec.convert(params[REPORT_KEY], cls)

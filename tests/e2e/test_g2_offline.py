@@ -1,0 +1,126 @@
+"""Real vLLM (offline engine, tiny model) serving prefix KV back from G2, exactly.
+
+Each scenario: cold references first, then ``reset_prefix_cache()`` and poisoned
+G1 blocks, then the same prompts again. Outputs must equal the cold runs in
+greedy tokens and logprobs (serial runs are bit-exact), and the per-request
+report must name the G2 blocks. The negative control poisons G2 instead and
+the output must change, which proves the bytes really came from G2.
+"""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+from vllm import LLM, SamplingParams
+
+from engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id, poison_g2, remove_region
+from sessionkv.report import RequestReport
+
+BLOCK = 32
+COUNTER = itertools.count()
+PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=3)
+RNG = np.random.default_rng(7)
+# Prompt lengths leave the last block partial for all 6 generated tokens, so
+# every full block is offloaded while the request runs.
+A = RNG.integers(10, 4000, 200).tolist()                 # 6 full blocks
+B = A[:160] + RNG.integers(10, 4000, 90).tolist()        # shares A's first 5 blocks
+P = A[:100] + RNG.integers(10, 4000, 60).tolist()        # shares A's first 3 blocks
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["bpc1", "bpc2"])
+def engine(request):
+    bpc = request.param
+    engine_id = new_engine_id()
+    llm = LLM(
+        model=TINY, enforce_eager=True, block_size=BLOCK, max_model_len=1024, seed=0,
+        dtype="float32", worker_extension_cls=POISON_EXT,
+        kv_transfer_config=kv_transfer_config(engine_id, block_size=BLOCK * bpc),
+    )
+    yield llm, engine_id, bpc
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    remove_region(engine_id)
+
+
+def run(llm, prompt, session=None):
+    """One request alone (serial), through the engine API that carries session_id."""
+    engine = llm.llm_engine
+    req_id = f"req-{next(COUNTER)}"
+    engine.add_request(req_id, {"prompt_token_ids": prompt}, PARAMS, session_id=session)
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == req_id and o.finished:
+                out = o
+    comp = out.outputs[0]
+    logprobs = [{t: lp.logprob for t, lp in step.items()} for step in comp.logprobs]
+    return list(comp.token_ids), logprobs, RequestReport.from_params(out.kv_transfer_params)
+
+
+def reset_g1(llm, keep_cached=False):
+    """Drop G1's prefix cache and overwrite the freed blocks with garbage."""
+    assert llm.reset_prefix_cache()
+    poison(llm, keep_cached)
+
+
+def poison(llm, keep_cached=False):
+    ids = None
+    if keep_cached:
+        pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        ids = [b.block_id for b in pool.blocks if b.block_id != 0 and b.block_hash is None]
+    (n,) = llm.collective_rpc("poison_kv", args=(json.dumps(ids), "3"))
+    assert n > 0
+
+
+def cold(llm, *prompts):
+    """Cold references, computed from an empty G1 and an empty G2."""
+    refs = []
+    for p in prompts:
+        assert llm.reset_prefix_cache(reset_connector=True)
+        refs.append(run(llm, p))
+        assert refs[-1][2].tokens.recomputed == len(p)
+    return refs
+
+
+def test_prefix_served_from_g2_is_exact(engine):
+    llm, _, bpc = engine
+    (ref_b, ref_a) = cold(llm, B, A)    # A is stored in G2 last; B is not in G2
+    reset_g1(llm)
+    tok, lps, rep = run(llm, A)
+    assert (tok, lps) == ref_a[:2]
+    assert (rep.blocks.g1, rep.blocks.g2, rep.tokens.recomputed) == (0, 6, 200 - 192)
+
+    reset_g1(llm)
+    tok, lps, rep = run(llm, B)
+    assert (tok, lps) == ref_b[:2]
+    shared = 5 - 5 % bpc                 # whole chunks of A's blocks that B shares
+    assert (rep.blocks.g1, rep.blocks.g2) == (0, shared)
+    assert rep.tokens.recomputed == len(B) - shared * BLOCK
+
+
+def test_load_starting_mid_chunk_is_exact(engine):
+    llm, _, bpc = engine
+    (ref_a,) = cold(llm, A)
+    reset_g1(llm)
+    run(llm, P)                         # G1 now holds A's first 3 blocks (via P)
+    poison(llm, keep_cached=True)       # everything but those cached blocks
+    tok, lps, rep = run(llm, A)
+    assert (tok, lps) == ref_a[:2]
+    assert (rep.blocks.g1, rep.blocks.g2) == (3, 3)
+
+
+def test_session_id_reaches_the_report(engine):
+    llm, _, _ = engine
+    _, _, rep = run(llm, A, session="sess-offline-1")
+    assert rep.session_id == "sess-offline-1"
+
+
+def test_negative_control_poisoned_g2_changes_output(engine):
+    llm, engine_id, _ = engine
+    (ref_a,) = cold(llm, A)
+    reset_g1(llm)
+    poison_g2(engine_id)
+    tok, lps, rep = run(llm, A)
+    assert rep.blocks.g2 == 6           # the load happened, from poisoned bytes...
+    assert (tok, lps) != ref_a[:2]      # ...so the output must differ

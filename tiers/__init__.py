@@ -1,0 +1,1 @@
+"""Tiers: the G2 policy and the G3 storage tiers (SecondaryTierManagers)."""
