@@ -25,6 +25,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    PromMetric,
+    PromMetricT,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
@@ -70,6 +75,19 @@ def check_supported(
         )
 
 
+def bind_spec(extra: dict[str, Any]) -> None:
+    """Point vLLM's offloading config at our spec, in place. Every process that
+    reads the config (scheduler, workers, the API server's metrics) must see it."""
+    for key, ours in (("spec_name", SPEC_NAME), ("spec_module_path", SPEC_MODULE)):
+        if extra.get(key, ours) != ours:
+            raise ValueError(
+                f"{key} is set by SessionTierConnector; remove it from "
+                "kv_connector_extra_config"
+            )
+        extra[key] = ours
+    extra.setdefault("offload_prompt_only", False)
+
+
 class SessionTierConnector(OffloadingConnector):
     """vLLM's offloading connector over sessionkv's tiers (see module docstring)."""
 
@@ -80,15 +98,7 @@ class SessionTierConnector(OffloadingConnector):
         kv_cache_config: "KVCacheConfig",
     ):
         kvt = vllm_config.kv_transfer_config
-        extra = kvt.kv_connector_extra_config
-        for key, ours in (("spec_name", SPEC_NAME), ("spec_module_path", SPEC_MODULE)):
-            if extra.get(key, ours) != ours:
-                raise ValueError(
-                    f"{key} is set by SessionTierConnector; remove it from "
-                    "kv_connector_extra_config"
-                )
-            extra[key] = ours
-        extra.setdefault("offload_prompt_only", False)
+        bind_spec(kvt.kv_connector_extra_config)
         par = vllm_config.parallel_config
         check_supported(
             kvt.kv_role,
@@ -155,3 +165,17 @@ class SessionTierConnector(OffloadingConnector):
     ) -> tuple[bool, dict[str, Any] | None]:
         delay, params = super().request_finished_all_groups(request, block_ids)
         return delay, {**(params or {}), **self._report(request).to_params()}
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: "VllmConfig",
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        # Built in the API server process, where no connector instance ran.
+        bind_spec(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        return super().build_prom_metrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )

@@ -70,14 +70,14 @@ def build_tokenizer(out: Path):
 
 
 def build_model(name: str, out: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     stamp = out / "sessionkv-model.json"
     recipe = {"recipe": RECIPES[name], "vocab": VOCAB_SIZE, "seed": SEED,
               "max_positions": MAX_POSITIONS, "template": CHAT_TEMPLATE}
     if stamp.exists() and json.loads(stamp.read_text()) == recipe:
         return
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out)
     torch.manual_seed(SEED)

@@ -73,7 +73,7 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.tail()}")
+                raise RuntimeError(f"server exited: {self.tail(1 << 20)}")
             with contextlib.suppress(requests.ConnectionError):
                 if requests.get(self.url + "/health", timeout=2).ok:
                     return

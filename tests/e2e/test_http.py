@@ -1,0 +1,68 @@
+"""The OpenAI server (real vLLM, tiny model) with SessionTierConnector over HTTP."""
+
+import json
+
+import numpy as np
+import pytest
+import requests
+
+from engines import POISON_EXT, TINY, Server, kv_transfer_config, new_engine_id, remove_region
+from sessionkv.report import RequestReport
+
+BLOCK = 32
+SERVER_ARGS = ["--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", "1024",
+               "--dtype", "float32", "--seed", "0", "--worker-extension-cls", POISON_EXT]
+# The server runs its engine core in a child process, as in production.
+SERVER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_SERVER_DEV_MODE": "1"}
+PROMPT = np.random.default_rng(11).integers(10, 4000, 200).tolist()    # 6 full blocks
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine_id = new_engine_id()
+    cfg = json.dumps(kv_transfer_config(engine_id))
+    srv = Server(TINY, [*SERVER_ARGS, "--kv-transfer-config", cfg], env=SERVER_ENV)
+    yield srv
+    srv.stop()
+    remove_region(engine_id)
+
+
+def complete(srv, prompt, session):
+    body = {"model": TINY, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+            "logprobs": 2, "session_id": session}
+    r = requests.post(srv.url + "/v1/completions", json=body, timeout=120)
+    r.raise_for_status()
+    out = r.json()
+    choice = out["choices"][0]
+    lp = choice["logprobs"]
+    return (choice["text"], lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]), \
+        RequestReport.from_params(out.get("kv_transfer_params"))
+
+
+def post(srv, path, body=None):
+    r = requests.post(srv.url + path, json=body, timeout=60)
+    r.raise_for_status()
+    return r.json() if r.content else None
+
+
+def test_session_report_names_g2_blocks_and_output_is_exact(server):
+    cold, rep = complete(server, PROMPT, "sess-http-1")
+    assert rep.session_id == "sess-http-1"
+    assert rep.tokens.recomputed == len(PROMPT)
+
+    assert post(server, "/reset_prefix_cache")["success"]
+    poisoned = post(server, "/collective_rpc", {"method": "poison_kv", "args": ["null", "5"]})
+    assert int(poisoned["results"][0]) > 0
+
+    warm, rep = complete(server, PROMPT, "sess-http-1")
+    assert warm == cold                          # tokens and logprobs, exactly
+    assert rep.session_id == "sess-http-1"
+    assert (rep.blocks.g1, rep.blocks.g2) == (0, 6)
+    assert rep.tokens.recomputed == len(PROMPT) - 6 * BLOCK
+
+
+def test_bad_sessionkv_key_fails_server_start():
+    cfg = kv_transfer_config(new_engine_id())
+    cfg["kv_connector_extra_config"]["sessionkv"] = {"polcy_file": "tiers.yaml"}
+    with pytest.raises(RuntimeError, match="unknown key sessionkv.'polcy_file'"):
+        Server(TINY, [*SERVER_ARGS, "--kv-transfer-config", json.dumps(cfg)], env=SERVER_ENV)
