@@ -20,11 +20,12 @@ import time
 import uuid
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import requests
 
 from sessionkv.report import RequestReport
-from sessionkv.server import ServerProcess
+from sessionkv.server import ServerProcess, remove_offload_region
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = str(ROOT / ".cache" / "models" / "realistic")
@@ -55,22 +56,8 @@ def reply_tokens(out: dict) -> list[int]:
     return [int(t.split(":", 1)[1]) for t in out["choices"][0]["logprobs"]["tokens"]]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write the summary here")
-    args = ap.parse_args()
-
-    engine_id = f"demo-{uuid.uuid4().hex[:8]}"
-    kv = {"kv_connector": "SessionTierConnector",
-          "kv_connector_module_path": "sessionkv.connectors.vllm", "kv_role": "kv_both",
-          "engine_id": engine_id,
-          "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30}}
-    server_args = ["--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", "4096",
-                   "--dtype", "float32", "--seed", "0", "--return-tokens-as-token-ids",
-                   "--max-num-batched-tokens", "8192",
-                   "--kv-transfer-config", json.dumps(kv)]
-    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
-    print("starting vLLM (realistic-shape model) with SessionTierConnector ...", flush=True)
+def run_session(server_args: list[str], env: dict[str, str]) -> dict:
+    """Run the session and the measurements against a fresh server; the summary."""
     rng = np.random.default_rng(0)
     with ServerProcess(MODEL, server_args, env=env) as srv:
         prompt: list[int] = []
@@ -82,8 +69,7 @@ def main() -> int:
             t, rep, out = ttft(srv, prompt)
             print(f"{i:>4} {rep.prompt_tokens:>7} {rep.tokens.g1:>8} {rep.tokens.g2:>8} "
                   f"{rep.tokens.recomputed:>11} {t:>8.3f}", flush=True)
-            turns.append({"turn": i, "ttft_s": t, **json.loads(json.dumps(
-                RequestReport.to_params(rep)["sessionkv"]))})
+            turns.append({"turn": i, "ttft_s": t, **msgspec.to_builtins(rep)})
             if reply_len > 1:
                 out, _ = completion(srv, prompt, reply_len)
                 prompt = prompt + reply_tokens(out)
@@ -120,7 +106,7 @@ def main() -> int:
                                                       lp(from_g2)["token_logprobs"]))
         outputs_equal = tokens_equal_cold and logprobs_equal_g1
 
-    summary = {
+    return {
         "model": "realistic (hidden 768, 8 layers, float32, random weights)",
         "prompt_tokens": len(prompt),
         "ttft_recompute_s": statistics.median(cold_t),
@@ -133,17 +119,40 @@ def main() -> int:
         "logprobs_max_abs_diff_cold_recompute": max_diff_cold,
         "turns": turns,
     }
-    print(f"\nfinal prompt, {len(prompt)} tokens: TTFT recomputed {summary['ttft_recompute_s']:.3f} s,"
-          f" from G2 {summary['ttft_from_g2_s']:.3f} s ({g2_blocks} blocks);"
-          f" ratio {summary['ttft_ratio']:.3f}")
-    print(f"16 greedy tokens from G2 equal the cold recompute: {tokens_equal_cold}"
-          f" (logprobs within {max_diff_cold:.1e})")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the summary here")
+    args = ap.parse_args()
+
+    engine_id = f"demo-{uuid.uuid4().hex[:8]}"
+    kv = {"kv_connector": "SessionTierConnector",
+          "kv_connector_module_path": "sessionkv.connectors.vllm", "kv_role": "kv_both",
+          "engine_id": engine_id,
+          "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30}}
+    server_args = ["--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", "4096",
+                   "--dtype", "float32", "--seed", "0", "--return-tokens-as-token-ids",
+                   "--max-num-batched-tokens", "8192",
+                   "--kv-transfer-config", json.dumps(kv)]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    print("starting vLLM (realistic-shape model) with SessionTierConnector ...", flush=True)
+    try:
+        summary = run_session(server_args, env)
+    finally:
+        remove_offload_region(engine_id)
+    s = summary
+    print(f"\nfinal prompt, {s['prompt_tokens']} tokens: TTFT recomputed {s['ttft_recompute_s']:.3f} s,"
+          f" from G2 {s['ttft_from_g2_s']:.3f} s ({s['blocks_from_g2']} blocks);"
+          f" ratio {s['ttft_ratio']:.3f}")
+    print(f"16 greedy tokens from G2 equal the cold recompute: {s['tokens_equal_cold_recompute']}"
+          f" (logprobs within {s['logprobs_max_abs_diff_cold_recompute']:.1e})")
     print(f"tokens and logprobs from G2 equal vLLM's own G1 prefix hit, bit for bit: "
-          f"{logprobs_equal_g1}")
+          f"{s['logprobs_equal_g1_hit']}")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
         print(f"summary written to {args.json}")
-    return 0 if outputs_equal else 1
+    return 0 if s['outputs_equal'] else 1
 
 
 if __name__ == "__main__":

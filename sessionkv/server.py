@@ -17,6 +17,18 @@ import time
 import requests
 
 
+def offload_region_path(engine_id: str) -> str:
+    """vLLM's shared G2 host region of an engine (``SharedOffloadRegion``)."""
+    return f"/dev/shm/vllm_offload_{engine_id}.mmap"
+
+
+def remove_offload_region(engine_id: str) -> None:
+    """Remove an engine's G2 region file. vLLM's tiering spec unlinks it only on
+    a clean worker shutdown; a terminated server leaves it in /dev/shm."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(offload_region_path(engine_id))
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1."""
     with socket.socket() as s:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import uuid
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-
+from sessionkv.server import offload_region_path
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = Path(os.environ.get("SESSIONKV_MODELS", ROOT / ".cache" / "models"))
@@ -32,21 +31,10 @@ def new_engine_id() -> str:
     return f"skvtest-{uuid.uuid4().hex[:12]}"
 
 
-def region_path(engine_id: str) -> Path:
-    return Path(f"/dev/shm/vllm_offload_{engine_id}.mmap")
-
-
 def poison_g2(engine_id: str, seed: int = 1) -> None:
     """Overwrite the whole G2 host region of an engine with random bytes,
     straight through its shared-memory file (no sessionkv code involved)."""
-    with open(region_path(engine_id), "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+    with open(offload_region_path(engine_id), "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
         arr = np.frombuffer(m, dtype=np.uint8)
         arr[:] = np.random.default_rng(seed).integers(0, 256, arr.size, dtype=np.uint8)
         del arr
-
-
-def remove_region(engine_id: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        region_path(engine_id).unlink()
-
-

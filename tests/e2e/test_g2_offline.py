@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from vllm import LLM, SamplingParams
 
-from engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id, poison_g2, remove_region
+from engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id, poison_g2
 from sessionkv.report import RequestReport
+from sessionkv.server import remove_offload_region
 
 BLOCK = 32
 COUNTER = itertools.count()
@@ -40,7 +41,7 @@ def engine(request):
     yield llm, engine_id, bpc
     llm.llm_engine.engine_core.shutdown()
     del llm
-    remove_region(engine_id)
+    remove_offload_region(engine_id)
 
 
 def run(llm, prompt, session=None):

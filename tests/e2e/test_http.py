@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import requests
 
-from engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id, remove_region
-from sessionkv.server import ServerProcess
+from engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id
+from sessionkv.server import ServerProcess, remove_offload_region
 from sessionkv.report import RequestReport
 
 BLOCK = 32
@@ -25,7 +25,7 @@ def server():
     srv = ServerProcess(TINY, [*SERVER_ARGS, "--kv-transfer-config", cfg], env=SERVER_ENV)
     yield srv
     srv.stop()
-    remove_region(engine_id)
+    remove_offload_region(engine_id)
 
 
 def complete(srv, prompt, session):
