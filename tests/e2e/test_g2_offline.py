@@ -27,6 +27,7 @@ RNG = np.random.default_rng(7)
 A = RNG.integers(10, 4000, 200).tolist()                 # 6 full blocks
 B = A[:160] + RNG.integers(10, 4000, 90).tolist()        # shares A's first 5 blocks
 P = A[:100] + RNG.integers(10, 4000, 60).tolist()        # shares A's first 3 blocks
+RNG_TURN = np.random.default_rng(8)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["bpc1", "bpc2"])
@@ -44,18 +45,18 @@ def engine(request):
     remove_offload_region(engine_id)
 
 
-def run(llm, prompt, session=None):
+def run(llm, prompt, session=None, params=PARAMS):
     """One request alone (serial), through the engine API that carries session_id."""
     engine = llm.llm_engine
     req_id = f"req-{next(COUNTER)}"
-    engine.add_request(req_id, {"prompt_token_ids": prompt}, PARAMS, session_id=session)
+    engine.add_request(req_id, {"prompt_token_ids": prompt}, params, session_id=session)
     out = None
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.request_id == req_id and o.finished:
                 out = o
     comp = out.outputs[0]
-    logprobs = [{t: lp.logprob for t, lp in step.items()} for step in comp.logprobs]
+    logprobs = [{t: lp.logprob for t, lp in step.items()} for step in comp.logprobs or ()]
     return list(comp.token_ids), logprobs, RequestReport.from_params(out.kv_transfer_params)
 
 
@@ -109,6 +110,30 @@ def test_load_starting_mid_chunk_is_exact(engine):
     tok, lps, rep = run(llm, A)
     assert (tok, lps) == ref_a[:2]
     assert (rep.blocks.g1, rep.blocks.g2) == (3, 3)
+
+
+def test_generated_tokens_are_offloaded(engine):
+    """An agent's next turn reuses the previous turn's output: its KV comes from G2.
+
+    KV of generated tokens was computed by decode steps, which a full prefill
+    reproduces only to the last bits; so the bit-exact reference is vLLM's own
+    G1 prefix hit of the same blocks, and the cold recompute must agree in tokens.
+    """
+    llm, _, _ = engine
+    reply = SamplingParams(temperature=0, max_tokens=72)
+    assert llm.reset_prefix_cache(reset_connector=True)
+    generated, _, _ = run(llm, A, params=reply)
+    # 272 tokens of turn 1 (the last one never committed): 8 full blocks, the
+    # last two made of generated tokens. 10 new tokens keep turn 2 under 9.
+    turn2 = A + generated + RNG_TURN.integers(10, 4000, 10).tolist()
+    tok_g1, lps_g1, rep = run(llm, turn2)
+    assert rep.blocks.g1 == 8 and rep.blocks.g2 == 0
+    reset_g1(llm)
+    tok, lps, rep = run(llm, turn2)
+    assert (rep.blocks.g1, rep.blocks.g2) == (0, 8)
+    assert (tok, lps) == (tok_g1, lps_g1)
+    (ref,) = cold(llm, turn2)
+    assert tok == ref[0]
 
 
 def test_session_id_reaches_the_report(engine):
