@@ -154,17 +154,24 @@ class SessionTierConnector(OffloadingConnector):
             g3_tokens=g3,
         )
 
+    def _with_report(
+        self, request: "Request", result: tuple[bool, dict[str, Any] | None]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = result
+        return delay, {**(params or {}), **self._report(request).to_params()}
+
     def request_finished(
         self, request: "Request", block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        delay, params = super().request_finished(request, block_ids)
-        return delay, {**(params or {}), **self._report(request).to_params()}
+        return self._with_report(request, super().request_finished(request, block_ids))
 
     def request_finished_all_groups(
         self, request: "Request", block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        delay, params = super().request_finished_all_groups(request, block_ids)
-        return delay, {**(params or {}), **self._report(request).to_params()}
+        # The path vLLM's scheduler takes for connectors that support HMA (ours).
+        return self._with_report(
+            request, super().request_finished_all_groups(request, block_ids)
+        )
 
     @classmethod
     def build_prom_metrics(

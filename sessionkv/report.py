@@ -43,9 +43,17 @@ class RequestReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         g2_tokens: int,
         g3_tokens: int,
     ) -> "RequestReport":
-        recomputed = prompt_tokens - g1_tokens - g2_tokens - g3_tokens
-        if recomputed < 0:
-            raise ValueError("hit tokens exceed the prompt")
+        # Hits are counted against the whole sequence of the request's last
+        # scheduling attempt, which after a preemption includes generated
+        # tokens; the report covers the prompt, so each tier is capped by what
+        # is left of it, nearest tier first. Never raises: it runs in the engine.
+        left = prompt_tokens
+        g1_tokens = min(g1_tokens, left)
+        left -= g1_tokens
+        g2_tokens = min(g2_tokens, left)
+        left -= g2_tokens
+        g3_tokens = min(g3_tokens, left)
+        recomputed = left - g3_tokens
         tokens = TierCounts(g1_tokens, g2_tokens, g3_tokens, recomputed)
         blocks = TierCounts(
             g1_tokens // block_size,
