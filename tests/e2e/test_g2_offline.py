@@ -2,8 +2,9 @@
 
 Each scenario: cold references first, then ``reset_prefix_cache()`` and poisoned
 G1 blocks, then the same prompts again. Outputs must equal the cold runs in
-greedy tokens and logprobs (serial runs are bit-exact), and the per-request
-report must name the G2 blocks. The negative control poisons G2 instead and
+greedy tokens and logprobs (serial prefill runs of this model are bit-exact;
+KV made by decode steps is compared with vLLM's own G1 hit instead), and the
+per-request report must name the G2 blocks. The negative control poisons G2 instead and
 the output must change, which proves the bytes really came from G2.
 """
 
@@ -60,13 +61,14 @@ def run(llm, prompt, session=None, params=PARAMS):
     return list(comp.token_ids), logprobs, RequestReport.from_params(out.kv_transfer_params)
 
 
-def reset_g1(llm, keep_cached=False):
-    """Drop G1's prefix cache and overwrite the freed blocks with garbage."""
+def reset_g1(llm):
+    """Drop G1's prefix cache and overwrite every (now free) block with garbage."""
     assert llm.reset_prefix_cache()
-    poison(llm, keep_cached)
+    poison(llm)
 
 
 def poison(llm, keep_cached=False):
+    """Poison all G1 blocks, or only those holding no cached prefix."""
     ids = None
     if keep_cached:
         pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
