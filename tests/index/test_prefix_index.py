@@ -1,0 +1,134 @@
+"""SessionPrefixIndex on the RFC's own examples, one behaviour per test."""
+
+import pytest
+
+from sessionkv.index.prefix_index import SessionPrefixIndex, alias64
+from sessionkv.types import Tier
+
+
+def key(name: str) -> bytes:
+    return name.encode().rjust(32, b".") + bytes(4)
+
+
+A, AB, ABC, AD, AE = key("A"), key("AB"), key("ABC"), key("AD"), key("AE")
+
+
+def test_shared_prefix_stored_once_and_branches_are_frontiers():
+    idx = SessionPrefixIndex()
+    idx.admit("s1", [A, AB, ABC], Tier.G1)
+    idx.admit("s2", [A, AD], Tier.G1, start=1)
+    idx.admit("s5", [A, AB, ABC], None)          # a pure cache hit makes s5 a member
+    idx.admit("s5", [A, AD], None)               # ...of two concurrent branches
+    assert len(idx) == 4
+    assert idx.frontiers("s5") == sorted([ABC, AD])
+    assert idx.sessions_of(A) == ["s1", "s2", "s5"]
+    assert idx.sessions_of(AB) == ["s1", "s5"]
+    assert idx.resolve_session("s2").keys == [A, AD]
+
+
+def test_extending_a_branch_moves_its_frontier():
+    idx = SessionPrefixIndex()
+    idx.admit("s", [A], Tier.G1)
+    idx.admit("s", [A, AB], Tier.G1, start=1)
+    idx.admit("s", [A, AB, ABC], Tier.G1, start=2)
+    assert idx.frontiers("s") == [ABC]
+    idx.admit("s", [A, AB], None)                # a hit on its own prefix changes nothing
+    assert idx.frontiers("s") == [ABC]
+
+
+def test_one_copy_gone_keeps_the_extent_while_another_remains():
+    idx = SessionPrefixIndex()
+    idx.admit("s", [A, AB], Tier.G1)
+    idx.set_copies(Tier.G2, [A, AB], 1)
+    idx.set_copies(Tier.G1, [A, AB], 0)          # G1 evicted, G2 still holds both
+    assert idx.frontiers("s") == [AB]
+    assert idx.resolve_session("s").per_tier[Tier.G2] == [A, AB]
+    assert idx.resolve_session("s").per_tier[Tier.G1] == []
+
+
+def test_last_copy_gone_frontier_retreats_then_branch_is_removed():
+    idx = SessionPrefixIndex()
+    idx.admit("s", [A, AB, ABC], Tier.G2)
+    idx.set_copies(Tier.G2, [ABC], 0)
+    assert idx.frontiers("s") == [AB] and ABC not in idx
+    idx.set_copies(Tier.G2, [A, AB], 0)
+    assert idx.frontiers("s") == [] and len(idx) == 0
+
+
+def test_parent_only_nodes_stay_while_they_connect_resident_descendants():
+    idx = SessionPrefixIndex()
+    idx.admit("s", [A, AB, ABC], Tier.G2)
+    idx.set_copies(Tier.G2, [AB], 0)             # a middle chunk evicted
+    assert AB in idx and idx.frontiers("s") == [ABC]
+    assert idx.resolve_session("s").keys == [A, ABC]
+    idx.set_copies(Tier.G2, [ABC], 0)            # now AB connects nothing: pruned
+    assert AB not in idx and idx.frontiers("s") == [A]
+
+
+def test_selectors_branch_boundary_and_exact_keys():
+    idx = SessionPrefixIndex()
+    idx.admit("s", [A, AB, ABC], Tier.G1)
+    idx.admit("s", [A, AE], Tier.G2, start=1)
+    assert idx.resolve_session("s", branch=AE).keys == [A, AE]
+    assert idx.resolve_session("s", branch=AB) is None           # not a branch tip
+    assert idx.resolve_session("s", boundary=AB).keys == [A, AB]
+    assert idx.resolve_session("s", boundary=AD) is None         # not in the session
+    got = idx.resolve_keys([ABC, AE, AD])
+    assert got.keys == [AE, ABC] and got.per_tier[Tier.G2] == [AE]
+    assert idx.resolve_session("nobody") is None
+
+
+def test_g1_evictions_are_seen_lazily_through_the_probe():
+    pool = {}
+    idx = SessionPrefixIndex(g1_probe=lambda keys: [pool.get(k, 0) for k in keys])
+    pool.update({A: 1, AB: 1})
+    idx.admit("s", [A, AB], Tier.G1)
+    del pool[AB]                                  # vLLM evicted it; no callback
+    assert idx.copies(AB) == {Tier.G1: 1, Tier.G2: 0, Tier.G3: 0}
+    assert idx.frontiers("s") == [A]              # the query re-read the pool
+    assert AB not in idx
+
+
+def test_sweep_prunes_what_g1_dropped_round_robin():
+    pool = {}
+    idx = SessionPrefixIndex(g1_probe=lambda keys: [pool.get(k, 0) for k in keys])
+    chain = [key(f"k{i}") for i in range(10)]
+    pool.update(dict.fromkeys(chain, 1))
+    idx.admit(None, chain, Tier.G1)
+    pool.clear()
+    assert idx.sweep_g1(max_nodes=4) == 4
+    assert len(idx) == 10                         # the tail still holds the chain
+    while len(idx):
+        idx.sweep_g1(max_nodes=4)
+    assert len(idx) == 0
+
+
+def test_session_end_idle_expiry_and_bounded_tombstones():
+    idx = SessionPrefixIndex(idle_timeout_s=10, max_tombstones=2)
+    for i, s in enumerate(["a", "b", "c"]):
+        idx.admit(s, [A], Tier.G2, now=float(i))
+    assert idx.end_session("a", now=5) and not idx.end_session("a", now=5)
+    assert idx.expire(now=11.5) == ["b"]          # idle since 1.0; c was seen at 2.0
+    assert idx.is_ended("a") and idx.is_ended("b")
+    idx.end_session("c", now=12)
+    assert not idx.is_ended("a")                  # oldest tombstone dropped
+    assert A in idx                               # blocks outlive sessions while resident
+    idx.admit("a", [A], None, now=13)             # a new request reopens a session
+    assert idx.has_session("a") and idx.frontiers("a") == [A]
+
+
+def test_summary_and_alias():
+    idx = SessionPrefixIndex()
+    idx.admit("s", [A, AB], Tier.G1, now=3.0)
+    idx.set_copies(Tier.G3, [A], 2)
+    summ = idx.summary("s")
+    assert (summ.blocks, summ.per_tier, summ.last_access) == (
+        2, {Tier.G1: 2, Tier.G2: 0, Tier.G3: 1}, 3.0)
+    assert alias64(AB) == int.from_bytes(AB[-12:-4], "big")
+
+
+def test_a_chain_that_is_not_a_prefix_chain_is_refused():
+    idx = SessionPrefixIndex()
+    idx.admit(None, [A, AB], Tier.G1)
+    with pytest.raises(ValueError, match="prefix chain"):
+        idx.admit(None, [key("X"), AB], Tier.G1)
