@@ -102,6 +102,7 @@ class SessionPrefixIndex:
         self._depth = np.zeros(cap, np.int32)
         self._nchild = np.zeros(cap, np.int32)
         self._copies = np.zeros((len(TIERS), cap), np.uint16)
+        self._total = np.zeros(cap, np.uint32)      # copies over all tiers
         self._sessions: dict[str, _Session] = {}
         self._frontier_of: dict[int, set[str]] = {}
         self._tombstones: OrderedDict[str, float] = OrderedDict()
@@ -125,6 +126,7 @@ class SessionPrefixIndex:
         self._nchild = np.concatenate([self._nchild, np.zeros(new - cap, np.int32)])
         self._copies = np.concatenate(
             [self._copies, np.zeros((len(TIERS), new - cap), np.uint16)], axis=1)
+        self._total = np.concatenate([self._total, np.zeros(new - cap, np.uint32)])
 
     def _alloc(self, n: int) -> list[int]:
         reuse = self._free[-n:] if n else []
@@ -137,7 +139,10 @@ class SessionPrefixIndex:
         return reuse[::-1] + list(range(start, start + fresh))
 
     def _resident(self, slot: int) -> bool:
-        return bool(self._copies[:, slot].any())
+        return self._total[slot] != 0
+
+    def _recount(self, idx: np.ndarray) -> None:
+        self._total[idx] = self._copies[:, idx].sum(axis=0, dtype=np.uint32)
 
     # -------------------------------------------------------------- mutation
 
@@ -171,6 +176,7 @@ class SessionPrefixIndex:
             idx = np.asarray(slots[start:], np.int64)
             row = self._copies[tier]
             row[idx] = np.maximum(row[idx], 1)
+            self._recount(idx)
         # The deepest resident key: the tail, unless keys were linked without a copy.
         tail = n - 1
         while tail >= 0 and not self._resident(slots[tail]):
@@ -185,7 +191,7 @@ class SessionPrefixIndex:
     def _link(self, chain: Sequence[bytes], slots: list, first_new: int) -> None:
         n = len(chain)
         # Chained hashes make every descendant of a missing node missing too.
-        if any(s is not None for s in slots[first_new:]):
+        if slots.count(None) != n - first_new:
             raise ValueError("chain holds a known key below an unknown one: not a prefix chain")
         new = self._alloc(n - first_new)
         parent = slots[first_new - 1] if first_new else _NONE
@@ -195,6 +201,7 @@ class SessionPrefixIndex:
         self._nchild[idx] = 1
         self._nchild[new[-1]] = 0
         self._copies[:, idx] = 0
+        self._total[idx] = 0
         if parent != _NONE:
             self._nchild[parent] += 1
         new_keys = chain[first_new:]
@@ -279,7 +286,7 @@ class SessionPrefixIndex:
             return
         idx = np.fromiter((s for s, _ in pairs), np.int64, len(pairs))
         vals = np.fromiter((v for _, v in pairs), np.int64, len(pairs))
-        before = self._copies[:, idx].any(axis=0)
+        before = self._total[idx] != 0
         row = self._copies[tier]
         if absolute:
             row[idx] = np.clip(vals, 0, np.iinfo(np.uint16).max)
@@ -288,7 +295,8 @@ class SessionPrefixIndex:
             # zero after each step, as a per-key loop would.
             for s, v in pairs:
                 row[s] = min(max(int(row[s]) + v, 0), np.iinfo(np.uint16).max)
-        gone = idx[before & ~self._copies[:, idx].any(axis=0)]
+        self._recount(idx)
+        gone = idx[before & (self._total[idx] == 0)]
         if gone.size:
             self._on_gone(np.unique(gone).tolist())
 
@@ -307,8 +315,11 @@ class SessionPrefixIndex:
                 st.frontiers.discard(s)
                 if a != _NONE:
                     self._add_frontier(session, st, a)
-        for s in sorted(gone, key=lambda s: -int(self._depth[s])):
-            if self._keys[s] is not None:
+        order = np.asarray(gone, np.int64)
+        order = order[np.argsort(-self._depth[order], kind="stable")].tolist()
+        keys = self._keys
+        for s in order:
+            if keys[s] is not None:
                 self._prune(s)
 
     def _covers(self, st: _Session, slot: int) -> bool:
@@ -320,15 +331,16 @@ class SessionPrefixIndex:
     def _prune(self, s: int) -> None:
         """Remove ``s`` and its ancestors while each has no copy, no child and
         is no frontier."""
-        while (s != _NONE and self._nchild[s] == 0 and not self._resident(s)
-               and s not in self._frontier_of):
-            p = int(self._parent[s])
-            del self._slot[self._keys[s]]
-            self._keys[s] = None
-            self._parent[s] = _NONE
-            self._free.append(s)
+        nchild, total, parent, keys = self._nchild, self._total, self._parent, self._keys
+        frontier_of, slot_of, free = self._frontier_of, self._slot, self._free
+        while s != _NONE and nchild[s] == 0 and total[s] == 0 and s not in frontier_of:
+            p = int(parent[s])
+            del slot_of[keys[s]]
+            keys[s] = None
+            parent[s] = _NONE
+            free.append(s)
             if p != _NONE:
-                self._nchild[p] -= 1
+                nchild[p] -= 1
             s = p
 
     # ------------------------------------------------------------- sessions
