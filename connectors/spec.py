@@ -13,14 +13,17 @@ parses the configuration in each (once per process, at start).
 from __future__ import annotations
 
 from vllm.platforms import current_platform
-from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from sessionkv.config import SessionKVConfig, parse_extra_config
+from sessionkv.index.prefix_index import SessionPrefixIndex
 
 from .cpu_worker import TorchCopyWorker
+from .manager import SessionPrimaryTier, SessionTierManager
 
 
 def has_device_worker() -> bool:
@@ -36,6 +39,47 @@ class SessionTierSpec(TieringOffloadingSpec):
         super().__init__(config)
         self.eviction_policy = self.sessionkv.policy.g2.eviction
         self.cache_policy_module_path = None
+
+    def get_manager(self) -> OffloadingManager:
+        """vLLM's tiering manager built from our parts: the same shared region,
+        primary tier and secondary tiers as ``TieringOffloadingSpec``, with the
+        primary tier and the manager keeping the SessionPrefixIndex in step."""
+        if self._manager is not None:
+            return self._manager
+        if int(self.extra_config.get("store_threshold", 0)) >= 2:
+            raise ValueError("store_threshold is not supported with SessionTierConnector")
+        sessions = self.sessionkv.policy.sessions
+        index = SessionPrefixIndex(
+            idle_timeout_s=sessions.idle_timeout_s, max_tombstones=sessions.max_tombstones)
+        region = SharedOffloadRegion(
+            engine_id=self._engine_id, num_chunks=self.num_chunks, rank=None,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+        primary = None
+        secondary = []
+        try:
+            primary = SessionPrimaryTier(
+                num_chunks=self.num_chunks, mmap_region=region,
+                cache_policy=self.eviction_policy,
+                cache_policy_module_path=self.cache_policy_module_path,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                index=index, blocks_per_chunk=self.blocks_per_chunk,
+            )
+            view = primary.get_kv_memoryview()
+            for tier_config in self.secondary_tier_configs:
+                secondary.append(SecondaryTierFactory.create_secondary_tier(tier_config, view, self))
+            self._manager = SessionTierManager(primary, secondary, index)
+        except Exception:
+            for tier in reversed(secondary):
+                tier.shutdown()
+            if primary is not None:
+                primary.shutdown()      # releases the region too
+            else:
+                region.cleanup()
+            raise
+        self._scheduler_mmap = region
+        return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if has_device_worker():

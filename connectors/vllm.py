@@ -22,6 +22,9 @@ Threading: every scheduler-side method runs on vLLM's scheduler thread.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -34,21 +37,31 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.report import RequestReport
+from sessionkv.types import Tier
 
+from .manager import SessionTierManager
 from .spec import SessionTierSpec, has_device_worker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.request import Request
 
 SPEC_NAME = SessionTierSpec.__name__
 SPEC_MODULE = SessionTierSpec.__module__
 SESSION_PARAM = "session_id"
+# Per step: nodes whose G1 copies are re-read from the block pool (vLLM reports
+# no G1 evictions), and how often idle sessions are expired.
+G1_SWEEP_PER_STEP = 256
+EXPIRE_EVERY_S = 1.0
 
 
 def check_supported(
@@ -88,6 +101,39 @@ def bind_spec(extra: dict[str, Any]) -> None:
     extra.setdefault("offload_prompt_only", False)
 
 
+def g1_probe(block_pool: "BlockPool"):
+    """G1 copy counts of keys, read from vLLM's block pool. An ``OffloadKey`` of
+    group g is byte for byte vLLM's ``BlockHashWithGroupId``; a hash computed
+    twice maps to a dict of its duplicate blocks."""
+    def probe(keys: Sequence[bytes]) -> list[int]:
+        # Read the map each time: reset_prefix_cache() replaces it.
+        cached = block_pool.cached_block_hash_to_block._cache
+        out = []
+        for b in map(cached.get, keys):
+            out.append(0 if b is None else len(b) if isinstance(b, dict) else 1)
+        return out
+
+    return probe
+
+
+@dataclass
+class _Tracked:
+    """What the connector follows of one request (scheduler side)."""
+
+    request: "Request"
+    session: str | None
+    keys: list[bytes] = field(default_factory=list)   # OffloadKey per full block
+    admitted: int = 0            # leading blocks the index holds as computed in G1
+    g1_tokens: int = 0           # G1 prefix hits of the last scheduling attempt
+    sources: dict[CacheHitSource, int] = field(default_factory=dict)
+
+    def keys_upto(self, n_blocks: int) -> list[bytes]:
+        hashes = self.request.block_hashes
+        if len(self.keys) < n_blocks:
+            self.keys.extend(make_offload_key(h, 0) for h in hashes[len(self.keys):n_blocks])
+        return self.keys[:n_blocks]
+
+
 class SessionTierConnector(OffloadingConnector):
     """vLLM's offloading connector over sessionkv's tiers (see module docstring)."""
 
@@ -109,24 +155,56 @@ class SessionTierConnector(OffloadingConnector):
         )
         super().__init__(vllm_config, role, kv_cache_config)
         self._block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-        # req_id -> (local G1 hit tokens, {source: external tokens})
-        self._hits: dict[str, tuple[int, dict[CacheHitSource, int]]] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self._next_expiry = 0.0
 
     # ---- scheduler side -------------------------------------------------
+
+    @property
+    def index(self) -> SessionPrefixIndex:
+        """The SessionPrefixIndex (scheduler side), owned by the tier manager."""
+        manager = self.scheduler.manager
+        assert isinstance(manager, SessionTierManager)
+        return manager.index
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.connector_scheduler is not None:
+            self.index.bind_g1_probe(g1_probe(kv_cache_manager.block_pool))
 
     def on_new_request(self, request: "Request") -> None:
         if request.session_id is not None:
             params = dict(request.kv_transfer_params or {})
             params[SESSION_PARAM] = request.session_id
             request.kv_transfer_params = params
+        session = (request.kv_transfer_params or {}).get(SESSION_PARAM)
+        self._tracked[request.request_id] = _Tracked(
+            request, session if isinstance(session, str) else None)
         super().on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        ext, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        tr = self._tracked.get(request.request_id)
+        if tr is None:
+            return ext, is_async
         # num_computed_tokens are the G1 prefix-cache hits of this attempt.
-        self._hits[request.request_id] = (num_computed_tokens, {})
-        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        tr.g1_tokens, tr.sources = num_computed_tokens, {}
+        # Cache hits make the session a member though nothing is stored.
+        bs = self._block_size
+        g1 = num_computed_tokens // bs
+        now = time.monotonic()
+        if g1:
+            self.index.admit(tr.session, tr.keys_upto(g1), Tier.G1, now=now)
+        if ext:
+            # G2 holds whole chunks: the chunk the load starts in is resident too.
+            bpc = self.scheduler.config.blocks_per_chunk
+            self.index.admit(tr.session, tr.keys_upto(g1 + ext // bs), Tier.G2,
+                             start=g1 - g1 % bpc, now=now)
+        # A (re)scheduled request, preempted ones included, computes from here.
+        tr.admitted = g1 + (ext or 0) // bs
+        return ext, is_async
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
@@ -134,19 +212,38 @@ class SessionTierConnector(OffloadingConnector):
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         # Called again with 0 when a request resumes after its async load;
         # only an allocation that loads something carries a load plan.
-        if num_external_tokens > 0:
-            g1, _ = self._hits.get(request.request_id, (0, {}))
+        tr = self._tracked.get(request.request_id)
+        if num_external_tokens > 0 and tr is not None:
             # The split by tier exists only once the load is planned (above).
-            sources = self.get_external_cache_hit_sources(request, num_external_tokens)
-            self._hits[request.request_id] = (g1, sources)
+            tr.sources = self.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput"):
+        meta = super().build_connector_meta(scheduler_output)
+        # Full-block admission and decode-block completion: blocks this step
+        # fills are cached in G1 now (vLLM caches them at allocation).
+        bs, now, index = self._block_size, time.monotonic(), self.index
+        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
+            tr = self._tracked.get(req_id)
+            if tr is None:
+                continue
+            req = tr.request
+            full = min(len(req.block_hashes), (req.num_computed_tokens + n_sched) // bs)
+            if full > tr.admitted:
+                index.admit(tr.session, tr.keys_upto(full), Tier.G1, start=tr.admitted, now=now)
+                tr.admitted = full
+        index.sweep_g1(G1_SWEEP_PER_STEP)
+        if now >= self._next_expiry:
+            index.expire(now)
+            self._next_expiry = now + EXPIRE_EVERY_S
+        return meta
 
     def _report(self, request: "Request") -> RequestReport:
-        g1, sources = self._hits.pop(request.request_id, (0, {}))
+        tr = self._tracked.pop(request.request_id, None)
+        g1, sources = (tr.g1_tokens, tr.sources) if tr else (0, {})
         g2 = sources.get(CacheHitSource.HOST, 0)
         g3 = sum(sources.values()) - g2
-        session = (request.kv_transfer_params or {}).get(SESSION_PARAM)
         return RequestReport.build(
-            session_id=session,
+            session_id=tr.session if tr else None,
             block_size=self._block_size,
             prompt_tokens=request.num_prompt_tokens,
             g1_tokens=g1,

@@ -343,6 +343,26 @@ class SessionPrefixIndex:
                 nchild[p] -= 1
             s = p
 
+    def clear_tier(self, tier: Tier) -> None:
+        """Every copy in ``tier`` is gone (the tier was reset)."""
+        held = np.flatnonzero(self._copies[tier])
+        if held.size:
+            self.set_copies(tier, [self._keys[s] for s in held.tolist()], 0)
+
+    def bind_g1_probe(self, probe: G1Probe | None) -> None:
+        """Set the G1 probe once vLLM's block pool is known."""
+        self._g1_probe = probe
+
+    def chain_to(self, key: bytes, n: int) -> list[bytes]:
+        """``key`` and its ancestors, at most ``n`` keys, root side first: the
+        blocks of the chunk an offloaded chunk key (its last block) names."""
+        s = self._slot.get(key)
+        out: list[bytes] = []
+        while s is not None and s != _NONE and len(out) < n:
+            out.append(self._keys[s])
+            s = int(self._parent[s])
+        return out[::-1]
+
     # ------------------------------------------------------------- sessions
 
     def end_session(self, session: str, now: float = 0.0) -> bool:

@@ -31,10 +31,19 @@ class G2Policy:
 
 
 @dataclass(frozen=True)
+class SessionPolicy:
+    """Session lifecycle in the SessionPrefixIndex."""
+
+    idle_timeout_s: float = 3600.0   # a session with no request for this long ends
+    max_tombstones: int = 10_000     # ended sessions remembered (to tell "ended" from "unknown")
+
+
+@dataclass(frozen=True)
 class TierPolicy:
     """The YAML tier policy file, parsed. Defaults apply when no file is given."""
 
     g2: G2Policy = field(default_factory=G2Policy)
+    sessions: SessionPolicy = field(default_factory=SessionPolicy)
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,12 @@ def _mapping(value: Any, where: str) -> Mapping[str, Any]:
     return value
 
 
+def _positive_number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{where} must be a positive number, got {value!r}")
+    return float(value)
+
+
 def _positive_int(value: Any, where: str) -> int:
     # bool is an int subclass; "true" is never a size.
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -71,7 +86,7 @@ def _positive_int(value: Any, where: str) -> int:
 def parse_policy(doc: Any, source: str = "policy") -> TierPolicy:
     """Parse a tier policy document (the YAML file's content)."""
     doc = _mapping(doc, source)
-    _reject_unknown(doc, ("version", "g2"), f"{source}: ")
+    _reject_unknown(doc, ("version", "g2", "sessions"), f"{source}: ")
     version = doc.get("version", 1)
     if version != 1:
         raise ValueError(f"{source}: version must be 1, got {version!r}")
@@ -83,7 +98,18 @@ def parse_policy(doc: Any, source: str = "policy") -> TierPolicy:
             f"{source}: g2.eviction must be one of {', '.join(G2_EVICTION_POLICIES)},"
             f" got {eviction!r}"
         )
-    return TierPolicy(g2=G2Policy(eviction=eviction))
+    sess = _mapping(doc.get("sessions"), f"{source}: sessions")
+    _reject_unknown(sess, ("idle_timeout_s", "max_tombstones"), f"{source}: sessions.")
+    defaults = SessionPolicy()
+    sessions = SessionPolicy(
+        idle_timeout_s=_positive_number(
+            sess.get("idle_timeout_s", defaults.idle_timeout_s),
+            f"{source}: sessions.idle_timeout_s"),
+        max_tombstones=_positive_int(
+            sess.get("max_tombstones", defaults.max_tombstones),
+            f"{source}: sessions.max_tombstones"),
+    )
+    return TierPolicy(g2=G2Policy(eviction=eviction), sessions=sessions)
 
 
 def load_policy_file(path: str) -> TierPolicy:

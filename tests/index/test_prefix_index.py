@@ -132,3 +132,13 @@ def test_a_chain_that_is_not_a_prefix_chain_is_refused():
     idx.admit(None, [A, AB], Tier.G1)
     with pytest.raises(ValueError, match="prefix chain"):
         idx.admit(None, [key("X"), AB], Tier.G1)
+
+
+def test_chain_to_and_clear_tier():
+    idx = SessionPrefixIndex()
+    idx.admit("s", [A, AB, ABC], Tier.G2)
+    assert idx.chain_to(ABC, 2) == [AB, ABC]
+    assert idx.chain_to(AB, 5) == [A, AB]
+    assert idx.chain_to(AD, 2) == []
+    idx.clear_tier(Tier.G2)
+    assert len(idx) == 0 and idx.frontiers("s") == []

@@ -2,7 +2,13 @@
 
 import pytest
 
-from sessionkv.config import G2Policy, SessionKVConfig, TierPolicy, parse_extra_config
+from sessionkv.config import (
+    G2Policy,
+    SessionKVConfig,
+    SessionPolicy,
+    TierPolicy,
+    parse_extra_config,
+)
 
 BASE = {"cpu_bytes_to_use": 1 << 20}
 
@@ -18,9 +24,12 @@ def test_defaults_without_sessionkv_keys():
 
 
 def test_policy_file_is_parsed(tmp_path):
-    path = policy_file(tmp_path, "version: 1\ng2:\n  eviction: arc\n")
+    path = policy_file(tmp_path, "version: 1\ng2:\n  eviction: arc\n"
+                                 "sessions: {idle_timeout_s: 30, max_tombstones: 5}\n")
     cfg = parse_extra_config({**BASE, "sessionkv": {"policy_file": path}})
-    assert cfg == SessionKVConfig(policy=TierPolicy(g2=G2Policy("arc")), policy_file=path)
+    assert cfg == SessionKVConfig(
+        policy=TierPolicy(g2=G2Policy("arc"), sessions=SessionPolicy(30.0, 5)),
+        policy_file=path)
 
 
 def test_vllm_keys_pass_through():
@@ -58,6 +67,10 @@ def test_bad_config_names_the_key(extra, key):
         ("g2:\n  evict: lru\n", "evict"),
         ("g3: {}\n", "g3"),
         ("version: 2\n", "version"),
+        ("sessions: {idle_timeout_s: 0}\n", "sessions.idle_timeout_s"),
+        ("sessions: {idle_timeout_s: forever}\n", "sessions.idle_timeout_s"),
+        ("sessions: {max_tombstones: -1}\n", "sessions.max_tombstones"),
+        ("sessions: {ttl: 5}\n", "ttl"),
         ("g2: [1, 2]\n", "g2"),
         ("- a\n- b\n", "must be a mapping"),
         ("g2: {eviction: [\n", "invalid YAML"),

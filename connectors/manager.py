@@ -1,0 +1,90 @@
+"""Scheduler-side managers: vLLM's tiering managers, keeping the
+SessionPrefixIndex in step with G2.
+
+``SessionTierManager`` owns the index (one owner of mutable state).
+``SessionPrimaryTier`` reports every change of G2 residency to it, from the
+exact sources: ``PrepareStoreOutput.evicted_keys`` of every store and promotion
+into G2 (both go through ``prepare_store``; ``prepare_write`` is its alias), and
+the primary tier's own state after ``complete_store`` (a failed store removes
+the chunks it had not marked stored). G2 keys name chunks by their last block;
+the index holds blocks, so each chunk key stands for that block and its
+``blocks_per_chunk - 1`` ancestors.
+
+Threading: vLLM 0.32 calls managers on the scheduler thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+)
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+from vllm.v1.kv_offload.tiering.manager import (
+    CPUPrimaryTierOffloadingManager,
+    TieringOffloadingManager,
+)
+
+from sessionkv.index.prefix_index import SessionPrefixIndex
+from sessionkv.types import Tier
+
+
+class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
+    """vLLM's CPU primary tier (G2) that reports residency to the index."""
+
+    def __init__(self, *args, index: SessionPrefixIndex, blocks_per_chunk: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._index = index
+        self._bpc = blocks_per_chunk
+
+    def _set_g2(self, chunk_keys: Collection[OffloadKey], copies: int) -> None:
+        if not chunk_keys:
+            return
+        if self._bpc == 1:
+            blocks = list(chunk_keys)
+        else:
+            blocks = [b for k in chunk_keys for b in self._index.chain_to(k, self._bpc)]
+        self._index.set_copies(Tier.G2, blocks, copies)
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        out = super().prepare_store(keys, req_context)
+        if out is not None:
+            self._set_g2(out.evicted_keys, 0)
+        return out
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        super().complete_store(keys, req_context, success)
+        stored, dropped = [], []
+        for k in keys:
+            hit = self.lookup(k, req_context)
+            if hit is LookupResult.HIT:
+                stored.append(k)
+            elif hit is LookupResult.MISS:
+                dropped.append(k)
+        self._set_g2(stored, 1)
+        self._set_g2(dropped, 0)
+
+    def reset_cache(self) -> None:
+        super().reset_cache()
+        self._index.clear_tier(Tier.G2)
+
+
+class SessionTierManager(TieringOffloadingManager):
+    """vLLM's tiering manager that owns the SessionPrefixIndex."""
+
+    def __init__(
+        self,
+        primary_tier: SessionPrimaryTier,
+        secondary_tiers: list[SecondaryTierManager],
+        index: SessionPrefixIndex,
+    ):
+        super().__init__(primary_tier=primary_tier, secondary_tiers=secondary_tiers)
+        self.index = index
