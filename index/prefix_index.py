@@ -406,20 +406,21 @@ class SessionPrefixIndex:
 
     # --------------------------------------------------------------- queries
 
-    def sweep_g1(self, max_nodes: int | None = None) -> int:
-        """Re-read G1 copy counts from ``g1_probe`` for up to ``max_nodes`` of
-        the nodes believed to be in G1, round robin. vLLM reports no G1
-        evictions, so the owner calls this with a small budget once per step to
-        prune what G1 dropped; queries refresh their own nodes. How many checked."""
-        if self._g1_probe is None:
+    def sweep_g1(self, max_slots: int | None = None) -> int:
+        """Re-read G1 copy counts from ``g1_probe`` for the nodes believed in
+        G1 among the next ``max_slots`` slots (all when None), round robin.
+        vLLM reports no G1 evictions, so the owner calls this with a small
+        budget once per step to prune what G1 dropped; queries refresh their
+        own nodes. Costs O(max_slots). Returns how many nodes were probed."""
+        n = len(self._keys)
+        if self._g1_probe is None or n == 0:
             return 0
-        held = np.flatnonzero(self._copies[Tier.G1])
-        if max_nodes is not None and held.size > max_nodes:
-            start = int(np.searchsorted(held, self._sweep_cursor))
-            held = np.roll(held, -start)[:max_nodes]
-            self._sweep_cursor = int(held[-1]) + 1
-        self._refresh_g1(held.tolist())
-        return int(held.size)
+        lo = self._sweep_cursor if self._sweep_cursor < n else 0
+        hi = n if max_slots is None else min(n, lo + max_slots)
+        self._sweep_cursor = hi
+        held = (lo + np.flatnonzero(self._copies[Tier.G1, lo:hi])).tolist()
+        self._refresh_g1(held)
+        return len(held)
 
     def _refresh_g1(self, slots: Iterable[int]) -> None:
         if self._g1_probe is None:

@@ -96,10 +96,10 @@ def test_sweep_prunes_what_g1_dropped_round_robin():
     pool.update(dict.fromkeys(chain, 1))
     idx.admit(None, chain, Tier.G1)
     pool.clear()
-    assert idx.sweep_g1(max_nodes=4) == 4
+    assert idx.sweep_g1(max_slots=4) == 4
     assert len(idx) == 10                         # the tail still holds the chain
     while len(idx):
-        idx.sweep_g1(max_nodes=4)
+        idx.sweep_g1(max_slots=4)
     assert len(idx) == 0
 
 
