@@ -22,6 +22,7 @@ from vllm.v1.kv_offload.base import (
     OffloadKey,
     PrepareStoreOutput,
     ReqContext,
+    RequestOffloadingContext,
 )
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 from vllm.v1.kv_offload.tiering.manager import (
@@ -29,8 +30,11 @@ from vllm.v1.kv_offload.tiering.manager import (
     TieringOffloadingManager,
 )
 
+from sessionkv.hints import HintOutcome, KvHint
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.types import Tier
+
+from .hint_executor import HintExecutor, read_request_hints
 
 
 class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
@@ -77,14 +81,53 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
         self._index.clear_tier(Tier.G2)
 
 
+class RequestHints(tuple):
+    """A request's hints, parsed once (``ReqContext`` state): ``KvHint``s and
+    the ``rejected`` outcomes of actions that did not parse."""
+
+
 class SessionTierManager(TieringOffloadingManager):
-    """vLLM's tiering manager that owns the SessionPrefixIndex."""
+    """vLLM's tiering manager that owns the SessionPrefixIndex and the
+    HintExecutor, and parses each request's hints once."""
 
     def __init__(
         self,
         primary_tier: SessionPrimaryTier,
         secondary_tiers: list[SecondaryTierManager],
         index: SessionPrefixIndex,
+        executor: HintExecutor,
+        secret: bytes | None,
     ):
         super().__init__(primary_tier=primary_tier, secondary_tiers=secondary_tiers)
         self.index = index
+        self.executor = executor
+        self._secret = secret
+        # req_id -> (session, hints) until the request finishes
+        self._request_hints: dict[str, tuple[str | None, RequestHints]] = {}
+
+    def on_new_request(
+        self, req_context: ReqContext, *, exclude_tier_idx: int | None = None
+    ) -> RequestOffloadingContext:
+        ctx = super().on_new_request(req_context, exclude_tier_idx=exclude_tier_idx)
+        if exclude_tier_idx is None:        # a request, not a tier's own job
+            params = req_context.kv_transfer_params or {}
+            session = params.get("session_id")
+            session = session if isinstance(session, str) else None
+            hints = RequestHints(read_request_hints(
+                params, req_context.kv_hints, session, self._secret))
+            if hints:
+                req_context.set_state(hints)
+                self._request_hints[req_context.req_id] = (session, hints)
+        return ctx
+
+    def finish_request_hints(self, req_id: str) -> tuple[HintOutcome, ...]:
+        """Execute a finished request's hints: one outcome each."""
+        session, hints = self._request_hints.pop(req_id, (None, RequestHints()))
+        items: list[KvHint | HintOutcome] = list(hints)
+        return tuple(self.executor.execute_all(items, session))
+
+    def on_request_finished(
+        self, req_context: ReqContext, *, exclude_tier_idx: int | None = None
+    ) -> None:
+        self._request_hints.pop(req_context.req_id, None)
+        super().on_request_finished(req_context, exclude_tier_idx=exclude_tier_idx)

@@ -23,6 +23,7 @@ from sessionkv.config import SessionKVConfig, parse_extra_config
 from sessionkv.index.prefix_index import SessionPrefixIndex
 
 from .cpu_worker import TorchCopyWorker
+from .hint_executor import HintExecutor
 from .manager import SessionPrimaryTier, SessionTierManager
 
 
@@ -69,7 +70,10 @@ class SessionTierSpec(TieringOffloadingSpec):
             view = primary.get_kv_memoryview()
             for tier_config in self.secondary_tier_configs:
                 secondary.append(SecondaryTierFactory.create_secondary_tier(tier_config, view, self))
-            self._manager = SessionTierManager(primary, secondary, index)
+            policy = self.sessionkv.policy
+            self._manager = SessionTierManager(
+                primary, secondary, index, HintExecutor(index, policy.limits),
+                policy.trust.secret)
         except Exception:
             for tier in reversed(secondary):
                 tier.shutdown()

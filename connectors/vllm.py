@@ -242,7 +242,10 @@ class SessionTierConnector(OffloadingConnector):
         g1, sources = (tr.g1_tokens, tr.sources) if tr else (0, {})
         g2 = sources.get(CacheHitSource.HOST, 0)
         g3 = sum(sources.values()) - g2
+        manager = self.scheduler.manager
+        assert isinstance(manager, SessionTierManager)
         return RequestReport.build(
+            hints=manager.finish_request_hints(request.request_id),
             session_id=tr.session if tr else None,
             block_size=self._block_size,
             prompt_tokens=request.num_prompt_tokens,

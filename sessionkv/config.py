@@ -39,11 +39,33 @@ class SessionPolicy:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """Bounds on what hints may ask. Fractions are of G2's capacity."""
+
+    max_ttl_s: float = 600.0             # longer TTLs are clipped to this
+    max_blocks_per_hint: int = 65_536    # larger targets are clipped to this
+    pin_fraction_session: float = 0.25   # of G2 one session's pins may hold
+    pin_fraction_global: float = 0.5     # of G2 all pins together may hold
+    hints_per_s_per_client: float = 100.0
+    unsigned_pin_fraction: float = 0.0   # separate quota for unsigned Pins; 0 = refused
+
+
+@dataclass(frozen=True)
+class Trust:
+    """The router's shared secret (HMAC-SHA256 key), read from a file."""
+
+    secret: bytes | None = field(default=None, repr=False)
+    secret_file: str | None = None
+
+
+@dataclass(frozen=True)
 class TierPolicy:
     """The YAML tier policy file, parsed. Defaults apply when no file is given."""
 
     g2: G2Policy = field(default_factory=G2Policy)
     sessions: SessionPolicy = field(default_factory=SessionPolicy)
+    limits: Limits = field(default_factory=Limits)
+    trust: Trust = field(default_factory=Trust)
 
 
 @dataclass(frozen=True)
@@ -76,6 +98,39 @@ def _positive_number(value: Any, where: str) -> float:
     return float(value)
 
 
+def _fraction(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{where} must be a fraction in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _parse_limits(raw: Any, source: str) -> Limits:
+    raw = _mapping(raw, f"{source}: limits")
+    d = Limits()
+    kinds = {"max_ttl_s": _positive_number, "max_blocks_per_hint": _positive_int,
+             "pin_fraction_session": _fraction, "pin_fraction_global": _fraction,
+             "hints_per_s_per_client": _positive_number, "unsigned_pin_fraction": _fraction}
+    _reject_unknown(raw, tuple(kinds), f"{source}: limits.")
+    return Limits(**{k: check(raw.get(k, getattr(d, k)), f"{source}: limits.{k}")
+                     for k, check in kinds.items()})
+
+
+def _parse_trust(raw: Any, source: str) -> Trust:
+    raw = _mapping(raw, f"{source}: trust")
+    _reject_unknown(raw, ("secret_file",), f"{source}: trust.")
+    path = raw.get("secret_file")
+    if path is None:
+        return Trust()
+    where = f"{source}: trust.secret_file"
+    if not isinstance(path, str) or not os.path.isfile(path):
+        raise ValueError(f"{where}: no such file {path!r}")
+    with open(path, "rb") as f:
+        secret = f.read().strip()
+    if len(secret) < 16:
+        raise ValueError(f"{where}: the secret must be at least 16 bytes")
+    return Trust(secret=secret, secret_file=path)
+
+
 def _positive_int(value: Any, where: str) -> int:
     # bool is an int subclass; "true" is never a size.
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -86,7 +141,7 @@ def _positive_int(value: Any, where: str) -> int:
 def parse_policy(doc: Any, source: str = "policy") -> TierPolicy:
     """Parse a tier policy document (the YAML file's content)."""
     doc = _mapping(doc, source)
-    _reject_unknown(doc, ("version", "g2", "sessions"), f"{source}: ")
+    _reject_unknown(doc, ("version", "g2", "sessions", "limits", "trust"), f"{source}: ")
     version = doc.get("version", 1)
     if version != 1:
         raise ValueError(f"{source}: version must be 1, got {version!r}")
@@ -109,7 +164,9 @@ def parse_policy(doc: Any, source: str = "policy") -> TierPolicy:
             sess.get("max_tombstones", defaults.max_tombstones),
             f"{source}: sessions.max_tombstones"),
     )
-    return TierPolicy(g2=G2Policy(eviction=eviction), sessions=sessions)
+    return TierPolicy(g2=G2Policy(eviction=eviction), sessions=sessions,
+                      limits=_parse_limits(doc.get("limits"), source),
+                      trust=_parse_trust(doc.get("trust"), source))
 
 
 def load_policy_file(path: str) -> TierPolicy:

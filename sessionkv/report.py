@@ -12,6 +12,8 @@ from typing import Any, Mapping
 
 import msgspec
 
+from sessionkv.hints import HintOutcome
+
 REPORT_KEY = "sessionkv"
 
 
@@ -32,6 +34,7 @@ class RequestReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prompt_tokens: int
     tokens: TierCounts
     blocks: TierCounts
+    hints: tuple[HintOutcome, ...] = ()     # one outcome per hint the request carried
 
     @classmethod
     def build(
@@ -42,6 +45,7 @@ class RequestReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         g1_tokens: int,
         g2_tokens: int,
         g3_tokens: int,
+        hints: tuple[HintOutcome, ...] = (),
     ) -> "RequestReport":
         # Hits are counted against the whole sequence of the request's last
         # scheduling attempt, which after a preemption includes generated
@@ -61,7 +65,7 @@ class RequestReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             g3_tokens // block_size,
             -(-recomputed // block_size),
         )
-        return cls(session_id, block_size, prompt_tokens, tokens, blocks)
+        return cls(session_id, block_size, prompt_tokens, tokens, blocks, tuple(hints))
 
     def to_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` entry, JSON-ready."""

@@ -1,0 +1,284 @@
+"""KvHints: the types, the wire forms, and the router signature.
+
+A hint is target + action + bounds. Wire forms:
+
+- vLLM's ``KvHintsEnvelope`` (protocol "1.0"), one ``KvHintAction`` per hint,
+  ``action_type`` ``kv.pin | kv.retain | kv.demote | kv.prefetch | kv.share``,
+  ``action_version`` "1.0", payload::
+
+      {"target": {"session_id": "s1", "branch": "<hex key>", "boundary": "<hex key>"}
+                 | {"keys": ["<hex key>", ...]},     # default: the request's session
+       "ttl_s": 30, "priority": 5, "destination": "worker-b", "max_blocks": 512}
+
+  It arrives as ``ReqContext.kv_hints`` (Python engine API) or
+  ``kv_transfer_params["kv_hints"]`` (HTTP).
+- KVCR's ``kv.fetch`` in KVCR's own schema (``kv_transfer_params["kv_hint"]``,
+  protocol "0.1", 64-bit ``block_hashes``, ``source_control_endpoint``): a Share
+  into this engine.
+
+Request-borne hints must be signed by the router: ``kv_transfer_params
+["kv_hints_sig"] = sign(envelope, session_id, secret)``, an HMAC-SHA256 over the
+envelope's canonical JSON and the session id.
+
+Parsing never raises: every action yields one ``KvHint`` or one ``rejected``
+``HintOutcome``; an envelope that cannot be read at all yields one outcome.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+from enum import Enum
+from typing import Any, Mapping
+
+import msgspec
+
+PROTOCOL_VERSION = "1.0"
+ACTION_VERSION = "1.0"
+KVCR_PROTOCOL_VERSION = "0.1"
+KVCR_FETCH = "kv.fetch"
+MAX_ACTIONS = 64           # per envelope; more is refused as a whole
+MAX_ID_LEN = 128
+MAX_KEYS = 65_536          # per target
+HINTS_PARAM = "kv_hints"
+SIG_PARAM = "kv_hints_sig"
+KVCR_PARAM = "kv_hint"
+
+
+class Action(str, Enum):
+    PIN = "pin"
+    RETAIN = "retain"
+    DEMOTE = "demote"
+    PREFETCH = "prefetch"
+    SHARE = "share"
+
+
+ACTION_TYPES = {f"kv.{a.value}": a for a in Action}
+
+
+class Status(str, Enum):
+    ACCEPTED = "accepted"
+    CLIPPED = "clipped"
+    DEFERRED = "deferred"     # a final outcome follows later
+    REJECTED = "rejected"
+    MISSING = "missing"
+
+
+class SessionTarget(msgspec.Struct, frozen=True, tag="session"):
+    """A session, one of its branches (by frontier key), or its prefix up to a key."""
+
+    session_id: str
+    branch: bytes | None = None
+    boundary: bytes | None = None
+
+
+class KeysTarget(msgspec.Struct, frozen=True, tag="keys"):
+    """An exact set of blocks (OffloadKey bytes)."""
+
+    keys: tuple[bytes, ...]
+
+
+class HashesTarget(msgspec.Struct, frozen=True, tag="hashes"):
+    """Blocks named by 64-bit hashes (KVCR's ``block_hashes``)."""
+
+    block_hashes: tuple[int, ...]
+
+
+Target = SessionTarget | KeysTarget | HashesTarget
+
+
+class Bounds(msgspec.Struct, frozen=True):
+    ttl_s: float | None = None
+    priority: int = 0
+    destination: str | None = None
+    max_blocks: int | None = None
+
+
+class KvHint(msgspec.Struct, frozen=True):
+    hint_id: str
+    action: Action
+    target: Target
+    bounds: Bounds = Bounds()
+    source: str | None = None        # where Share data comes from (KVCR's endpoint)
+    signed: bool = False
+
+
+class HintOutcome(msgspec.Struct, frozen=True):
+    """What became of one hint. ``deferred`` is followed by one final outcome."""
+
+    hint_id: str
+    action: str | None
+    status: Status
+    blocks_asked: int = 0
+    blocks_affected: int = 0
+    reason: str = ""
+
+
+def canonical(envelope: Any) -> bytes:
+    """The bytes a signature covers: JSON with sorted keys, no spaces, UTF-8."""
+    if isinstance(envelope, msgspec.Struct):
+        envelope = msgspec.to_builtins(envelope)
+    return json.dumps(envelope, sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=False, allow_nan=False).encode()
+
+
+def sign(envelope: Any, session_id: str, secret: bytes) -> str:
+    """The router's signature over an envelope and the request's session id;
+    send it as ``kv_transfer_params["kv_hints_sig"]``."""
+    msg = canonical(envelope) + b"\n" + session_id.encode()
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+
+def verify(envelope: Any, session_id: str | None, signature: Any, secret: bytes | None) -> bool:
+    if not secret or not isinstance(signature, str) or not isinstance(session_id, str):
+        return False
+    try:
+        want = sign(envelope, session_id, secret)
+    except (TypeError, ValueError, RecursionError):
+        return False
+    return hmac.compare_digest(want, signature)
+
+
+def _rejected(hint_id: str, action: str | None, reason: str) -> HintOutcome:
+    return HintOutcome(hint_id, action, Status.REJECTED, reason=reason)
+
+
+def _short_id(value: Any, fallback: str) -> str:
+    return value if isinstance(value, str) and 0 < len(value) <= MAX_ID_LEN else fallback
+
+
+def _hex_key(value: Any, where: str) -> bytes:
+    if not isinstance(value, str) or len(value) > 256:
+        raise ValueError(f"{where} must be a hex key")
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise ValueError(f"{where} must be a hex key") from None
+
+
+def _number(value: Any, where: str, integer: bool = False) -> float | int | None:
+    if value is None:
+        return None
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok or (isinstance(value, float) and not math.isfinite(value)):
+        raise ValueError(f"{where} must be a {'integer' if integer else 'number'}")
+    if value < 0:
+        raise ValueError(f"{where} must be >= 0")
+    return value
+
+
+def _target(payload: Mapping[str, Any], session_id: str | None) -> Target:
+    raw = payload.get("target")
+    if raw is None:
+        if session_id is None:
+            raise ValueError("no target and the request has no session_id")
+        return SessionTarget(session_id)
+    if not isinstance(raw, Mapping):
+        raise ValueError("target must be an object")
+    if "keys" in raw:
+        keys = raw["keys"]
+        if set(raw) != {"keys"} or not isinstance(keys, list) or not 0 < len(keys) <= MAX_KEYS:
+            raise ValueError(f"target.keys must be a list of 1..{MAX_KEYS} hex keys")
+        return KeysTarget(tuple(_hex_key(k, "target.keys[]") for k in keys))
+    unknown = set(raw) - {"session_id", "branch", "boundary"}
+    if unknown:
+        raise ValueError(f"unknown target field {sorted(unknown)[0]!r}")
+    sid = raw.get("session_id", session_id)
+    if not isinstance(sid, str) or not 0 < len(sid) <= MAX_ID_LEN:
+        raise ValueError("target.session_id must be a non-empty string")
+    if raw.get("branch") is not None and raw.get("boundary") is not None:
+        raise ValueError("target takes a branch or a boundary, not both")
+    branch = None if raw.get("branch") is None else _hex_key(raw["branch"], "target.branch")
+    boundary = None if raw.get("boundary") is None else _hex_key(raw["boundary"], "target.boundary")
+    return SessionTarget(sid, branch, boundary)
+
+
+def _bounds(payload: Mapping[str, Any]) -> Bounds:
+    priority = _number(payload.get("priority", 0), "priority", integer=True)
+    if priority > 1_000_000:
+        raise ValueError("priority must be <= 1000000")
+    dest = payload.get("destination")
+    if dest is not None and (not isinstance(dest, str) or not 0 < len(dest) <= MAX_ID_LEN):
+        raise ValueError("destination must be a non-empty string")
+    max_blocks = _number(payload.get("max_blocks"), "max_blocks", integer=True)
+    if max_blocks == 0:
+        raise ValueError("max_blocks must be > 0")
+    return Bounds(_number(payload.get("ttl_s"), "ttl_s"), priority, dest, max_blocks)
+
+
+PAYLOAD_FIELDS = {"target", "ttl_s", "priority", "destination", "max_blocks"}
+
+
+def _action(i: int, raw: Any, session_id: str | None) -> KvHint | HintOutcome:
+    if not isinstance(raw, Mapping):
+        return _rejected(f"#{i}", None, "action must be an object")
+    aid = raw.get("action_id")
+    hint_id = _short_id(aid, f"#{i}")
+    atype = raw.get("action_type")
+    name = atype if isinstance(atype, str) and len(atype) <= MAX_ID_LEN else None
+    if hint_id != aid:
+        return _rejected(hint_id, name, f"action_id must be a string of 1..{MAX_ID_LEN} chars")
+    if name not in ACTION_TYPES:
+        return _rejected(hint_id, name, f"unknown action_type {name!r}")
+    if raw.get("action_version") != ACTION_VERSION:
+        return _rejected(hint_id, name, f"unsupported action_version; supported {ACTION_VERSION!r}")
+    payload = raw.get("payload")
+    if not isinstance(payload, Mapping):
+        return _rejected(hint_id, name, "payload must be an object")
+    unknown = set(payload) - PAYLOAD_FIELDS
+    if unknown:
+        return _rejected(hint_id, name, f"unknown payload field {sorted(map(str, unknown))[0]!r}")
+    try:
+        return KvHint(hint_id, ACTION_TYPES[name], _target(payload, session_id), _bounds(payload))
+    except ValueError as e:
+        return _rejected(hint_id, name, str(e))
+
+
+def parse_envelope(raw: Any, session_id: str | None) -> list[KvHint | HintOutcome]:
+    """An envelope (a ``KvHintsEnvelope`` or its JSON form) -> one hint or one
+    rejected outcome per action; one outcome when the envelope is unreadable."""
+    if isinstance(raw, msgspec.Struct):
+        raw = msgspec.to_builtins(raw)
+    if not isinstance(raw, Mapping):
+        return [_rejected("envelope", None, "kv_hints must be an envelope object")]
+    env_id = _short_id(raw.get("message_id"), "envelope")
+    if raw.get("protocol_version") != PROTOCOL_VERSION:
+        return [_rejected(env_id, None, f"unsupported protocol_version; supported {PROTOCOL_VERSION!r}")]
+    actions = raw.get("actions")
+    if not isinstance(actions, list):
+        return [_rejected(env_id, None, "actions must be a list")]
+    if len(actions) > MAX_ACTIONS:
+        return [_rejected(env_id, None, f"more than {MAX_ACTIONS} actions")]
+    return [_action(i, a, session_id) for i, a in enumerate(actions)]
+
+
+def parse_kvcr_fetch(raw: Any) -> KvHint | HintOutcome:
+    """KVCR's envelope -> a Share into this engine of its first ``kv.fetch``."""
+    if not isinstance(raw, Mapping) or not isinstance(raw.get("actions"), list):
+        return _rejected("kv_hint", KVCR_FETCH, "kv_hint must be a KVCR envelope")
+    env_id = _short_id(raw.get("message_id"), "kv_hint")
+    if raw.get("protocol_version") != KVCR_PROTOCOL_VERSION:
+        return _rejected(env_id, KVCR_FETCH,
+                         f"unsupported protocol_version; supported {KVCR_PROTOCOL_VERSION!r}")
+    fetch = next((a for a in raw["actions"][:MAX_ACTIONS]
+                  if isinstance(a, Mapping) and a.get("action_type") == KVCR_FETCH), None)
+    if fetch is None:
+        return _rejected(env_id, KVCR_FETCH, "no kv.fetch action")
+    hint_id = _short_id(fetch.get("action_id"), env_id)
+    payload = fetch.get("payload")
+    if not isinstance(payload, Mapping):
+        return _rejected(hint_id, KVCR_FETCH, "payload must be an object")
+    source = payload.get("source_control_endpoint")
+    hashes = payload.get("block_hashes")
+    if not isinstance(source, str) or not 0 < len(source) <= 512:
+        return _rejected(hint_id, KVCR_FETCH, "source_control_endpoint must be a string")
+    if payload.get("mode", "copy") != "copy":
+        return _rejected(hint_id, KVCR_FETCH, "only copy mode is supported")
+    if (not isinstance(hashes, list) or not 0 < len(hashes) <= MAX_KEYS
+            or not all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 64
+                       for h in hashes)):
+        return _rejected(hint_id, KVCR_FETCH, "block_hashes must be 1.. 64-bit integers")
+    return KvHint(hint_id, Action.SHARE, HashesTarget(tuple(dict.fromkeys(hashes))),
+                  Bounds(destination="self"), source=source)
