@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
     LookupResult,
     OffloadKey,
@@ -30,11 +31,13 @@ from vllm.v1.kv_offload.tiering.manager import (
     TieringOffloadingManager,
 )
 
-from sessionkv.hints import HintOutcome, KvHint
+from sessionkv.hints import HintOutcome, KvHint, Status
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.types import Tier
 
 from .hint_executor import HintExecutor, read_request_hints
+
+logger = init_logger(__name__)
 
 
 class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
@@ -113,8 +116,13 @@ class SessionTierManager(TieringOffloadingManager):
             params = req_context.kv_transfer_params or {}
             session = params.get("session_id")
             session = session if isinstance(session, str) else None
-            hints = RequestHints(read_request_hints(
-                params, req_context.kv_hints, session, self._secret))
+            try:
+                hints = RequestHints(read_request_hints(
+                    params, req_context.kv_hints, session, self._secret))
+            except Exception:       # a parser bug must cost one hint, never the engine
+                logger.exception("sessionkv: hints of request %s unreadable", req_context.req_id)
+                hints = RequestHints([HintOutcome("kv_hints", None, Status.REJECTED,
+                                                  reason="internal error reading hints")])
             if hints:
                 req_context.set_state(hints)
                 self._request_hints[req_context.req_id] = (session, hints)
@@ -124,7 +132,13 @@ class SessionTierManager(TieringOffloadingManager):
         """Execute a finished request's hints: one outcome each."""
         session, hints = self._request_hints.pop(req_id, (None, RequestHints()))
         items: list[KvHint | HintOutcome] = list(hints)
-        return tuple(self.executor.execute_all(items, session))
+        try:
+            return tuple(self.executor.execute_all(items, session))
+        except Exception:           # an executor bug must cost the hints, never the engine
+            logger.exception("sessionkv: hints of request %s failed", req_id)
+            return tuple(i if isinstance(i, HintOutcome) else HintOutcome(
+                i.hint_id, f"kv.{i.action.value}", Status.REJECTED, reason="internal error")
+                for i in items)
 
     def on_request_finished(
         self, req_context: ReqContext, *, exclude_tier_idx: int | None = None

@@ -196,7 +196,7 @@ def _target(payload: Mapping[str, Any], session_id: str | None) -> Target:
 
 
 def _bounds(payload: Mapping[str, Any]) -> Bounds:
-    priority = _number(payload.get("priority", 0), "priority", integer=True)
+    priority = _number(payload.get("priority"), "priority", integer=True) or 0
     if priority > 1_000_000:
         raise ValueError("priority must be <= 1000000")
     dest = payload.get("destination")

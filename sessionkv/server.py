@@ -56,13 +56,16 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited during start:\n{self.read_log()}")
+                log = self.read_log()
+                self.stop()
+                raise RuntimeError(f"server exited during start:\n{log}")
             with contextlib.suppress(requests.ConnectionError):
                 if requests.get(self.url + "/health", timeout=2).ok:
                     return
             time.sleep(1)
+        log = self.read_log()
         self.stop()
-        raise TimeoutError(f"server not healthy after {timeout_s} s:\n{self.read_log()}")
+        raise TimeoutError(f"server not healthy after {timeout_s} s:\n{log}")
 
     def read_log(self) -> str:
         self.log.flush()

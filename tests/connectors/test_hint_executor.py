@@ -1,14 +1,13 @@
 """HintExecutor: trust, limits, resolution, one outcome per hint, and a fuzz
 of hostile inputs that must never raise."""
 
-from collections.abc import Mapping
-
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
 from sessionkv.config import Limits
 from sessionkv.connectors.hint_executor import HintExecutor, read_request_hints
-from sessionkv.hints import MAX_ACTIONS, PROTOCOL_VERSION, SIG_PARAM, Status, sign
+from hint_cases import expected_count
+from sessionkv.hints import SIG_PARAM, Status, sign
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.types import Tier
 
@@ -95,10 +94,10 @@ json_values = st.recursive(
     max_leaves=12)
 keys = st.sampled_from([A.hex(), B.hex(), C.hex(), "zz", "", bytes(36).hex()])
 payloads = st.fixed_dictionaries({}, optional={
-    "ttl_s": st.none() | st.floats(allow_nan=False) | st.integers(-10, 10**12) | st.text(max_size=3),
-    "priority": st.integers(-5, 10**7) | st.floats(allow_nan=False),
-    "max_blocks": st.integers(-1, 10**6) | st.none(),
-    "destination": st.none() | st.text(max_size=200),
+    "ttl_s": st.floats(allow_nan=False) | st.integers(-10, 10**12) | json_values,
+    "priority": st.integers(-5, 10**7) | json_values,
+    "max_blocks": st.integers(-1, 10**6) | json_values,
+    "destination": st.text(max_size=200) | json_values,
     "target": st.fixed_dictionaries({}, optional={
         "session_id": st.sampled_from(["s1", "gone", "nobody", ""]) | json_values,
         "branch": keys | json_values, "boundary": keys}) | st.fixed_dictionaries(
@@ -125,16 +124,6 @@ kvcr = st.none() | json_values | st.fixed_dictionaries({
             "source_control_endpoint": st.text(max_size=10) | json_values,
             "block_hashes": st.lists(st.integers(-1, 2**65), max_size=4) | json_values})}),
         max_size=2)})
-
-
-def expected_count(envelope, kvcr_hint):
-    n = 0
-    if envelope is not None:
-        ok = (isinstance(envelope, Mapping) and envelope.get("protocol_version") == PROTOCOL_VERSION
-              and isinstance(envelope.get("actions"), list)
-              and len(envelope["actions"]) <= MAX_ACTIONS)
-        n += len(envelope["actions"]) if ok else 1
-    return n + (kvcr_hint is not None)
 
 
 @settings(max_examples=10_000, deadline=None)

@@ -4,6 +4,7 @@ import pytest
 
 from sessionkv.config import (
     G2Policy,
+    Limits,
     SessionKVConfig,
     SessionPolicy,
     TierPolicy,
@@ -71,6 +72,13 @@ def test_bad_config_names_the_key(extra, key):
         ("sessions: {idle_timeout_s: forever}\n", "sessions.idle_timeout_s"),
         ("sessions: {max_tombstones: -1}\n", "sessions.max_tombstones"),
         ("sessions: {ttl: 5}\n", "ttl"),
+        ("limits: {max_ttl_s: 0}\n", "limits.max_ttl_s"),
+        ("limits: {pin_fraction_session: 1.5}\n", "limits.pin_fraction_session"),
+        ("limits: {unsigned_pin_fraction: -0.1}\n", "limits.unsigned_pin_fraction"),
+        ("limits: {max_blocks_per_hint: 2.5}\n", "limits.max_blocks_per_hint"),
+        ("limits: {hints_per_s: 5}\n", "hints_per_s"),
+        ("trust: {secret_file: /nonexistent/secret}\n", "trust.secret_file"),
+        ("trust: {secret: abc}\n", "secret"),
         ("g2: [1, 2]\n", "g2"),
         ("- a\n- b\n", "must be a mapping"),
         ("g2: {eviction: [\n", "invalid YAML"),
@@ -81,3 +89,23 @@ def test_bad_policy_file_names_the_key(tmp_path, text, key):
     with pytest.raises(ValueError, match=key) as err:
         parse_extra_config({**BASE, "sessionkv": {"policy_file": path}})
     assert path in str(err.value) or "policy_file" in str(err.value)
+
+
+def test_limits_and_trust_are_parsed(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"0123456789abcdef0123\n")
+    path = policy_file(tmp_path, f"limits: {{max_ttl_s: 60, unsigned_pin_fraction: 0.02}}\n"
+                                 f"trust: {{secret_file: {secret}}}\n")
+    policy = parse_extra_config({**BASE, "sessionkv": {"policy_file": path}}).policy
+    assert (policy.limits.max_ttl_s, policy.limits.unsigned_pin_fraction) == (60.0, 0.02)
+    assert policy.limits.max_blocks_per_hint == Limits().max_blocks_per_hint
+    assert policy.trust.secret == b"0123456789abcdef0123"
+    assert "0123456789" not in repr(policy.trust)          # never logged
+
+
+def test_a_short_secret_is_refused(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"short")
+    path = policy_file(tmp_path, f"trust: {{secret_file: {secret}}}\n")
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        parse_extra_config({**BASE, "sessionkv": {"policy_file": path}})
