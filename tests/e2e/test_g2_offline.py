@@ -14,8 +14,10 @@ import json
 import numpy as np
 import pytest
 from vllm import LLM, SamplingParams
+from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 
 from engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id, poison_g2
+from sessionkv.hints import sign
 from sessionkv.report import RequestReport
 from sessionkv.server import remove_offload_region
 
@@ -31,14 +33,21 @@ P = A[:100] + RNG.integers(10, 4000, 60).tolist()        # shares A's first 3 bl
 RNG_TURN = np.random.default_rng(8)
 
 
+SECRET = b"offline-router-secret-0123456789"
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["bpc1", "bpc2"])
-def engine(request):
+def engine(request, tmp_path_factory):
     bpc = request.param
     engine_id = new_engine_id()
+    d = tmp_path_factory.mktemp("policy")
+    (d / "secret").write_bytes(SECRET)
+    (d / "tiers.yaml").write_text(f"trust: {{secret_file: {d / 'secret'}}}\n")
     llm = LLM(
         model=TINY, enforce_eager=True, block_size=BLOCK, max_model_len=1024, seed=0,
         dtype="float32", worker_extension_cls=POISON_EXT,
-        kv_transfer_config=kv_transfer_config(engine_id, block_size=BLOCK * bpc),
+        kv_transfer_config=kv_transfer_config(
+            engine_id, block_size=BLOCK * bpc, sessionkv={"policy_file": str(d / "tiers.yaml")}),
     )
     yield llm, engine_id, bpc
     llm.llm_engine.engine_core.shutdown()
@@ -46,11 +55,12 @@ def engine(request):
     remove_offload_region(engine_id)
 
 
-def run(llm, prompt, session=None, params=PARAMS):
+def run(llm, prompt, session=None, params=PARAMS, kv_hints=None):
     """One request alone (serial), through the engine API that carries session_id."""
     engine = llm.llm_engine
     req_id = f"req-{next(COUNTER)}"
-    engine.add_request(req_id, {"prompt_token_ids": prompt}, params, session_id=session)
+    engine.add_request(req_id, {"prompt_token_ids": prompt}, params, session_id=session,
+                       kv_hints=kv_hints)
     out = None
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -142,6 +152,19 @@ def test_session_id_reaches_the_report(engine):
     llm, _, _ = engine
     _, _, rep = run(llm, A, session="sess-offline-1")
     assert rep.session_id == "sess-offline-1"
+
+
+def test_python_api_hints_reach_the_executor(engine):
+    """KvHintsEnvelope through the engine API; the signature rides in kv_transfer_params."""
+    llm, _, _ = engine
+    env = KvHintsEnvelope("1.0", "m1", [KvHintAction("p1", "kv.pin", "1.0", {"ttl_s": 9})])
+    _, _, rep = run(llm, A, session="sess-api", kv_hints=env)
+    assert [(o.hint_id, o.status, o.reason[:8]) for o in rep.hints] == [("p1", "rejected", "unsigned")]
+    signed = SamplingParams(temperature=0, max_tokens=6, extra_args={
+        "kv_transfer_params": {"kv_hints_sig": sign(env, "sess-api", SECRET)}})
+    _, _, rep = run(llm, A, session="sess-api", params=signed, kv_hints=env)
+    (o,) = rep.hints
+    assert (o.status, o.reason, o.blocks_asked) == ("rejected", "not implemented", 6)
 
 
 def test_negative_control_poisoned_g2_changes_output(engine):
