@@ -21,6 +21,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from sessionkv.config import SessionKVConfig, parse_extra_config
 from sessionkv.index.prefix_index import SessionPrefixIndex
+from sessionkv.tiers.g2_policy import SessionCachePolicy
 
 from .cpu_worker import TorchCopyWorker
 from .hint_executor import HintExecutor
@@ -38,8 +39,13 @@ class SessionTierSpec(TieringOffloadingSpec):
     def __init__(self, config: OffloadingConfig):
         self.sessionkv: SessionKVConfig = parse_extra_config(config.extra_config)
         super().__init__(config)
-        self.eviction_policy = self.sessionkv.policy.g2.eviction
-        self.cache_policy_module_path = None
+        eviction = self.sessionkv.policy.g2.eviction
+        if eviction == "session":
+            self.eviction_policy = SessionCachePolicy.__name__
+            self.cache_policy_module_path = SessionCachePolicy.__module__
+        else:
+            self.eviction_policy = eviction
+            self.cache_policy_module_path = None
 
     def get_manager(self) -> OffloadingManager:
         """vLLM's tiering manager built from our parts: the same shared region,

@@ -19,8 +19,9 @@ import yaml
 
 SUBKEY = "sessionkv"
 
-# G2 eviction policies the policy file may name (vLLM's built-ins).
-G2_EVICTION_POLICIES = ("lru", "arc")
+# G2 eviction policies the policy file may name: vLLM's built-ins, and "session"
+# (sessionkv.tiers.g2_policy.SessionCachePolicy: LRU biased by Pin and Retain).
+G2_EVICTION_POLICIES = ("lru", "arc", "session")
 
 
 @dataclass(frozen=True)

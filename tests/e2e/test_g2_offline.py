@@ -20,6 +20,7 @@ from engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id, poison_
 from sessionkv.hints import sign
 from sessionkv.report import RequestReport
 from sessionkv.server import remove_offload_region
+from sessionkv.tiers.g2_policy import SessionCachePolicy
 
 BLOCK = 32
 COUNTER = itertools.count()
@@ -42,7 +43,9 @@ def engine(request, tmp_path_factory):
     engine_id = new_engine_id()
     d = tmp_path_factory.mktemp("policy")
     (d / "secret").write_bytes(SECRET)
-    (d / "tiers.yaml").write_text(f"trust: {{secret_file: {d / 'secret'}}}\n")
+    # The session-aware G2 policy: un-hinted, it must serve exactly as vLLM's LRU.
+    (d / "tiers.yaml").write_text(f"g2: {{eviction: session}}\n"
+                                  f"trust: {{secret_file: {d / 'secret'}}}\n")
     llm = LLM(
         model=TINY, enforce_eager=True, block_size=BLOCK, max_model_len=1024, seed=0,
         dtype="float32", worker_extension_cls=POISON_EXT,
@@ -146,6 +149,12 @@ def test_generated_tokens_are_offloaded(engine):
     assert (tok, lps) == (tok_g1, lps_g1)
     (ref,) = cold(llm, turn2)
     assert tok == ref[0]
+
+
+def test_the_g2_policy_is_the_session_policy(engine):
+    llm, _, _ = engine
+    manager = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler.manager
+    assert isinstance(manager.primary_tier._policy, SessionCachePolicy)
 
 
 def test_session_id_reaches_the_report(engine):

@@ -1,0 +1,164 @@
+"""G2 cache policies: one contract every policy passes (vLLM's LRU and ARC, and
+ours), then SessionCachePolicy's own behaviour: LRU order when un-hinted,
+pins, retains, clipping and expiry."""
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+from vllm.v1.kv_offload.base import ReqContext
+from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
+from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
+from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
+
+from sessionkv.tiers.g2_policy import SessionCachePolicy
+
+CTX = ReqContext(req_id="r")
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big") + bytes(4)
+
+
+def ready(i: int) -> ChunkStatus:
+    c = ChunkStatus(i)
+    c.ref_cnt = 0
+    return c
+
+
+def filled(cls, n=8, **kw):
+    p = cls(cache_capacity=n, **kw)
+    for i in range(n):
+        p.insert(key(i), ready(i))
+    return p
+
+
+POLICIES = [LRUCachePolicy, ARCCachePolicy, SessionCachePolicy]
+
+
+@pytest.mark.parametrize("cls", POLICIES)
+class TestPolicyContract:
+    def test_evicts_exactly_n_and_forgets_them(self, cls):
+        p = filled(cls)
+        got = p.evict(3, set())
+        assert len(got) == 3 and len({k for k, _ in got}) == 3
+        assert all(p.get(k) is None for k, _ in got)
+
+    def test_protected_and_in_use_chunks_are_never_evicted(self, cls):
+        p = filled(cls)
+        busy = p.get(key(1))
+        busy.ref_cnt = 1
+        p.mark_non_evictable(key(1))
+        got = p.evict(6, {key(0)})
+        assert {k for k, _ in got} == {key(i) for i in range(2, 8)}
+
+    def test_impossible_eviction_changes_nothing(self, cls):
+        p = filled(cls)
+        assert p.evict(8, {key(0)}) is None
+        assert all(p.get(key(i)) is not None for i in range(8))
+        assert len(p.evict(7, {key(0)})) == 7
+
+    def test_remove_and_clear(self, cls):
+        p = filled(cls)
+        p.remove(key(2))
+        assert p.get(key(2)) is None
+        assert key(2) not in {k for k, _ in p.evict(7, set())}
+        p.clear()
+        assert p.get(key(0)) is None
+
+
+# ---- SessionCachePolicy ------------------------------------------------------
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("insert"), st.integers(0, 30)),
+    st.tuples(st.just("touch"), st.lists(st.integers(0, 30), max_size=4)),
+    st.tuples(st.just("evict"), st.integers(0, 4), st.sets(st.integers(0, 30), max_size=3)),
+    st.tuples(st.just("remove"), st.integers(0, 30)),
+    st.tuples(st.just("finish"), st.lists(st.integers(0, 30), max_size=4)),
+), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_unhinted_traffic_evicts_exactly_as_vllms_lru(script):
+    lru, ours = LRUCachePolicy(64), SessionCachePolicy(64)
+    for op in script:
+        results = []
+        for p in (lru, ours):
+            if op[0] == "insert" and p.get(key(op[1])) is None:
+                p.insert(key(op[1]), ready(op[1]))
+            elif op[0] == "touch":
+                p.touch([key(i) for i in op[1]], CTX)
+            elif op[0] == "finish":
+                p.on_request_finished([[key(i) for i in op[1]]], set(), set(), CTX)
+            elif op[0] == "remove" and p.get(key(op[1])) is not None:
+                p.remove(key(op[1]))
+            elif op[0] == "evict":
+                got = p.evict(op[1], {key(i) for i in op[2]})
+                results.append(None if got is None else [k for k, _ in got])
+        if results:
+            assert results[0] == results[1]
+
+
+class Clock:
+    t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.fixture
+def policy():
+    p = filled(SessionCachePolicy)
+    p.clock = Clock()
+    return p
+
+
+def evicted(p, n, protected=()):
+    got = p.evict(n, set(protected))
+    return None if got is None else [k for k, _ in got]
+
+
+def test_pinned_chunks_survive_ordinary_eviction(policy):
+    assert policy.pin([key(0), key(1)], ttl_s=10) == 2
+    assert evicted(policy, 6) == [key(i) for i in range(2, 8)]
+    assert policy.take_clipped() == []
+
+
+def test_pins_lapse_at_their_ttl(policy):
+    policy.pin([key(0)], ttl_s=10)
+    policy.clock.t += 10
+    assert evicted(policy, 1) == [key(0)]
+
+
+def test_retain_orders_by_priority_after_plain_chunks(policy):
+    policy.retain([key(0), key(1)], priority=5, ttl_s=None)
+    policy.retain([key(2)], priority=1, ttl_s=None)
+    # plain LRU first (3..7), then priority 1, then priority 5 by recency
+    assert evicted(policy, 5) == [key(i) for i in (3, 4, 5, 6, 7)]
+    assert [evicted(policy, 1) for _ in range(3)] == [[key(2)], [key(0)], [key(1)]]
+
+
+def test_retain_ttl_lapses(policy):
+    policy.retain([key(0)], priority=9, ttl_s=5)
+    policy.clock.t += 6
+    assert evicted(policy, 1) == [key(0)]
+
+
+def test_when_only_pins_are_left_the_oldest_are_clipped_never_a_stall(policy):
+    policy.pin([key(5)], ttl_s=60)
+    policy.clock.t += 1
+    policy.pin([key(i) for i in range(8) if i != 5], ttl_s=60)
+    assert evicted(policy, 1) == [key(5)]             # the oldest pin first
+    assert evicted(policy, 1) == [key(0)]             # then by recency among equals
+    assert policy.take_clipped() == [key(5), key(0)]
+    assert policy.take_clipped() == []
+    assert key(5) not in policy.pinned() and len(policy.pinned()) == 6
+
+
+def test_impossible_eviction_with_hints_changes_nothing(policy):
+    policy.pin([key(0)], ttl_s=60)
+    policy.retain([key(1)], priority=3, ttl_s=None)
+    assert evicted(policy, 8, protected=[key(7)]) is None
+    assert policy.pinned() == {key(0)} and policy.take_clipped() == []
+    assert set(evicted(policy, 7, protected=[key(7)])) == {key(i) for i in range(7)}
+    assert policy.take_clipped() == [key(0)]
