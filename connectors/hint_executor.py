@@ -4,19 +4,24 @@ Order for each hint: parse (``sessionkv.hints``) -> trust (a valid router
 signature, or an unsigned Pin of the request's own session within the unsigned
 quota) -> rate limit per client -> resolution against the SessionPrefixIndex
 (``missing`` when nothing resident answers) -> bounds clipped to the limits ->
-the action. Actions are the next issues' work: until an action exists its
-outcome is ``rejected`` with reason "not implemented", never a false
-``accepted``.
+the action. Pin and Retain act on G2 through ``SessionCachePolicy`` (pin quotas
+per session, global, and a separate unsigned pool, as fractions of G2); the
+other actions answer ``rejected: not implemented`` until they exist, never a
+false ``accepted``. Pins the policy later clips under pressure come back from
+``take_late_outcomes`` as ``clipped``.
 
 Request-borne hints act when their request finishes (the turn's blocks are all
 in the index by then); the outcomes go back in that response.
 
-Threading: the scheduler thread (the connector's), like the index it reads.
+Threading: callers hold the tier manager's lock (the scheduler thread during
+its pass, or any other thread); it only changes metadata.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,16 +35,17 @@ from sessionkv.hints import (
     HintOutcome,
     KeysTarget,
     KvHint,
+    SessionTarget,
     Status,
     parse_envelope,
     parse_kvcr_fetch,
     verify,
 )
 from sessionkv.index.prefix_index import SessionPrefixIndex
+from sessionkv.tiers.g2_policy import SessionCachePolicy
 
 KVCR_SIG_PARAM = "kv_hint_sig"
-# Actions whose execution exists; the others answer "not implemented".
-IMPLEMENTED: frozenset[Action] = frozenset()
+MAX_LATE_OUTCOMES = 10_000
 
 
 class TokenBuckets:
@@ -96,11 +102,22 @@ class HintExecutor:
         self,
         index: SessionPrefixIndex,
         limits: Limits,
+        policy: object = None,
+        g2_chunks: int = 0,
+        blocks_per_chunk: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ):
         self._index = index
         self._limits = limits
+        self._policy = policy if isinstance(policy, SessionCachePolicy) else None
+        self._bpc = blocks_per_chunk
         self._buckets = TokenBuckets(limits.hints_per_s_per_client, clock)
+        cap = lambda f: int(math.floor(f * g2_chunks))  # noqa: E731
+        self._cap_session = cap(limits.pin_fraction_session)
+        self._cap_global = cap(limits.pin_fraction_global)
+        self._cap_unsigned = cap(limits.unsigned_pin_fraction)
+        self._pins: dict[bytes, tuple[str, str, bool]] = {}   # chunk -> (owner, hint, signed)
+        self._late: deque[HintOutcome] = deque(maxlen=MAX_LATE_OUTCOMES)
 
     def execute_all(
         self, items: list[KvHint | HintOutcome], session_id: str | None
@@ -118,20 +135,84 @@ class HintExecutor:
         if not self._buckets.take(session_id or "anonymous"):
             return outcome(Status.REJECTED, "rate limit exceeded")
 
-        asked, found, reason = self._resolve(hint)
-        if found == 0:
+        asked, keys, reason = self._resolve(hint)
+        if not keys:
             return outcome(Status.MISSING, reason, asked)
         clipped = []
-        limit = min(self._limits.max_blocks_per_hint, hint.bounds.max_blocks or found)
-        if found > limit:
+        limit = min(self._limits.max_blocks_per_hint, hint.bounds.max_blocks or len(keys))
+        if len(keys) > limit:
             clipped.append(f"blocks clipped to {limit}")
+            keys = keys[:limit]                  # the prefix first: what a turn reuses
         ttl = hint.bounds.ttl_s
         if ttl is not None and ttl > self._limits.max_ttl_s:
             clipped.append(f"ttl clipped to {self._limits.max_ttl_s:g} s")
-        if hint.action not in IMPLEMENTED:
+            ttl = self._limits.max_ttl_s
+        if hint.action not in (Action.PIN, Action.RETAIN):
             return outcome(Status.REJECTED, "not implemented", asked)
-        return outcome(Status.CLIPPED if clipped else Status.ACCEPTED,
-                       "; ".join(clipped), asked, min(found, limit))
+        if self._policy is None:
+            return outcome(Status.REJECTED, "Pin and Retain need g2.eviction: session", asked)
+        chunks = [k for k in keys if self._policy.get(k) is not None]
+        if not chunks:
+            return outcome(Status.MISSING, "none of the target is in G2", asked)
+        if hint.action is Action.RETAIN:
+            self._policy.retain(chunks, hint.bounds.priority, ttl)
+            done = chunks
+        else:
+            done, why = self._pin(hint, session_id, chunks,
+                                  self._limits.max_ttl_s if ttl is None else ttl)
+            if why:
+                clipped.append(why)
+        status = Status.CLIPPED if clipped else Status.ACCEPTED
+        return outcome(status, "; ".join(clipped), asked, self._blocks_in(done, keys))
+
+    def _blocks_in(self, chunks: list[bytes], keys: list[bytes]) -> int:
+        """How many of ``keys`` (blocks) the G2 ``chunks`` (keyed by their last block) hold."""
+        if self._bpc == 1:
+            return len(chunks)
+        wanted = set(keys)
+        return sum(len(wanted.intersection(self._index.chain_to(c, self._bpc))) for c in chunks)
+
+    def _pin(self, hint: KvHint, session_id: str | None, chunks: list[bytes],
+             ttl: float) -> tuple[list[bytes], str]:
+        """Pin within the quotas: (chunks pinned, clip reason or "")."""
+        t = hint.target
+        owner = t.session_id if isinstance(t, SessionTarget) else (session_id or "")
+        self._forget_lapsed()
+        mine = {k for k, (o, _, _) in self._pins.items() if o == owner}
+        pool = [k for k, (_, _, signed) in self._pins.items() if signed == hint.signed]
+        if hint.signed:
+            room = min(self._cap_session - len(mine), self._cap_global - len(pool))
+        else:
+            room = self._cap_unsigned - len(pool)
+        new = [k for k in chunks if k not in self._pins]
+        take = new[:max(room, 0)]
+        again = [k for k in chunks if k in mine]      # re-pinning extends the TTL
+        self._policy.pin(again + take, ttl)
+        for k in take:
+            self._pins[k] = (owner, hint.hint_id, hint.signed)
+        lost = len(new) - len(take)
+        return again + take, (f"pin quota: {lost} chunks not pinned" if lost else "")
+
+    def _forget_lapsed(self) -> None:
+        live = self._policy.pinned()
+        for k in [k for k in self._pins if k not in live]:
+            del self._pins[k]
+
+    def take_late_outcomes(self) -> list[HintOutcome]:
+        """Pins the policy clipped under G2 pressure since the last call, one
+        ``clipped`` outcome per hint."""
+        if self._policy is not None:
+            lost: dict[str, int] = {}
+            for k in self._policy.take_clipped():
+                entry = self._pins.pop(k, None)
+                if entry is not None:
+                    lost[entry[1]] = lost.get(entry[1], 0) + 1
+            for hint_id, n in lost.items():
+                self._late.append(HintOutcome(hint_id, "kv.pin", Status.CLIPPED, 0, n,
+                                              f"{n} pinned chunks evicted: G2 had nothing else left"))
+        out = list(self._late)
+        self._late.clear()
+        return out
 
     def _unsigned_ok(self, hint: KvHint, session_id: str | None) -> bool:
         """Unsigned Pins of the request's own session, when the operator
@@ -141,20 +222,20 @@ class HintExecutor:
                 and not isinstance(t, (KeysTarget, HashesTarget))
                 and session_id is not None and t.session_id == session_id)
 
-    def _resolve(self, hint: KvHint) -> tuple[int, int, str]:
-        """(blocks the hint asks for, blocks resident now, reason when none)."""
+    def _resolve(self, hint: KvHint) -> tuple[int, list[bytes], str]:
+        """(blocks the hint asks for, resident block keys root first, reason when none)."""
         t = hint.target
         if isinstance(t, HashesTarget):
-            n = len(t.block_hashes)                 # blocks to fetch into this engine
-            return n, n, ""
+            # Blocks to fetch into this engine: named by 64-bit hashes only.
+            return len(t.block_hashes), [h.to_bytes(8, "big") for h in t.block_hashes], ""
         if isinstance(t, KeysTarget):
-            n = len(self._index.resolve_keys(list(t.keys)).keys)
-            return len(t.keys), n, "none of the keys is resident"
+            keys = self._index.resolve_keys(list(t.keys)).keys
+            return len(t.keys), keys, "none of the keys is resident"
         res = self._index.resolve_session(t.session_id, t.branch, t.boundary)
         if res is None:
             if self._index.is_ended(t.session_id):
-                return 0, 0, "session ended"
+                return 0, [], "session ended"
             if not self._index.has_session(t.session_id):
-                return 0, 0, "unknown session"
-            return 0, 0, "branch or boundary is not part of the session"
-        return len(res.keys), len(res.keys), "session has no resident blocks"
+                return 0, [], "unknown session"
+            return 0, [], "branch or boundary is not part of the session"
+        return len(res.keys), res.keys, "session has no resident blocks"

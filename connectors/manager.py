@@ -10,11 +10,18 @@ the chunks it had not marked stored). G2 keys name chunks by their last block;
 the index holds blocks, so each chunk key stands for that block and its
 ``blocks_per_chunk - 1`` ancestors.
 
-Threading: vLLM 0.32 calls managers on the scheduler thread only.
+Threading (DESIGN.md, "Threads"): ``SessionTierManager.lock`` is the one lock.
+vLLM 0.32 calls managers on the scheduler thread, where ``SessionTierConnector``
+holds the lock from its first scheduler-side call of a ``schedule()`` pass
+until ``build_connector_meta`` returns, and around its other scheduler-side
+calls; so a chunk found by ``lookup`` cannot vanish before ``prepare_load``.
+Every other thread takes the lock and only changes metadata (pins, priorities,
+TTLs, session ends): never evicts, allocates or calls ``lookup``.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection
 
 from vllm.logger import init_logger
@@ -41,7 +48,13 @@ logger = init_logger(__name__)
 
 
 class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
-    """vLLM's CPU primary tier (G2) that reports residency to the index."""
+    """vLLM's CPU primary tier (G2) that reports residency to the index.
+    Called under ``SessionTierManager.lock`` (see the module docstring)."""
+
+    @property
+    def policy(self):
+        """The G2 cache policy vLLM built (``SessionCachePolicy`` by default)."""
+        return self._policy
 
     def __init__(self, *args, index: SessionPrefixIndex, blocks_per_chunk: int, **kwargs):
         super().__init__(*args, **kwargs)
@@ -90,8 +103,13 @@ class RequestHints(tuple):
 
 
 class SessionTierManager(TieringOffloadingManager):
-    """vLLM's tiering manager that owns the SessionPrefixIndex and the
-    HintExecutor, and parses each request's hints once."""
+    """vLLM's tiering manager that owns the lock, the SessionPrefixIndex and
+    the HintExecutor, and parses each request's hints once.
+
+    Lock rule: the scheduler thread holds ``lock`` for each ``schedule()``
+    pass (first scheduler-side connector call until ``build_connector_meta``
+    returns) and around its other calls; any other thread takes ``lock`` and
+    only changes metadata through ``executor``."""
 
     def __init__(
         self,
@@ -102,6 +120,7 @@ class SessionTierManager(TieringOffloadingManager):
         secret: bytes | None,
     ):
         super().__init__(primary_tier=primary_tier, secondary_tiers=secondary_tiers)
+        self.lock = threading.RLock()
         self.index = index
         self.executor = executor
         self._secret = secret

@@ -78,7 +78,9 @@ class SessionTierSpec(TieringOffloadingSpec):
                 secondary.append(SecondaryTierFactory.create_secondary_tier(tier_config, view, self))
             policy = self.sessionkv.policy
             self._manager = SessionTierManager(
-                primary, secondary, index, HintExecutor(index, policy.limits),
+                primary, secondary, index,
+                HintExecutor(index, policy.limits, primary.policy, self.num_chunks,
+                             self.blocks_per_chunk),
                 policy.trust.secret)
         except Exception:
             for tier in reversed(secondary):

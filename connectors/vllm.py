@@ -17,13 +17,20 @@ primary tier, G3 = secondary tiers), plus:
   ``request_finished`` into the response's ``kv_transfer_params``;
 - configurations it cannot serve correctly refused at start.
 
-Threading: every scheduler-side method runs on vLLM's scheduler thread.
+Threading: every scheduler-side method runs on vLLM's scheduler thread and
+holds the tier manager's lock: from the first call of a ``schedule()`` pass
+(``get_num_new_matched_tokens`` / ``update_state_after_alloc`` /
+``build_connector_meta``) until ``build_connector_meta`` returns, which vLLM
+calls exactly once per pass; the other calls (``on_new_request``,
+``request_finished``, ``update_connector_output``) hold it for their own
+duration. Other threads take the same lock and change only metadata.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -157,15 +164,30 @@ class SessionTierConnector(OffloadingConnector):
         self._block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self._tracked: dict[str, _Tracked] = {}
         self._next_expiry = 0.0
+        self._in_pass = False       # the lock is held for the current schedule() pass
 
     # ---- scheduler side -------------------------------------------------
 
     @property
-    def index(self) -> SessionPrefixIndex:
-        """The SessionPrefixIndex (scheduler side), owned by the tier manager."""
+    def manager(self) -> SessionTierManager:
+        """The tier manager (scheduler side): owner of the lock, index and hints."""
         manager = self.scheduler.manager
         assert isinstance(manager, SessionTierManager)
-        return manager.index
+        return manager
+
+    @property
+    def index(self) -> SessionPrefixIndex:
+        return self.manager.index
+
+    def _enter_pass(self) -> None:
+        if not self._in_pass:
+            self.manager.lock.acquire()
+            self._in_pass = True
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self.manager.lock:
+            yield
 
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
@@ -180,11 +202,13 @@ class SessionTierConnector(OffloadingConnector):
         session = (request.kv_transfer_params or {}).get(SESSION_PARAM)
         self._tracked[request.request_id] = _Tracked(
             request, session if isinstance(session, str) else None)
-        super().on_new_request(request)
+        with self._locked():
+            super().on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        self._enter_pass()
         ext, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         tr = self._tracked.get(request.request_id)
         if tr is None:
@@ -209,6 +233,7 @@ class SessionTierConnector(OffloadingConnector):
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
     ):
+        self._enter_pass()
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         # Called again with 0 when a request resumes after its async load;
         # only an allocation that loads something carries a load plan.
@@ -218,6 +243,14 @@ class SessionTierConnector(OffloadingConnector):
             tr.sources = self.get_external_cache_hit_sources(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput"):
+        self._enter_pass()
+        try:
+            return self._build_meta(scheduler_output)
+        finally:
+            self._in_pass = False
+            self.manager.lock.release()
+
+    def _build_meta(self, scheduler_output: "SchedulerOutput"):
         meta = super().build_connector_meta(scheduler_output)
         # Full-block admission and decode-block completion: blocks this step
         # fills are cached in G1 now (vLLM caches them at allocation).
@@ -242,10 +275,8 @@ class SessionTierConnector(OffloadingConnector):
         g1, sources = (tr.g1_tokens, tr.sources) if tr else (0, {})
         g2 = sources.get(CacheHitSource.HOST, 0)
         g3 = sum(sources.values()) - g2
-        manager = self.scheduler.manager
-        assert isinstance(manager, SessionTierManager)
         return RequestReport.build(
-            hints=manager.finish_request_hints(request.request_id),
+            hints=self.manager.finish_request_hints(request.request_id),
             session_id=tr.session if tr else None,
             block_size=self._block_size,
             prompt_tokens=request.num_prompt_tokens,
@@ -254,24 +285,24 @@ class SessionTierConnector(OffloadingConnector):
             g3_tokens=g3,
         )
 
-    def _with_report(
-        self, request: "Request", result: tuple[bool, dict[str, Any] | None]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        delay, params = result
-        return delay, {**(params or {}), **self._report(request).to_params()}
-
     def request_finished(
         self, request: "Request", block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._with_report(request, super().request_finished(request, block_ids))
+        with self._locked():
+            delay, params = super().request_finished(request, block_ids)
+            return delay, {**(params or {}), **self._report(request).to_params()}
 
     def request_finished_all_groups(
         self, request: "Request", block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         # The path vLLM's scheduler takes for connectors that support HMA (ours).
-        return self._with_report(
-            request, super().request_finished_all_groups(request, block_ids)
-        )
+        with self._locked():
+            delay, params = super().request_finished_all_groups(request, block_ids)
+            return delay, {**(params or {}), **self._report(request).to_params()}
+
+    def update_connector_output(self, connector_output) -> None:
+        with self._locked():
+            super().update_connector_output(connector_output)
 
     @classmethod
     def build_prom_metrics(

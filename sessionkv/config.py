@@ -28,7 +28,7 @@ G2_EVICTION_POLICIES = ("lru", "arc", "session")
 class G2Policy:
     """Policy of the G2 tier (pinned host memory, vLLM's CPU primary tier)."""
 
-    eviction: str = "lru"
+    eviction: str = "session"     # un-hinted, it evicts exactly as vLLM's "lru"
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ def parse_policy(doc: Any, source: str = "policy") -> TierPolicy:
         raise ValueError(f"{source}: version must be 1, got {version!r}")
     g2 = _mapping(doc.get("g2"), f"{source}: g2")
     _reject_unknown(g2, ("eviction",), f"{source}: g2.")
-    eviction = g2.get("eviction", "lru")
+    eviction = g2.get("eviction", G2Policy.eviction)
     if eviction not in G2_EVICTION_POLICIES:
         raise ValueError(
             f"{source}: g2.eviction must be one of {', '.join(G2_EVICTION_POLICIES)},"

@@ -9,7 +9,9 @@ from sessionkv.connectors.hint_executor import HintExecutor, read_request_hints
 from hint_cases import expected_count
 from sessionkv.hints import SIG_PARAM, Status, sign
 from sessionkv.index.prefix_index import SessionPrefixIndex
+from sessionkv.tiers.g2_policy import SessionCachePolicy
 from sessionkv.types import Tier
+from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 
 SECRET = b"0123456789abcdef-secret"
 A, B, C = (bytes([i]) * 32 + bytes(4) for i in (1, 2, 3))
@@ -22,13 +24,18 @@ class Clock:
         return self.t
 
 
-def setup(**limits):
+def setup(g2_chunks=100, **limits):
     idx = SessionPrefixIndex(max_tombstones=4)
     idx.admit("s1", [A, B, C], Tier.G2)
     idx.admit("gone", [A], None)
     idx.end_session("gone")
+    policy = SessionCachePolicy(g2_chunks)
+    for i, k in enumerate((A, B, C)):
+        chunk = ChunkStatus(i)
+        chunk.ref_cnt = 0
+        policy.insert(k, chunk)
     clock = Clock()
-    return idx, HintExecutor(idx, Limits(**limits), clock), clock
+    return idx, HintExecutor(idx, Limits(**limits), policy, g2_chunks, 1, clock), clock
 
 
 def env(*payloads, kind="kv.pin"):
@@ -50,8 +57,7 @@ def test_unsigned_is_rejected_signed_is_resolved_wrong_session_rejected():
     (out,) = run(ex, "s1", e)
     assert out.status is Status.REJECTED and "unsigned" in out.reason
     (out,) = run(ex, "s1", e, signed_for="s1")
-    # resolved (3 resident blocks), then refused because Pin is not implemented yet
-    assert (out.status, out.blocks_asked, out.reason) == (Status.REJECTED, 3, "not implemented")
+    assert (out.status, out.blocks_asked, out.blocks_affected) == (Status.ACCEPTED, 3, 3)
     (out,) = run(ex, "s1", e, signed_for="s2")
     assert out.status is Status.REJECTED and "unsigned" in out.reason
 
@@ -69,20 +75,21 @@ def test_missing_targets_say_why():
 
 
 def test_unsigned_pins_only_within_their_quota_and_own_session():
-    _, ex, _ = setup(unsigned_pin_fraction=0.05)
+    _, ex, _ = setup(g2_chunks=40, unsigned_pin_fraction=0.05)    # 2 unsigned chunks
     (own,) = run(ex, "s1", env({}))
     (other,) = run(ex, "s1", env({"target": {"session_id": "s2"}}))
     (retain,) = run(ex, "s1", env({}, kind="kv.retain"))
-    assert own.reason == "not implemented"          # passed trust, resolved
+    assert (own.status, own.blocks_affected, own.reason) == (
+        Status.CLIPPED, 2, "pin quota: 1 chunks not pinned")
     assert "unsigned" in other.reason and "unsigned" in retain.reason
 
 
 def test_rate_limit_per_client():
     _, ex, clock = setup(hints_per_s_per_client=2)
     outs = run(ex, "s1", env({}, {}, {}), signed_for="s1")
-    assert [o.reason for o in outs] == ["not implemented", "not implemented", "rate limit exceeded"]
+    assert [o.reason for o in outs] == ["", "", "rate limit exceeded"]
     clock.t += 1.0
-    assert run(ex, "s1", env({}), signed_for="s1")[0].reason == "not implemented"
+    assert run(ex, "s1", env({}), signed_for="s1")[0].status is Status.ACCEPTED
 
 
 # ---- fuzz -----------------------------------------------------------------
@@ -146,4 +153,34 @@ def test_fuzz_never_raises_and_gives_one_outcome_per_hint(envelope, kvcr_hint, s
     assert len(outs) == expected_count(envelope, kvcr_hint)
     for o in outs:
         assert o.status in Status and isinstance(o.hint_id, str)
-        assert o.status is not Status.ACCEPTED          # no action is implemented yet
+        if o.status in (Status.ACCEPTED, Status.CLIPPED):
+            assert o.action in ("kv.pin", "kv.retain")   # the only actions that exist
+
+
+def test_pin_quotas_per_session_and_global_and_ttl_clamp():
+    idx, ex, _ = setup(g2_chunks=8, pin_fraction_session=0.25, max_ttl_s=60)   # 2 per session
+    (o,) = run(ex, "s1", env({"ttl_s": 600}), signed_for="s1")
+    assert (o.status, o.blocks_affected) == (Status.CLIPPED, 2)
+    assert "ttl clipped to 60 s" in o.reason and "pin quota" in o.reason
+    (o,) = run(ex, "s1", env({"ttl_s": 30}), signed_for="s1")       # re-pin: TTL refreshed
+    assert (o.status, o.blocks_affected) == (Status.CLIPPED, 2)
+
+
+def test_retain_and_missing_in_g2():
+    idx, ex, _ = setup()
+    (o,) = run(ex, "s1", env({"priority": 3}, kind="kv.retain"), signed_for="s1")
+    assert (o.status, o.blocks_affected) == (Status.ACCEPTED, 3)
+    idx.admit("s9", [bytes([9]) * 36], Tier.G1)          # resident, but not in G2
+    (o,) = run(ex, "s9", env({}), signed_for="s9")
+    assert (o.status, o.reason) == (Status.MISSING, "none of the target is in G2")
+
+
+def test_pins_clipped_under_pressure_come_back_as_late_outcomes():
+    _, ex, _ = setup(g2_chunks=3, pin_fraction_session=1.0, pin_fraction_global=1.0)
+    (o,) = run(ex, "s1", env({"ttl_s": 60}), signed_for="s1")
+    assert o.blocks_affected == 3
+    policy = ex._policy
+    assert len(policy.evict(2, set())) == 2              # nothing but pins left: clipped
+    (late,) = ex.take_late_outcomes()
+    assert (late.hint_id, late.status, late.blocks_affected) == ("h0", Status.CLIPPED, 2)
+    assert ex.take_late_outcomes() == []
