@@ -200,7 +200,15 @@ class HintExecutor:
 
     def take_late_outcomes(self) -> list[HintOutcome]:
         """Pins the policy clipped under G2 pressure since the last call, one
-        ``clipped`` outcome per hint."""
+        ``clipped`` outcome per hint (the newest 10,000 are kept)."""
+        self.collect_clipped()
+        out = list(self._late)
+        self._late.clear()
+        return out
+
+    def collect_clipped(self) -> None:
+        """Turn the policy's clipped pins into outcomes; the owner calls this
+        every step so that nothing grows without bound."""
         if self._policy is not None:
             lost: dict[str, int] = {}
             for k in self._policy.take_clipped():
@@ -210,9 +218,6 @@ class HintExecutor:
             for hint_id, n in lost.items():
                 self._late.append(HintOutcome(hint_id, "kv.pin", Status.CLIPPED, 0, n,
                                               f"{n} pinned chunks evicted: G2 had nothing else left"))
-        out = list(self._late)
-        self._late.clear()
-        return out
 
     def _unsigned_ok(self, hint: KvHint, session_id: str | None) -> bool:
         """Unsigned Pins of the request's own session, when the operator

@@ -265,6 +265,7 @@ class SessionTierConnector(OffloadingConnector):
                 index.admit(tr.session, tr.keys_upto(full), Tier.G1, start=tr.admitted, now=now)
                 tr.admitted = full
         index.sweep_g1(G1_SWEEP_PER_STEP)
+        self.manager.executor.collect_clipped()
         if now >= self._next_expiry:
             index.expire(now)
             self._next_expiry = now + EXPIRE_EVERY_S
@@ -303,6 +304,20 @@ class SessionTierConnector(OffloadingConnector):
     def update_connector_output(self, connector_output) -> None:
         with self._locked():
             super().update_connector_output(connector_output)
+
+    def reset_cache(self) -> bool | None:
+        with self._locked():
+            return super().reset_cache()
+
+    def take_events(self):
+        with self._locked():
+            return list(super().take_events())
+
+    def get_kv_connector_stats(self):
+        if self.connector_scheduler is None:
+            return super().get_kv_connector_stats()
+        with self._locked():
+            return super().get_kv_connector_stats()
 
     @classmethod
     def build_prom_metrics(
