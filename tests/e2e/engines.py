@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import uuid
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sessionkv.report import RequestReport
 from sessionkv.server import offload_region_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,3 +40,23 @@ def poison_g2(engine_id: str, seed: int = 1) -> None:
         arr = np.frombuffer(m, dtype=np.uint8)
         arr[:] = np.random.default_rng(seed).integers(0, 256, arr.size, dtype=np.uint8)
         del arr
+
+
+_REQ_IDS = itertools.count()
+
+
+def serve(llm, prompt, params, session=None, kv_hints=None):
+    """One request alone (serial) through the engine API, which carries
+    session_id and kv_hints: (token ids, logprobs per step, report)."""
+    engine = llm.llm_engine
+    req_id = f"req-{next(_REQ_IDS)}"
+    engine.add_request(req_id, {"prompt_token_ids": prompt}, params, session_id=session,
+                       kv_hints=kv_hints)
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == req_id and o.finished:
+                out = o
+    comp = out.outputs[0]
+    logprobs = [{t: lp.logprob for t, lp in step.items()} for step in comp.logprobs or ()]
+    return list(comp.token_ids), logprobs, RequestReport.from_params(out.kv_transfer_params)

@@ -8,7 +8,6 @@ per-request report must name the G2 blocks. The negative control poisons G2 inst
 the output must change, which proves the bytes really came from G2.
 """
 
-import itertools
 import json
 
 import numpy as np
@@ -16,14 +15,12 @@ import pytest
 from vllm import LLM, SamplingParams
 from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 
-from engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id, poison_g2
+from engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id, poison_g2, serve
 from sessionkv.hints import sign
-from sessionkv.report import RequestReport
 from sessionkv.server import remove_offload_region
 from sessionkv.tiers.g2_policy import SessionCachePolicy
 
 BLOCK = 32
-COUNTER = itertools.count()
 PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=3)
 RNG = np.random.default_rng(7)
 # Prompt lengths leave the last block partial for all 6 generated tokens, so
@@ -59,19 +56,7 @@ def engine(request, tmp_path_factory):
 
 
 def run(llm, prompt, session=None, params=PARAMS, kv_hints=None):
-    """One request alone (serial), through the engine API that carries session_id."""
-    engine = llm.llm_engine
-    req_id = f"req-{next(COUNTER)}"
-    engine.add_request(req_id, {"prompt_token_ids": prompt}, params, session_id=session,
-                       kv_hints=kv_hints)
-    out = None
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.request_id == req_id and o.finished:
-                out = o
-    comp = out.outputs[0]
-    logprobs = [{t: lp.logprob for t, lp in step.items()} for step in comp.logprobs or ()]
-    return list(comp.token_ids), logprobs, RequestReport.from_params(out.kv_transfer_params)
+    return serve(llm, prompt, params, session, kv_hints)
 
 
 def reset_g1(llm):

@@ -12,9 +12,8 @@ import pytest
 from vllm import LLM, SamplingParams
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
-from engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id
+from engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id, serve
 from sessionkv.hints import sign
-from sessionkv.report import RequestReport
 from sessionkv.server import remove_offload_region
 
 BLOCK = 32
@@ -53,27 +52,14 @@ def engine(tmp_path_factory):
     remove_offload_region(engine_id)
 
 
-COUNT = iter(range(10**9))
-
-
 def run(llm, name, session=None, hint=None, params=PARAMS):
-    eng = llm.llm_engine
-    rid = f"r{next(COUNT)}"
-    sp = params
+    """Serve a named prompt, with one signed hint when given."""
     if hint is not None:
-        env = {"protocol_version": "1.0", "message_id": rid, "actions": [hint]}
-        sp = params.clone()
-        sp.extra_args = {"kv_transfer_params": {"kv_hints": env,
-                                                "kv_hints_sig": sign(env, session, SECRET)}}
-    eng.add_request(rid, {"prompt_token_ids": P[name]}, sp, session_id=session)
-    out = None
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.request_id == rid and o.finished:
-                out = o
-    comp = out.outputs[0]
-    lps = [{t: lp.logprob for t, lp in s.items()} for s in comp.logprobs or ()]
-    return list(comp.token_ids), lps, RequestReport.from_params(out.kv_transfer_params)
+        env = {"protocol_version": "1.0", "message_id": hint["action_id"], "actions": [hint]}
+        params = params.clone()
+        params.extra_args = {"kv_transfer_params": {"kv_hints": env,
+                                                    "kv_hints_sig": sign(env, session, SECRET)}}
+    return serve(llm, P[name], params, session)
 
 
 def pin(ttl=300):
