@@ -25,6 +25,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgspec
+
 from sessionkv.config import Limits
 from sessionkv.hints import (
     HINTS_PARAM,
@@ -92,7 +94,7 @@ def read_request_hints(
 
 
 def _mark(h: KvHint, signed: bool) -> KvHint:
-    return KvHint(h.hint_id, h.action, h.target, h.bounds, h.source, signed)
+    return msgspec.structs.replace(h, signed=signed)
 
 
 class HintExecutor:
