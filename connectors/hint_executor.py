@@ -11,7 +11,9 @@ false ``accepted``. Pins the policy later clips under pressure come back from
 ``take_late_outcomes`` as ``clipped``.
 
 Request-borne hints act when their request finishes (the turn's blocks are all
-in the index by then); the outcomes go back in that response.
+in the index by then); the outcomes go back in that response. Control-channel
+hints (authenticated by the channel, so treated as signed) act at once.
+``release(session)`` drops what an ended session pinned and retained.
 
 Threading: callers hold the tier manager's lock (the scheduler thread during
 its pass, or any other thread); it only changes metadata.
@@ -120,13 +122,21 @@ class HintExecutor:
         self._cap_unsigned = cap(limits.unsigned_pin_fraction)
         self._pins: dict[bytes, tuple[str, str, bool]] = {}   # chunk -> (owner, hint, signed)
         self._late: deque[HintOutcome] = deque(maxlen=MAX_LATE_OUTCOMES)
+        # Called with every late outcome as it is made (the event stream).
+        self.on_late_outcome: Callable[[HintOutcome], None] | None = None
 
     def execute_all(
-        self, items: list[KvHint | HintOutcome], session_id: str | None
+        self, items: list[KvHint | HintOutcome], session_id: str | None,
+        client: str | None = None,
     ) -> list[HintOutcome]:
-        return [i if isinstance(i, HintOutcome) else self.execute(i, session_id) for i in items]
+        return [i if isinstance(i, HintOutcome) else self.execute(i, session_id, client)
+                for i in items]
 
-    def execute(self, hint: KvHint, session_id: str | None) -> HintOutcome:
+    def execute(self, hint: KvHint, session_id: str | None,
+                client: str | None = None) -> HintOutcome:
+        """One hint's outcome. ``session_id`` is the request's (or the control
+        request's) session; ``client`` names the rate-limit bucket (default:
+        the session)."""
         name = f"kv.{hint.action.value}"
 
         def outcome(status: Status, reason: str, asked: int = 0, affected: int = 0):
@@ -134,7 +144,7 @@ class HintExecutor:
 
         if not hint.signed and not self._unsigned_ok(hint, session_id):
             return outcome(Status.REJECTED, "unsigned: request hints need the router's signature")
-        if not self._buckets.take(session_id or "anonymous"):
+        if not self._buckets.take(client or session_id or "anonymous"):
             return outcome(Status.REJECTED, "rate limit exceeded")
 
         asked, keys, reason = self._resolve(hint)
@@ -157,7 +167,7 @@ class HintExecutor:
         if not chunks:
             return outcome(Status.MISSING, "none of the target is in G2", asked)
         if hint.action is Action.RETAIN:
-            self._policy.retain(chunks, hint.bounds.priority, ttl)
+            self._policy.retain(chunks, hint.bounds.priority, ttl, self._owner(hint, session_id))
             done = chunks
         else:
             done, why = self._pin(hint, session_id, chunks,
@@ -177,8 +187,7 @@ class HintExecutor:
     def _pin(self, hint: KvHint, session_id: str | None, chunks: list[bytes],
              ttl: float) -> tuple[list[bytes], str]:
         """Pin within the quotas: (chunks pinned, clip reason or "")."""
-        t = hint.target
-        owner = t.session_id if isinstance(t, SessionTarget) else (session_id or "")
+        owner = self._owner(hint, session_id)
         self._forget_lapsed()
         mine = {k for k, (o, _, _) in self._pins.items() if o == owner}
         pool = [k for k, (_, _, signed) in self._pins.items() if signed == hint.signed]
@@ -194,6 +203,22 @@ class HintExecutor:
             self._pins[k] = (owner, hint.hint_id, hint.signed)
         lost = len(new) - len(take)
         return again + take, (f"pin quota: {lost} chunks not pinned" if lost else "")
+
+    @staticmethod
+    def _owner(hint: KvHint, session_id: str | None) -> str:
+        """The session a pin or retain belongs to (its quota, its release)."""
+        t = hint.target
+        return t.session_id if isinstance(t, SessionTarget) else (session_id or "")
+
+    def release(self, session: str) -> int:
+        """Drop the pins and retains ``session`` holds (it ended); how many chunks."""
+        if self._policy is None:
+            return 0
+        mine = [k for k, (o, _, _) in self._pins.items() if o == session]
+        self._policy.unpin(mine)
+        for k in mine:
+            del self._pins[k]
+        return len(mine) + self._policy.release_retains(session)
 
     def _forget_lapsed(self) -> None:
         live = self._policy.pinned()
@@ -218,8 +243,11 @@ class HintExecutor:
                 if entry is not None:
                     lost[entry[1]] = lost.get(entry[1], 0) + 1
             for hint_id, n in lost.items():
-                self._late.append(HintOutcome(hint_id, "kv.pin", Status.CLIPPED, 0, n,
-                                              f"{n} pinned chunks evicted: G2 had nothing else left"))
+                late = HintOutcome(hint_id, "kv.pin", Status.CLIPPED, 0, n,
+                                   f"{n} pinned chunks evicted: G2 had nothing else left")
+                self._late.append(late)
+                if self.on_late_outcome is not None:
+                    self.on_late_outcome(late)
 
     def _unsigned_ok(self, hint: KvHint, session_id: str | None) -> bool:
         """Unsigned Pins of the request's own session, when the operator

@@ -17,6 +17,10 @@ until ``build_connector_meta`` returns, and around its other scheduler-side
 calls; so a chunk found by ``lookup`` cannot vanish before ``prepare_load``.
 Every other thread takes the lock and only changes metadata (pins, priorities,
 TTLs, session ends): never evicts, allocates or calls ``lookup``.
+
+Events (``sessionkv.events``) are appended to ``SessionTierManager.event_log``
+when it is set (the control channel runs): residency and eviction from the
+primary tier, transfers and outcomes from the manager.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from vllm.v1.kv_offload.tiering.manager import (
     TieringOffloadingManager,
 )
 
+from sessionkv.config import SessionKVConfig
+from sessionkv.events import Association, EventLog, Eviction, Outcome, Residency, Transfer
 from sessionkv.hints import HintOutcome, KvHint, Status
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.types import Tier
@@ -45,6 +51,7 @@ from sessionkv.types import Tier
 from .hint_executor import HintExecutor, read_request_hints
 
 logger = init_logger(__name__)
+G1, G2 = Tier.G1.name, Tier.G2.name
 
 
 class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
@@ -60,6 +67,7 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
         super().__init__(*args, **kwargs)
         self._index = index
         self._bpc = blocks_per_chunk
+        self.event_log: EventLog | None = None     # vLLM's own list is ``events``
 
     def _set_g2(self, chunk_keys: Collection[OffloadKey], copies: int) -> None:
         if not chunk_keys:
@@ -74,8 +82,10 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         out = super().prepare_store(keys, req_context)
-        if out is not None:
+        if out is not None and out.evicted_keys:
             self._set_g2(out.evicted_keys, 0)
+            if self.event_log is not None:
+                self.event_log.append(Eviction(tier=G2, keys=list(out.evicted_keys)))
         return out
 
     def complete_store(
@@ -91,10 +101,16 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
                 dropped.append(k)
         self._set_g2(stored, 1)
         self._set_g2(dropped, 0)
+        if self.event_log is not None:
+            for ks, present in ((stored, True), (dropped, False)):
+                if ks:
+                    self.event_log.append(Residency(tier=G2, keys=ks, present=present))
 
     def reset_cache(self) -> None:
         super().reset_cache()
         self._index.clear_tier(Tier.G2)
+        if self.event_log is not None:     # no keys: everything in the tier
+            self.event_log.append(Eviction(tier=G2, keys=[], reason="reset"))
 
 
 class RequestHints(tuple):
@@ -117,15 +133,72 @@ class SessionTierManager(TieringOffloadingManager):
         secondary_tiers: list[SecondaryTierManager],
         index: SessionPrefixIndex,
         executor: HintExecutor,
-        secret: bytes | None,
+        config: SessionKVConfig,
     ):
         super().__init__(primary_tier=primary_tier, secondary_tiers=secondary_tiers)
         self.lock = threading.RLock()
         self.index = index
         self.executor = executor
-        self._secret = secret
+        self.config = config
+        self._secret = config.policy.trust.secret
         # req_id -> (session, hints) until the request finishes
         self._request_hints: dict[str, tuple[str | None, RequestHints]] = {}
+        self.event_log: EventLog | None = None
+
+    def enable_events(self, events: EventLog) -> None:
+        """Append every event to ``events`` from now on."""
+        self.event_log = events
+        self.primary_tier.event_log = events
+        self.executor.on_late_outcome = lambda o: events.append(Outcome(outcome=o, via="policy"))
+
+    def emit(self, event) -> None:
+        if self.event_log is not None:
+            self.event_log.append(event)
+
+    def emit_outcomes(self, outcomes, via: str, session: str | None,
+                      client: str | None = None) -> None:
+        if self.event_log is not None:
+            for o in outcomes:
+                self.event_log.append(Outcome(outcome=o, via=via, session_id=session, client=client))
+
+    # ---- out-of-band (any thread) ---------------------------------------
+
+    def control_hints(self, items: list[KvHint | HintOutcome], session: str | None,
+                      client: str) -> list[HintOutcome]:
+        """Execute hints from the control channel now, under the lock."""
+        with self.lock:
+            outcomes = self.executor.execute_all(items, session, client=client)
+            self.emit_outcomes(outcomes, "control", session, client)
+            return outcomes
+
+    def end_session(self, session: str, reason: str = "hint", now: float = 0.0) -> bool:
+        """End a session: the index forgets its branches, its pins and retains
+        are released. Whether it was live."""
+        with self.lock:
+            live = self.index.end_session(session, now)
+            self.executor.release(session)
+            if live:
+                self.emit(Association(session_id=session, op="end", reason=reason))
+            return live
+
+    def expire_sessions(self, now: float) -> None:
+        """End the sessions idle past the policy's timeout (scheduler thread)."""
+        with self.lock:
+            for s in self.index.expire(now):
+                self.executor.release(s)
+                self.emit(Association(session_id=s, op="end", reason="idle"))
+
+    # ---- scheduler thread -------------------------------------------------
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
+                       success: bool = True) -> None:
+        super().complete_store(keys, req_context, success)
+        self.emit(Transfer(src=G1, dst=G2, keys=list(keys), ok=success,
+                           req_id=req_context.req_id))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        super().complete_load(keys, req_context)
+        self.emit(Transfer(src=G2, dst=G1, keys=list(keys), req_id=req_context.req_id))
 
     def on_new_request(
         self, req_context: ReqContext, *, exclude_tier_idx: int | None = None
@@ -152,12 +225,14 @@ class SessionTierManager(TieringOffloadingManager):
         session, hints = self._request_hints.pop(req_id, (None, RequestHints()))
         items: list[KvHint | HintOutcome] = list(hints)
         try:
-            return tuple(self.executor.execute_all(items, session))
+            outcomes = tuple(self.executor.execute_all(items, session))
         except Exception:           # an executor bug must cost the hints, never the engine
             logger.exception("sessionkv: hints of request %s failed", req_id)
-            return tuple(i if isinstance(i, HintOutcome) else HintOutcome(
+            outcomes = tuple(i if isinstance(i, HintOutcome) else HintOutcome(
                 i.hint_id, f"kv.{i.action.value}", Status.REJECTED, reason="internal error")
                 for i in items)
+        self.emit_outcomes(outcomes, "request", session)
+        return outcomes
 
     def on_request_finished(
         self, req_context: ReqContext, *, exclude_tier_idx: int | None = None

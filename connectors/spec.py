@@ -81,7 +81,7 @@ class SessionTierSpec(TieringOffloadingSpec):
                 primary, secondary, index,
                 HintExecutor(index, policy.limits, primary.policy, self.num_chunks,
                              self.blocks_per_chunk),
-                policy.trust.secret)
+                self.sessionkv)
         except Exception:
             for tier in reversed(secondary):
                 tier.shutdown()

@@ -15,7 +15,9 @@ primary tier, G3 = secondary tiers), plus:
   sets vLLM's ``offload_prompt_only``;
 - a per-request report (``sessionkv.report.RequestReport``) returned from
   ``request_finished`` into the response's ``kv_transfer_params``;
-- configurations it cannot serve correctly refused at start.
+- configurations it cannot serve correctly refused at start;
+- the control channel and event stream (``connectors.control``), in the
+  scheduler process only, when the policy names a secret.
 
 Threading: every scheduler-side method runs on vLLM's scheduler thread and
 holds the tier manager's lock: from the first call of a ``schedule()`` pass
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.logger import init_logger
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     PromMetric,
@@ -47,10 +50,12 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from sessionkv.events import Association, EventLog
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.report import RequestReport
 from sessionkv.types import Tier
 
+from .control import ControlChannel
 from .manager import SessionTierManager
 from .spec import SessionTierSpec, has_device_worker
 
@@ -62,6 +67,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.request import Request
 
+logger = init_logger(__name__)
 SPEC_NAME = SessionTierSpec.__name__
 SPEC_MODULE = SessionTierSpec.__module__
 SESSION_PARAM = "session_id"
@@ -123,6 +129,32 @@ def g1_probe(block_pool: "BlockPool"):
     return probe
 
 
+def start_control(manager: SessionTierManager, engine_id: str | None, dp_rank: int,
+                  block_size: int) -> ControlChannel | None:
+    """The control channel of one engine's DP rank, or None when the policy
+    names no secret (the channel always authenticates)."""
+    cfg = manager.config
+    secret = cfg.policy.trust.secret
+    if secret is None:
+        return None
+    manager.enable_events(EventLog())
+    port = cfg.control.port + 2 * dp_rank if cfg.control.port else 0
+    channel = ControlChannel(
+        manager, secret, host=cfg.control.host, port=port,
+        info={"engine_id": engine_id, "dp_rank": dp_rank, "block_size": block_size},
+        rate=cfg.policy.limits.hints_per_s_per_client)
+    try:
+        if cfg.control.endpoint_file:
+            path = cfg.control.endpoint_file + (f".dp{dp_rank}" if dp_rank else "")
+            channel.write_endpoint_file(path)
+    except Exception:
+        channel.close()
+        raise
+    logger.info("sessionkv: control channel %s, events %s",
+                channel.endpoint, channel.events_endpoint)
+    return channel.start()
+
+
 @dataclass
 class _Tracked:
     """What the connector follows of one request (scheduler side)."""
@@ -165,6 +197,16 @@ class SessionTierConnector(OffloadingConnector):
         self._tracked: dict[str, _Tracked] = {}
         self._next_expiry = 0.0
         self._in_pass = False       # the lock is held for the current schedule() pass
+        self.control: ControlChannel | None = None
+        if self.connector_scheduler is not None:
+            self.control = start_control(self.manager, kvt.engine_id,
+                                         par.data_parallel_rank, self._block_size)
+
+    def shutdown(self) -> None:
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+        super().shutdown()
 
     # ---- scheduler side -------------------------------------------------
 
@@ -221,11 +263,13 @@ class SessionTierConnector(OffloadingConnector):
         now = time.monotonic()
         if g1:
             self.index.admit(tr.session, tr.keys_upto(g1), Tier.G1, now=now)
+            self._associated(tr, g1, Tier.G1)
         if ext:
             # G2 holds whole chunks: the chunk the load starts in is resident too.
             bpc = self.scheduler.config.blocks_per_chunk
             self.index.admit(tr.session, tr.keys_upto(g1 + ext // bs), Tier.G2,
                              start=g1 - g1 % bpc, now=now)
+            self._associated(tr, g1 + ext // bs, Tier.G2)
         # A (re)scheduled request, preempted ones included, computes from here.
         tr.admitted = g1 + (ext or 0) // bs
         return ext, is_async
@@ -264,12 +308,19 @@ class SessionTierConnector(OffloadingConnector):
             if full > tr.admitted:
                 index.admit(tr.session, tr.keys_upto(full), Tier.G1, start=tr.admitted, now=now)
                 tr.admitted = full
+                self._associated(tr, full, Tier.G1)
         index.sweep_g1(G1_SWEEP_PER_STEP)
         self.manager.executor.collect_clipped()
         if now >= self._next_expiry:
-            index.expire(now)
+            self.manager.expire_sessions(now)
             self._next_expiry = now + EXPIRE_EVERY_S
         return meta
+
+    def _associated(self, tr: _Tracked, n_blocks: int, tier: Tier) -> None:
+        events = self.manager.event_log
+        if events is not None and tr.session is not None:
+            events.append(Association(session_id=tr.session, op="extend", tier=tier.name,
+                                      blocks=n_blocks, frontier=tr.keys[n_blocks - 1]))
 
     def _report(self, request: "Request") -> RequestReport:
         tr = self._tracked.pop(request.request_id, None)

@@ -3,7 +3,12 @@
 sessionkv's own keys live in one sub-dict of vLLM's ``kv_connector_extra_config``::
 
     {"cpu_bytes_to_use": 1073741824,          # vLLM's keys pass through untouched
-     "sessionkv": {"policy_file": "tiers.yaml"}}
+     "sessionkv": {"policy_file": "tiers.yaml",
+                   "control": {"port": 5700, "endpoint_file": "/run/engine-a.json"}}}
+
+The control channel runs when the policy names a secret (``trust.secret_file``):
+it always authenticates. Its settings are per engine, so they live here, not in
+the policy file engines share.
 
 Every error is a ``ValueError`` whose message names the offending key, raised
 while the engine starts, never later. Nothing here reads the environment.
@@ -70,11 +75,27 @@ class TierPolicy:
 
 
 @dataclass(frozen=True)
+class ControlConfig:
+    """Where the control channel listens (one engine, all its DP ranks).
+
+    ``port`` 0: any free port for each socket. Otherwise DP rank r binds its
+    request socket at ``port + 2r`` and its event stream at ``port + 2r + 1``.
+    ``endpoint_file``: where each rank writes its endpoints as JSON (rank r > 0
+    appends ``.dp<r>`` to the name), for clients to find a port chosen freely.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    endpoint_file: str | None = None
+
+
+@dataclass(frozen=True)
 class SessionKVConfig:
     """Everything sessionkv reads from ``kv_connector_extra_config``."""
 
     policy: TierPolicy = field(default_factory=TierPolicy)
     policy_file: str | None = None
+    control: ControlConfig = field(default_factory=ControlConfig)
 
 
 def _reject_unknown(section: Mapping[str, Any], known: tuple[str, ...], where: str) -> None:
@@ -206,10 +227,28 @@ def parse_extra_config(extra_config: Mapping[str, Any]) -> SessionKVConfig:
             )
 
     ours = _mapping(extra_config.get(SUBKEY), SUBKEY)
-    _reject_unknown(ours, ("policy_file",), f"{SUBKEY}.")
+    _reject_unknown(ours, ("policy_file", "control"), f"{SUBKEY}.")
+    control = _parse_control(ours.get("control"))
     policy_file = ours.get("policy_file")
     if policy_file is None:
-        return SessionKVConfig()
+        return SessionKVConfig(control=control)
     if not isinstance(policy_file, str) or not policy_file:
         raise ValueError(f"{SUBKEY}.policy_file must be a path, got {policy_file!r}")
-    return SessionKVConfig(policy=load_policy_file(policy_file), policy_file=policy_file)
+    return SessionKVConfig(policy=load_policy_file(policy_file), policy_file=policy_file,
+                           control=control)
+
+
+def _parse_control(raw: Any) -> ControlConfig:
+    where = f"{SUBKEY}.control"
+    raw = _mapping(raw, where)
+    _reject_unknown(raw, ("host", "port", "endpoint_file"), f"{where}.")
+    host = raw.get("host", ControlConfig.host)
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"{where}.host must be a host name or address, got {host!r}")
+    port = raw.get("port", 0)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65534:
+        raise ValueError(f"{where}.port must be an integer in [0, 65534], got {port!r}")
+    path = raw.get("endpoint_file")
+    if path is not None and (not isinstance(path, str) or not path):
+        raise ValueError(f"{where}.endpoint_file must be a path, got {path!r}")
+    return ControlConfig(host=host, port=port, endpoint_file=path)

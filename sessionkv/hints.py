@@ -30,6 +30,7 @@ import hashlib
 import hmac
 import json
 import math
+import uuid
 from enum import Enum
 from typing import Any, Mapping
 
@@ -282,3 +283,41 @@ def parse_kvcr_fetch(raw: Any) -> KvHint | HintOutcome:
         return _rejected(hint_id, KVCR_FETCH, "block_hashes must be 1.. 64-bit integers")
     return KvHint(hint_id, Action.SHARE, HashesTarget(tuple(dict.fromkeys(hashes))),
                   Bounds(destination="self"), source=source)
+
+
+def hint_action(
+    action: Action | str,
+    *,
+    session_id: str | None = None,
+    branch: bytes | None = None,
+    boundary: bytes | None = None,
+    keys: list[bytes] | None = None,
+    ttl_s: float | None = None,
+    priority: int | None = None,
+    destination: str | None = None,
+    max_blocks: int | None = None,
+    action_id: str | None = None,
+) -> dict[str, Any]:
+    """One ``KvHintAction`` in its JSON form (what routers and clients send).
+    The target is ``keys`` when given, else the session (by default the
+    request's own), optionally one branch or a prefix up to ``boundary``."""
+    action = Action(action)
+    if keys is not None:
+        target: dict[str, Any] | None = {"keys": [k.hex() for k in keys]}
+    else:
+        target = {k: v for k, v in (("session_id", session_id),
+                                    ("branch", branch and branch.hex()),
+                                    ("boundary", boundary and boundary.hex())) if v is not None}
+    payload = {k: v for k, v in (("target", target or None), ("ttl_s", ttl_s),
+                                 ("priority", priority), ("destination", destination),
+                                 ("max_blocks", max_blocks)) if v is not None}
+    return {"action_id": action_id or f"{action.value}-{uuid.uuid4().hex[:12]}",
+            "action_type": f"kv.{action.value}", "action_version": ACTION_VERSION,
+            "payload": payload}
+
+
+def envelope(*actions: Mapping[str, Any], message_id: str | None = None) -> dict[str, Any]:
+    """A ``KvHintsEnvelope`` in its JSON form around ``actions``."""
+    return {"protocol_version": PROTOCOL_VERSION,
+            "message_id": message_id or f"m-{uuid.uuid4().hex[:12]}",
+            "actions": list(actions)}

@@ -41,7 +41,8 @@ class SessionCachePolicy(LRUCachePolicy):
     def __init__(self, cache_capacity: int):
         super().__init__(cache_capacity)
         self._pins: dict[OffloadKey, tuple[float, float]] = {}    # key -> (pinned_at, expiry)
-        self._retains: dict[OffloadKey, tuple[int, float]] = {}   # key -> (priority, expiry)
+        # key -> (priority, expiry, owner)
+        self._retains: dict[OffloadKey, tuple[int, float, str | None]] = {}
         self._clipped: list[OffloadKey] = []
 
     # ------------------------------------------------------------------ hints
@@ -61,15 +62,24 @@ class SessionCachePolicy(LRUCachePolicy):
         for k in keys:
             self._pins.pop(k, None)
 
-    def retain(self, keys: Iterable[OffloadKey], priority: int, ttl_s: float | None) -> int:
-        """Order present chunks after lower priorities (until now + ttl_s)."""
+    def retain(self, keys: Iterable[OffloadKey], priority: int, ttl_s: float | None,
+               owner: str | None = None) -> int:
+        """Order present chunks after lower priorities (until now + ttl_s), on
+        behalf of ``owner`` (a session); how many."""
         expiry = float("inf") if ttl_s is None else self.clock() + ttl_s
         n = 0
         for k in keys:
             if k in self.chunks:
-                self._retains[k] = (priority, expiry)
+                self._retains[k] = (priority, expiry, owner)
                 n += 1
         return n
+
+    def release_retains(self, owner: str) -> int:
+        """Drop the retains ``owner`` set last (its session ended); how many."""
+        mine = [k for k, (_, _, o) in self._retains.items() if o == owner]
+        for k in mine:
+            del self._retains[k]
+        return len(mine)
 
     def pinned(self) -> set[OffloadKey]:
         self._expire()
@@ -84,7 +94,7 @@ class SessionCachePolicy(LRUCachePolicy):
         now = self.clock()
         for k in [k for k, (_, exp) in self._pins.items() if exp <= now]:
             del self._pins[k]
-        for k in [k for k, (_, exp) in self._retains.items() if exp <= now]:
+        for k in [k for k, (_, exp, _) in self._retains.items() if exp <= now]:
             del self._retains[k]
 
     # ------------------------------------------------------- vLLM's contract
@@ -103,7 +113,7 @@ class SessionCachePolicy(LRUCachePolicy):
         self, n: int, protected: set[OffloadKey]
     ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
         self._expire()
-        biased = {k for k, (p, _) in self._retains.items() if p > 0} | self._pins.keys()
+        biased = {k for k, (p, _, _) in self._retains.items() if p > 0} | self._pins.keys()
         if not biased:
             return super().evict(n, protected)
         # 1. plain LRU among the unbiased chunks

@@ -39,6 +39,14 @@ def test_vllm_keys_pass_through():
     assert cfg == SessionKVConfig()
 
 
+def test_control_settings_are_parsed():
+    from sessionkv.config import ControlConfig
+    cfg = parse_extra_config({**BASE, "sessionkv": {"control": {
+        "port": 5700, "endpoint_file": "/tmp/e.json"}}})
+    assert cfg.control == ControlConfig(host="127.0.0.1", port=5700, endpoint_file="/tmp/e.json")
+    assert parse_extra_config(BASE).control == ControlConfig()   # any free port, loopback
+
+
 @pytest.mark.parametrize(
     "extra, key",
     [
@@ -54,6 +62,11 @@ def test_vllm_keys_pass_through():
         ({**BASE, "sessionkv": ["policy_file"]}, "sessionkv"),
         ({**BASE, "sessionkv": {"policy_file": ""}}, "policy_file"),
         ({**BASE, "sessionkv": {"policy_file": "/nonexistent/tiers.yaml"}}, "policy_file"),
+        ({**BASE, "sessionkv": {"control": {"port": 70000}}}, "control.port"),
+        ({**BASE, "sessionkv": {"control": {"port": "5700"}}}, "control.port"),
+        ({**BASE, "sessionkv": {"control": {"host": ""}}}, "control.host"),
+        ({**BASE, "sessionkv": {"control": {"endpoint_file": 3}}}, "control.endpoint_file"),
+        ({**BASE, "sessionkv": {"control": {"prot": 1}}}, "prot"),
     ],
 )
 def test_bad_config_names_the_key(extra, key):

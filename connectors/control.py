@@ -1,0 +1,217 @@
+"""``ControlChannel``: the engine side of the control channel and event stream.
+
+Started by the scheduler-role ``SessionTierConnector`` only (vLLM builds the
+spec in workers too), when the policy names a secret; the wire protocol is in
+``sessionkv.control``.
+
+One daemon thread owns both ZMQ sockets. It sleeps in ``poll`` (no timeout)
+on the request socket, the event log's wake pipe and a stop pipe, so an idle
+engine stays idle. A vLLM engine with no requests runs no steps, so this
+thread applies hints itself, under the tier manager's lock, and only changes
+metadata there (pins, priorities, TTLs, session ends): it never evicts,
+allocates or calls ``lookup`` (DESIGN.md, "Threads"). The reply is sent after
+the hint took effect: a request sent after the reply sees it.
+
+Bounds: ZMQ queues at most ``QUEUE_FRAMES`` requests (then the sender
+blocks or drops, per its socket), requests over ``MAX_FRAME_BYTES`` get a
+``rejected`` outcome and ZMQ disconnects peers over ``HARD_MAX_FRAME_BYTES``;
+each client gets ``rate`` requests per second and, separately, ``rate`` hints
+per second (the hint executor's buckets). ROUTER sockets queue fairly between
+peers, so one client's flood delays the others by at most its share.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+from vllm.logger import init_logger
+
+from sessionkv import control as wire
+from sessionkv.events import encode as encode_event
+from sessionkv.hints import MAX_ID_LEN, HintOutcome, Status, parse_envelope
+
+from .hint_executor import TokenBuckets
+from .manager import SessionTierManager
+
+logger = init_logger(__name__)
+QUEUE_FRAMES = 1024
+BATCH = 64          # requests handled before the event log gets a turn
+
+
+class ControlChannel:
+    """Request/reply (ROUTER) and event stream (PUB) of one engine (one DP rank)."""
+
+    def __init__(
+        self,
+        manager: SessionTierManager,
+        secret: bytes,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        info: dict[str, Any] | None = None,
+        rate: float = 100.0,
+        clock: Callable[[], float] | None = None,
+    ):
+        if manager.event_log is None:
+            raise ValueError("the manager must have an event log (enable_events)")
+        self._manager = manager
+        self._events = manager.event_log
+        self._secret = secret
+        self._guard = wire.ReplayGuard()
+        self._frames = TokenBuckets(rate, clock or time.monotonic)
+        self._ctx = zmq.Context(io_threads=1)
+        try:
+            self._router = self._socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.RCVHWM, QUEUE_FRAMES)
+            self._router.setsockopt(zmq.MAXMSGSIZE, wire.HARD_MAX_FRAME_BYTES)
+            self._pub = self._socket(zmq.PUB)
+            self.endpoint = _bind(self._router, host, port)
+            self.events_endpoint = _bind(self._pub, host, port + 1 if port else 0)
+        except Exception:
+            self._ctx.destroy(linger=0)
+            raise
+        self.info = {**(info or {}), "events": self.events_endpoint}
+        self._stop_r, self._stop_w = os.pipe()
+        self._thread = threading.Thread(target=self._run, name="sessionkv-control", daemon=True)
+        self._closed = False
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        s = self._ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, QUEUE_FRAMES)
+        return s
+
+    def start(self) -> "ControlChannel":
+        self._thread.start()
+        return self
+
+    def write_endpoint_file(self, path: str) -> None:
+        """Publish the endpoints as JSON (atomically: a reader never sees half)."""
+        tmp = Path(f"{path}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"control": self.endpoint, **self.info}))
+        os.replace(tmp, path)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread.is_alive():
+            os.write(self._stop_w, b"x")
+            self._thread.join(timeout=5)
+        os.close(self._stop_r)
+        os.close(self._stop_w)
+        self._ctx.destroy(linger=0)
+
+    # ---- the thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._events.wake_fd, zmq.POLLIN)
+        poller.register(self._stop_r, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll())
+            if self._stop_r in ready:
+                return
+            if self._router in ready:
+                for _ in range(BATCH):
+                    try:
+                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    self._serve(frames)
+            if self._events.wake_fd in ready:
+                self._publish()
+
+    def _publish(self) -> None:
+        for ev in self._events.drain_new():
+            payload = encode_event(ev)
+            tag = wire.mac(wire.EVENT_DOMAIN, payload, self._secret)
+            try:
+                self._pub.send_multipart([ev.__struct_config__.tag.encode(), payload, tag],
+                                         zmq.NOBLOCK)
+            except zmq.Again:        # a slow subscriber catches up with op "events"
+                pass
+
+    def _serve(self, frames: list[bytes]) -> None:
+        identity, body = frames[0], frames[1:]
+        try:
+            reply = self._handle(body)
+        except Exception:            # a bug costs this request, never the thread
+            logger.exception("sessionkv: control request failed")
+            reply = wire.refused(0, "internal error")
+        payload = wire.request_encoder.encode(reply)
+        tag = wire.mac(wire.REPLY_DOMAIN, payload, self._secret)
+        try:
+            self._router.send_multipart([identity, payload, tag], zmq.NOBLOCK)
+        except zmq.ZMQError:         # the client is gone or not reading
+            pass
+
+    def _handle(self, body: list[bytes]) -> wire.ControlReply:
+        if len(body) != 2:
+            return wire.refused(0, "malformed frame: expected [payload, mac]")
+        payload, tag = body
+        if len(payload) > wire.MAX_FRAME_BYTES:
+            return wire.refused(0, f"oversized frame: more than {wire.MAX_FRAME_BYTES} bytes")
+        if not wire.authentic(wire.REQUEST_DOMAIN, payload, tag, self._secret):
+            return wire.refused(0, "unauthenticated: bad mac (wrong secret?)")
+        try:
+            req = wire.request_decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            return wire.refused(0, f"malformed request: {e}")
+        client = req.client
+        if not _short(client):
+            return wire.refused(req.counter, f"client must be 1..{MAX_ID_LEN} chars")
+        why = self._guard.check(client, req.counter)
+        if why:
+            return wire.refused(req.counter, why)
+        if not self._frames.take(client):
+            return wire.refused(req.counter, "rate limit exceeded")
+        return self._dispatch(req, client)
+
+    def _dispatch(self, req: wire.ControlRequest, client: str) -> wire.ControlReply:
+        reply = wire.ControlReply(counter=req.counter)
+        if req.session_id is not None and not _short(req.session_id):
+            return wire.refused(req.counter, f"session_id must be 1..{MAX_ID_LEN} chars")
+        if req.op == "hello":
+            reply.info = self.info
+        elif req.op == "hints":
+            items = [h if isinstance(h, HintOutcome) else msgspec.structs.replace(h, signed=True)
+                     for h in parse_envelope(req.hints, req.session_id)]
+            reply.outcomes = self._manager.control_hints(items, req.session_id,
+                                                         f"control:{client}")
+        elif req.op == "end_session":
+            if req.session_id is None:
+                return wire.refused(req.counter, "end_session needs session_id")
+            live = self._manager.end_session(req.session_id)
+            outcome = HintOutcome("end_session", "end_session",
+                                  Status.ACCEPTED if live else Status.MISSING,
+                                  reason="" if live else "unknown or already ended session")
+            self._manager.emit_outcomes([outcome], "control", req.session_id, client)
+            reply.outcomes = [outcome]
+        elif req.op == "events":
+            limit = max(0, min(req.limit, wire.MAX_EVENTS_PER_REPLY))
+            reply.events, reply.oldest, reply.next_seq = self._events.since(req.after, limit)
+        else:
+            return wire.refused(req.counter, f"unknown op {req.op[:64]!r}; ops: {', '.join(wire.OPS)}")
+        return reply
+
+
+def _bind(sock: zmq.Socket, host: str, port: int) -> str:
+    if port:
+        sock.bind(f"tcp://{host}:{port}")
+    else:
+        port = sock.bind_to_random_port(f"tcp://{host}")
+    return f"tcp://{host}:{port}"
+
+
+def _short(value: str) -> bool:
+    return 0 < len(value) <= MAX_ID_LEN

@@ -1,0 +1,310 @@
+"""Clients of an engine's control channel: ``HintClient`` (blocking) and
+``AsyncHintClient`` (asyncio), the same verbs on both.
+
+    client = HintClient("tcp://127.0.0.1:5700", secret)
+    client.pin("session-1", ttl_s=120)          # -> HintOutcome
+    client.end_session("session-1")
+    for event in client.subscribe(after=0):     # catch up, then follow
+        ...
+
+An endpoint comes from the engine's configuration (``sessionkv.control.port``)
+or from the JSON file it writes (``sessionkv.control.endpoint_file``):
+``HintClient.from_endpoint_file(path, secret)``.
+
+Every reply is authenticated; a reply that is not, or none within
+``timeout_s``, raises ``ControlError``. Frames the engine refused come back as
+one ``rejected`` outcome (``reply.error`` says why), not as exceptions.
+Neither client is thread-safe: use one per thread (or per event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from sessionkv import control as wire
+from sessionkv.events import AnyEvent, KINDS
+from sessionkv.events import decode as decode_event
+from sessionkv.hints import Action, HintOutcome, envelope, hint_action
+
+
+class ControlError(RuntimeError):
+    """No authentic reply: the engine is unreachable, slow, or has another secret."""
+
+
+class EventPage(tuple):
+    """``(events, oldest, next_seq)`` from op ``events``."""
+
+    @property
+    def events(self) -> list[AnyEvent]:
+        return self[0]
+
+    @property
+    def oldest(self) -> int:
+        return self[1]
+
+    @property
+    def next_seq(self) -> int:
+        return self[2]
+
+
+class _Protocol:
+    """Framing shared by both clients, and the verbs (each returns what
+    ``_one`` returns: a value for ``HintClient``, an awaitable for the other)."""
+
+    def __init__(self, endpoint: str, secret: bytes, client_id: str | None, timeout_s: float):
+        if not secret:
+            raise ValueError("the control channel needs the engine's shared secret")
+        self.endpoint = endpoint
+        self._secret = secret
+        self.client_id = client_id or f"{os.uname().nodename[:40]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._timeout_ms = int(timeout_s * 1000)
+        self._counter = 0
+
+    @classmethod
+    def from_endpoint_file(cls, path: str, secret: bytes, **kwargs):
+        with open(path, encoding="utf-8") as f:
+            return cls(json.load(f)["control"], secret, **kwargs)
+
+    def _frames(self, op: str, **fields: Any) -> tuple[int, list[bytes]]:
+        self._counter = max(self._counter + 1, time.time_ns())
+        payload = wire.request_encoder.encode(
+            wire.ControlRequest(client=self.client_id, counter=self._counter, op=op, **fields))
+        return self._counter, [payload, wire.mac(wire.REQUEST_DOMAIN, payload, self._secret)]
+
+    def _reply(self, frames: list[bytes], counter: int | None) -> wire.ControlReply:
+        """The authentic reply; to request ``counter`` unless it is None."""
+        if len(frames) != 2 or not wire.authentic(wire.REPLY_DOMAIN, frames[0], frames[1],
+                                                  self._secret):
+            raise ControlError(f"{self.endpoint}: reply not authentic (another secret?)")
+        reply = wire.reply_decoder.decode(frames[0])
+        if counter is not None and reply.counter not in (counter, 0):
+            raise ControlError(f"{self.endpoint}: reply to another request")
+        return reply
+
+    def _event(self, frames: list[bytes]) -> AnyEvent | None:
+        if len(frames) == 3 and wire.authentic(wire.EVENT_DOMAIN, frames[1], frames[2],
+                                               self._secret):
+            return decode_event(frames[1])
+        return None
+
+    def _subscriber(self, ctx: zmq.Context, events_endpoint: str, kinds) -> zmq.Socket:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        for k in kinds or KINDS:
+            sub.setsockopt(zmq.SUBSCRIBE, k.encode())
+        sub.connect(events_endpoint)
+        return sub
+
+    # ---- verbs: one action each, the default target being the session ----------
+
+    def pin(self, session_id: str, *, ttl_s: float | None = None, **target: Any):
+        return self._one(Action.PIN, session_id, ttl_s=ttl_s, **target)
+
+    def retain(self, session_id: str, *, priority: int, ttl_s: float | None = None,
+               **target: Any):
+        return self._one(Action.RETAIN, session_id, priority=priority, ttl_s=ttl_s, **target)
+
+    def demote(self, session_id: str, **target: Any):
+        return self._one(Action.DEMOTE, session_id, **target)
+
+    def prefetch(self, session_id: str, **target: Any):
+        return self._one(Action.PREFETCH, session_id, **target)
+
+    def share(self, session_id: str, *, destination: str, **target: Any):
+        return self._one(Action.SHARE, session_id, destination=destination, **target)
+
+
+def _action(action: Action, session_id: str, kw: dict[str, Any]) -> dict[str, Any]:
+    return hint_action(action, session_id=session_id, **kw)
+
+
+class HintClient(_Protocol):
+    """Blocking client (see the module docstring)."""
+
+    def __init__(self, endpoint: str, secret: bytes, *, client_id: str | None = None,
+                 timeout_s: float = 5.0):
+        super().__init__(endpoint, secret, client_id, timeout_s)
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(self.endpoint)
+            self._sock = s
+        return self._sock
+
+    def call(self, op: str, **fields: Any) -> wire.ControlReply:
+        """One request, its authentic reply."""
+        counter, frames = self._frames(op, **fields)
+        sock = self._socket()
+        sock.send_multipart(frames)
+        deadline = time.monotonic() + self._timeout_ms / 1000
+        while True:
+            left = int((deadline - time.monotonic()) * 1000)
+            if left <= 0 or not sock.poll(left):
+                self.close()         # a late reply must not answer the next request
+                raise ControlError(f"{self.endpoint}: no reply within {self._timeout_ms} ms")
+            reply = self._reply(sock.recv_multipart(), counter)
+            return reply
+
+    def hello(self) -> dict[str, Any]:
+        return self.call("hello").info
+
+    def hints(self, env: dict[str, Any], session_id: str | None = None) -> list[HintOutcome]:
+        """Send an envelope (``sessionkv.hints.envelope``); one outcome per action."""
+        return self.call("hints", hints=env, session_id=session_id).outcomes
+
+    def _one(self, action: Action, session_id: str, **kw: Any) -> HintOutcome:
+        return self.hints(envelope(_action(action, session_id, kw)), session_id)[0]
+
+    def end_session(self, session_id: str) -> HintOutcome:
+        return self.call("end_session", session_id=session_id).outcomes[0]
+
+    def events(self, after: int = 0, limit: int = 1000) -> EventPage:
+        r = self.call("events", after=after, limit=limit)
+        if not r.ok:
+            raise ControlError(f"{self.endpoint}: {r.error}")
+        return EventPage((r.events, r.oldest, r.next_seq))
+
+    def subscribe(self, after: int | None = None, kinds=None,
+                  idle_timeout_s: float | None = None) -> Iterator[AnyEvent]:
+        """Events in ``seq`` order: those kept after ``after`` first (None:
+        only new ones), then the stream; an event lost on the way is fetched
+        from the engine's log (while the engine keeps it). ``kinds`` filters
+        on this side. Ends after ``idle_timeout_s`` without events (None: never)."""
+        sub = self._subscriber(self._ctx, self.hello()["events"], None)
+        wanted = set(kinds or KINDS)
+        try:
+            time.sleep(0.05)         # let the subscription reach the publisher
+            last = self.events(1 << 62, 0).next_seq - 1 if after is None else after
+            upto = None              # catch up to the end of the log
+            timeout = None if idle_timeout_s is None else int(idle_timeout_s * 1000)
+            while True:
+                while upto is None or last < upto:
+                    page = self.events(last, wire.MAX_EVENTS_PER_REPLY)
+                    batch = [e for e in page.events if upto is None or e.seq <= upto]
+                    if not batch:
+                        break
+                    for e in batch:
+                        if e.__struct_config__.tag in wanted:
+                            yield e
+                        last = e.seq
+                if not sub.poll(timeout):
+                    return
+                ev = self._event(sub.recv_multipart())
+                if ev is None or ev.seq <= last:
+                    continue
+                upto = ev.seq        # fill (last, ev.seq] from the log if needed
+                if ev.seq == last + 1:
+                    last = ev.seq
+                    if ev.__struct_config__.tag in wanted:
+                        yield ev
+        finally:
+            sub.close(linger=0)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def __enter__(self) -> "HintClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncHintClient(_Protocol):
+    """asyncio client: the same verbs as ``HintClient``, awaited. Requests may
+    run concurrently on one client; replies are matched by counter."""
+
+    def __init__(self, endpoint: str, secret: bytes, *, client_id: str | None = None,
+                 timeout_s: float = 5.0):
+        super().__init__(endpoint, secret, client_id, timeout_s)
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._waiting: dict[int, Any] = {}
+        self._reader = None
+
+    async def call(self, op: str, **fields: Any) -> wire.ControlReply:
+        if self._sock is None:
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.connect(self.endpoint)
+        counter, frames = self._frames(op, **fields)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[counter] = fut
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.ensure_future(self._read())
+        await self._sock.send_multipart(frames)
+        try:
+            return await asyncio.wait_for(fut, self._timeout_ms / 1000)
+        except asyncio.TimeoutError:
+            raise ControlError(f"{self.endpoint}: no reply within {self._timeout_ms} ms") from None
+        finally:
+            self._waiting.pop(counter, None)
+
+    async def _read(self) -> None:
+        while self._waiting and self._sock is not None:
+            frames = await self._sock.recv_multipart()
+            try:
+                reply = self._reply(frames, None)
+            except ControlError as e:
+                for fut in self._waiting.values():
+                    if not fut.done():
+                        fut.set_exception(e)
+                continue
+            # Refused frames that could not be read come back with counter 0:
+            # they answer the oldest request still waiting.
+            key = reply.counter if reply.counter in self._waiting else min(self._waiting, default=None)
+            fut = self._waiting.get(key)
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+
+    async def hello(self) -> dict[str, Any]:
+        return (await self.call("hello")).info
+
+    async def hints(self, env: dict[str, Any], session_id: str | None = None) -> list[HintOutcome]:
+        return (await self.call("hints", hints=env, session_id=session_id)).outcomes
+
+    async def _one(self, action: Action, session_id: str, **kw: Any) -> HintOutcome:
+        return (await self.hints(envelope(_action(action, session_id, kw)), session_id))[0]
+
+    async def end_session(self, session_id: str) -> HintOutcome:
+        return (await self.call("end_session", session_id=session_id)).outcomes[0]
+
+    async def events(self, after: int = 0, limit: int = 1000) -> EventPage:
+        r = await self.call("events", after=after, limit=limit)
+        if not r.ok:
+            raise ControlError(f"{self.endpoint}: {r.error}")
+        return EventPage((r.events, r.oldest, r.next_seq))
+
+    async def stream(self, kinds=None) -> AsyncIterator[AnyEvent]:
+        """New events as they are published (no catch-up: use ``events``)."""
+        sub = self._subscriber(self._ctx, (await self.hello())["events"], kinds)
+        try:
+            while True:
+                ev = self._event(await sub.recv_multipart())
+                if ev is not None:
+                    yield ev
+        finally:
+            sub.close(linger=0)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None

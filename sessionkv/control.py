@@ -1,0 +1,110 @@
+"""The control channel's wire protocol, shared by the engine and its clients.
+
+Transport: ZMQ. Each engine (each DP rank) binds a ROUTER socket for
+request/reply and a PUB socket for its event stream (``sessionkv.events``).
+Everything on the wire is msgpack (msgspec); nothing is pickled.
+
+Request: two frames ``[payload, mac]``; ``payload`` is a ``ControlRequest``,
+``mac`` HMAC-SHA256 over ``REQUEST_DOMAIN + payload`` with the router's shared
+secret. ``counter`` must grow per client (clients use ``time.time_ns()``) and lie
+within ``REPLAY_WINDOW_S`` of the engine's clock: a replayed or stale frame is
+refused. Ops:
+
+- ``hello``: the engine's identity and event endpoint (``ControlReply.info``);
+- ``hints``: a ``KvHintsEnvelope`` (JSON form, ``sessionkv.hints``); the
+  default target is ``session_id``; one outcome per action;
+- ``end_session``: the session ends (its pins and retains are released); one
+  outcome (``accepted``, or ``missing`` for an unknown session);
+- ``events``: the kept events with ``seq > after`` (at most ``limit``).
+
+Reply: ``[payload, mac]`` with ``REPLY_DOMAIN``; ``counter`` echoes the
+request's. A frame refused as a whole (unauthenticated, replayed, oversized,
+malformed, rate limited) gets ``ok=False``, ``error`` and one ``rejected``
+outcome named ``"frame"``.
+
+Events: three frames ``[kind, payload, mac]`` with ``EVENT_DOMAIN``; the kind
+frame is the topic subscribers filter on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from typing import Any
+
+import msgspec
+
+from sessionkv.events import AnyEvent
+from sessionkv.hints import HintOutcome, Status
+
+REQUEST_DOMAIN = b"sessionkv-control-request-v1\n"
+REPLY_DOMAIN = b"sessionkv-control-reply-v1\n"
+EVENT_DOMAIN = b"sessionkv-event-v1\n"
+MAX_FRAME_BYTES = 4 << 20        # larger requests are refused with an outcome
+HARD_MAX_FRAME_BYTES = 16 << 20  # ZMQ drops a peer that sends more (ZMQ_MAXMSGSIZE)
+REPLAY_WINDOW_S = 60.0
+MAX_EVENTS_PER_REPLY = 10_000
+OPS = ("hello", "hints", "end_session", "events")
+
+
+class ControlRequest(msgspec.Struct, kw_only=True):
+    client: str
+    counter: int
+    op: str
+    session_id: str | None = None
+    hints: Any = None
+    after: int = 0
+    limit: int = 1000
+
+
+class ControlReply(msgspec.Struct, kw_only=True):
+    counter: int
+    ok: bool = True
+    error: str = ""
+    outcomes: list[HintOutcome] = []
+    events: list[AnyEvent] = []
+    oldest: int = 0               # op=events: oldest seq still kept
+    next_seq: int = 0             # op=events: the next seq the engine assigns
+    info: dict[str, Any] = {}
+
+
+def mac(domain: bytes, payload: bytes, secret: bytes) -> bytes:
+    return hmac.new(secret, domain + payload, hashlib.sha256).digest()
+
+
+def authentic(domain: bytes, payload: bytes, tag: bytes, secret: bytes) -> bool:
+    return hmac.compare_digest(mac(domain, payload, secret), tag)
+
+
+def refused(counter: int, reason: str) -> ControlReply:
+    return ControlReply(counter=counter, ok=False, error=reason,
+                        outcomes=[HintOutcome("frame", None, Status.REJECTED, reason=reason)])
+
+
+class ReplayGuard:
+    """Accepts each client's counters only increasing and near the clock.
+    Remembers the newest ``max_clients`` clients; a forgotten client's old
+    frames are still refused once they are older than the window."""
+
+    def __init__(self, window_s: float = REPLAY_WINDOW_S, max_clients: int = 4096):
+        self._window_ns = int(window_s * 1e9)
+        self._max = max_clients
+        self._last: dict[str, int] = {}
+
+    def check(self, client: str, counter: int) -> str:
+        """"" when fresh (and remembered), else why not."""
+        if abs(counter - time.time_ns()) > self._window_ns:
+            return "stale frame: counter outside the replay window (clock skew?)"
+        if counter <= self._last.get(client, 0):
+            return "replayed frame"
+        self._last.pop(client, None)
+        self._last[client] = counter
+        while len(self._last) > self._max:
+            del self._last[next(iter(self._last))]
+        return ""
+
+
+request_encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(ControlRequest)
+reply_decoder = msgspec.msgpack.Decoder(ControlReply)

@@ -1,0 +1,217 @@
+"""The control channel and event stream on real vLLM (tiny model, 12-chunk G2).
+
+The engine runs in this process, so it is idle between ``serve`` calls: no
+steps run, and only the channel's thread can apply a hint. Outputs are
+compared with cold references in tokens and logprobs, G1 poisoned.
+"""
+
+import asyncio
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from sessionkv import control as wire
+from sessionkv.client import AsyncHintClient, ControlError, HintClient
+from sessionkv.events import KINDS
+from sessionkv.server import remove_offload_region
+from test_pin_retain import SECRET, cold, engine, in_g2, make_engine, reset_g1, run  # noqa: F401
+
+
+def channel(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector.control
+
+
+@pytest.fixture
+def client(engine):
+    with HintClient(channel(engine).endpoint, SECRET) as c:
+        yield c
+
+
+def thread_cpu_ticks(tid: int) -> int:
+    """User + system clock ticks of one of this process's threads."""
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def test_out_of_band_pin_on_an_idle_engine_holds_through_a_flood(engine, client):
+    llm = engine
+    ref = cold(llm, "S", "T")
+    run(llm, "S", session="s")
+    run(llm, "T", session="t")                 # both in G2; the engine is idle now
+    tid = channel(llm)._thread.native_id
+    idle0 = thread_cpu_ticks(tid)
+    time.sleep(2.0)
+    # The channel thread sleeps in poll: a busy loop would burn ~200 ticks here.
+    assert thread_cpu_ticks(tid) - idle0 <= 5
+    out = client.pin("s", ttl_s=300)
+    assert (out.status, out.blocks_affected) == ("accepted", 6)
+    run(llm, "F")
+    run(llm, "G")                              # 12 new chunks through a 12-chunk G2
+    assert (in_g2(llm, "S"), in_g2(llm, "T")) == (6, 0)
+    reset_g1(llm)
+    tok, lps, rep = run(llm, "S", session="s")
+    assert (tok, lps) == ref["S"] and rep.blocks.g2 == 6
+    tok, lps, rep = run(llm, "T", session="t")
+    assert tok == ref["T"][0] and rep.blocks.g2 == 0
+    # Ending the session releases its pin: the next flood may take it.
+    assert client.end_session("s").status == "accepted"
+    assert client.end_session("s").status == "missing"
+    run(llm, "X")
+    run(llm, "Y")
+    assert in_g2(llm, "S") == 0
+
+
+def test_events_in_order_live_and_for_a_late_subscriber(engine, client):
+    llm = engine
+    live: list = []
+    started = threading.Event()
+
+    def follow():
+        with HintClient(channel(llm).endpoint, SECRET) as c:
+            it = c.subscribe(after=None, idle_timeout_s=3.0)
+            started.set()
+            live.extend(it)
+
+    t = threading.Thread(target=follow)
+    t.start()
+    started.wait()
+    time.sleep(0.3)
+    first = client.events(1 << 62, 0).next_seq
+    run(llm, "L", session="scen")
+    assert client.pin("scen", ttl_s=60).status == "accepted"
+    assert client.retain("nobody", priority=3).status == "missing"
+    assert client.end_session("scen").status == "accepted"
+    t.join()
+    mine = [e for e in live if e.seq >= first]
+    assert [e.seq for e in mine] == list(range(first, first + len(mine)))
+    kinds = [e.__struct_config__.tag for e in mine]
+    assert set(kinds) <= set(KINDS)
+    # The turn: the session grows, the blocks are copied G1 -> G2 and become
+    # resident; then the control hints' outcomes; then the session ends.
+    grow = [e for e in mine if e.__struct_config__.tag == "association" and e.op == "extend"]
+    assert grow and grow[-1].session_id == "scen" and grow[-1].blocks == 6
+    store = next(i for i, e in enumerate(mine) if e.__struct_config__.tag == "transfer")
+    assert (mine[store].src, mine[store].dst, mine[store].ok) == ("G1", "G2", True)
+    res = next(i for i, e in enumerate(mine) if e.__struct_config__.tag == "residency")
+    assert (res < store, mine[res].tier, mine[res].present) == (True, "G2", True)
+    assert set(mine[res].keys) <= set(mine[store].keys)     # stored, then reported copied
+    outs = [e for e in mine if e.__struct_config__.tag == "outcome"]
+    assert [(o.outcome.action, o.outcome.status, o.via) for o in outs] == [
+        ("kv.pin", "accepted", "control"), ("kv.retain", "missing", "control"),
+        ("end_session", "accepted", "control")]
+    assert kinds.index("outcome") > max(i for i, k in enumerate(kinds) if k == "transfer")
+    end = mine[-2]                          # then the end_session outcome
+    assert (end.__struct_config__.tag, end.session_id, end.op, end.reason) == (
+        "association", "scen", "end", "hint")
+    # A subscriber that joins now catches up on exactly the same events.
+    with HintClient(channel(llm).endpoint, SECRET) as late:
+        replay = [e for e in late.subscribe(after=first - 1, idle_timeout_s=0.5)]
+    assert [msgspec.to_builtins(e) for e in replay] == [msgspec.to_builtins(e) for e in mine]
+
+
+def raw_call(endpoint, frames):
+    """Send frames as they are; the reply decoded without checking its MAC."""
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    try:
+        s.send_multipart(frames)
+        assert s.poll(5000)
+        payload, tag = s.recv_multipart()
+        assert wire.authentic(wire.REPLY_DOMAIN, payload, tag, SECRET)
+        return wire.reply_decoder.decode(payload)
+    finally:
+        s.close()
+
+
+def test_bad_frames_get_rejected_outcomes_and_the_engine_keeps_serving(engine, client):
+    llm = engine
+    ref = cold(llm, "H")
+    ep = channel(llm).endpoint
+    # Wrong secret: the client cannot trust the answer; the engine refused it.
+    with HintClient(ep, b"not-the-router-secret-at-all") as wrong:
+        with pytest.raises(ControlError, match="not authentic"):
+            wrong.pin("h")
+    counter, frames = client._frames("hints", session_id="h", hints={})
+    bad = raw_call(ep, [frames[0], b"\0" * 32])
+    assert (bad.ok, bad.outcomes[0].status) == (False, "rejected")
+    assert "unauthenticated" in bad.error
+    # Replayed: the same authentic frame twice.
+    counter, frames = client._frames("hello")
+    assert raw_call(ep, frames).ok
+    again = raw_call(ep, frames)
+    assert (again.ok, again.error, again.counter) == (False, "replayed frame", counter)
+    # Stale: an authentic frame from two minutes ago.
+    payload = wire.request_encoder.encode(wire.ControlRequest(
+        client="old", counter=time.time_ns() - 120 * 10**9, op="hello"))
+    stale = raw_call(ep, [payload, wire.mac(wire.REQUEST_DOMAIN, payload, SECRET)])
+    assert not stale.ok and stale.error.startswith("stale frame")
+    # Oversized, malformed, wrong shape, unknown op: rejected outcomes.
+    big = b"\x00" * (wire.MAX_FRAME_BYTES + 1)
+    assert "oversized" in raw_call(ep, [big, wire.mac(wire.REQUEST_DOMAIN, big, SECRET)]).error
+    junk = b"\xc1not msgpack"
+    assert "malformed" in raw_call(ep, [junk, wire.mac(wire.REQUEST_DOMAIN, junk, SECRET)]).error
+    assert "malformed frame" in raw_call(ep, [b"a", b"b", b"c"]).error
+    r = client.call("evict_everything")
+    assert (r.ok, r.outcomes[0].status) == (False, "rejected") and "unknown op" in r.error
+    # Malformed hints inside an authentic frame: one outcome per action.
+    outs = client.hints({"protocol_version": "1.0", "message_id": "m", "actions": [
+        {"action_id": "x", "action_type": "kv.evict", "action_version": "1.0", "payload": {}},
+        {"action_id": "y", "action_type": "kv.pin", "action_version": "1.0",
+         "payload": {"ttl_s": -5}}]}, session_id="h")
+    assert [(o.hint_id, o.status) for o in outs] == [("x", "rejected"), ("y", "rejected")]
+    assert client.pin("h", ttl_s=10**9).status == "missing"     # not served yet
+    # The engine still serves, exactly.
+    tok, lps, _ = run(llm, "H", session="h")
+    assert (tok, lps) == ref["H"]
+    assert client.pin("h", ttl_s=10**9).status == "clipped"      # ttl over max_ttl_s
+
+
+def test_a_flooding_client_is_rate_limited_others_are_served(engine):
+    llm = engine
+    ref = cold(llm, "G")
+    run(llm, "G", session="g")
+    ep = channel(llm).endpoint
+
+    async def scenario():
+        flood = AsyncHintClient(ep, SECRET, client_id="flooder", timeout_s=30)
+        calm = AsyncHintClient(ep, SECRET, client_id="calm", timeout_s=30)
+        try:
+            flooded = asyncio.gather(*[flood.pin("g", ttl_s=5) for _ in range(400)])
+            await asyncio.sleep(0)
+            calm_out = [await calm.pin("g", ttl_s=5) for _ in range(5)]
+            return await flooded, calm_out
+        finally:
+            flood.close()
+            calm.close()
+
+    flooded, calm_out = asyncio.run(scenario())
+    limited = [o for o in flooded if o.status == "rejected" and "rate limit" in o.reason]
+    assert len(limited) >= 250 and len(flooded) == 400   # 100/s: a burst of at most ~100 pass
+    assert [o.status for o in calm_out] == ["accepted"] * 5
+    reset_g1(llm)
+    tok, lps, rep = run(llm, "G", session="g")
+    assert (tok, lps) == ref["G"] and rep.blocks.g2 == 6
+
+
+def test_two_engines_side_by_side_have_their_own_channels(engine, tmp_path_factory, client):
+    other, other_id = make_engine(tmp_path_factory, "session")
+    try:
+        a, b = channel(engine), channel(other)
+        assert len({a.endpoint, a.events_endpoint, b.endpoint, b.events_endpoint}) == 4
+        with HintClient(b.endpoint, SECRET) as cb:
+            assert cb.hello()["engine_id"] == other_id
+            assert client.hello()["engine_id"] != other_id
+            run(other, "Y", session="only-on-b")
+            assert cb.pin("only-on-b", ttl_s=30).status == "accepted"
+            out = client.pin("only-on-b", ttl_s=30)
+            assert (out.status, out.reason) == ("missing", "unknown session")
+    finally:
+        other.llm_engine.engine_core.shutdown()
+        remove_offload_region(other_id)
+    assert channel(other) is None or channel(other)._closed
