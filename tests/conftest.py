@@ -2,7 +2,10 @@
 
 import os
 import sys
+import warnings
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 E2E = ROOT / "tests" / "e2e"
@@ -17,3 +20,27 @@ sys.path.insert(0, str(E2E))
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(E2E), os.environ.get("PYTHONPATH")) if p
 )
+
+
+@pytest.fixture(scope="session")
+def mooncake(tmp_path_factory):
+    """A real mooncake_master and one standalone store process (512 MB) on
+    free ports, for the whole session. Inside scripts/test's private network
+    namespace where the machine allows one (it says so when it does not)."""
+    from sessionkv.server import free_port
+    from sessionkv.services import MooncakePorts, lan_address, mooncake_master, mooncake_store
+    if not os.environ.get("SESSIONKV_NETNS"):
+        warnings.warn("no private network namespace: Mooncake's store process listens on "
+                      f"all interfaces ({lan_address()}) while the tests run")
+    ports = MooncakePorts(rpc=free_port(), metadata=free_port(), metrics=free_port(),
+                          store=free_port())
+    logs = tmp_path_factory.mktemp("mooncake")
+    master = mooncake_master(logs, ports).start()
+    try:
+        store = mooncake_store(logs, ports).start()
+    except Exception:
+        master.stop()
+        raise
+    yield ports
+    store.stop()
+    master.stop()

@@ -1,0 +1,194 @@
+"""The contract every G3 tier passes (Mooncake today; Redis and LMCache join
+by adding a backend to ``BACKENDS``), on the real backend service.
+
+A tier is driven the way vLLM's tiering manager drives it: ``submit_store``
+from G2 slots, ``lookup``, ``submit_load`` into other G2 slots (poisoned
+first, so a load that wrote nothing fails), ``get_finished_jobs``,
+``drain_jobs``.
+"""
+
+import types
+import uuid
+
+import numpy as np
+import pytest
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import init_none_hash
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.base import TransferJob
+
+from sessionkv.tiers.g3 import SUM_SUFFIX, G3Tier
+
+from conftest import MODELS
+
+CHUNK = 4096
+N_CHUNKS = 16
+init_none_hash(sha256)          # what the engine does at start
+
+
+def spec(model=str(MODELS / "tiny"), block_size=32, dtype="float32"):
+    cfg = OffloadingConfig(
+        groups=(OffloadingGroupConfig(block_size, ("layer.0",), 0),),
+        worker_kv_bytes_per_block=CHUNK, enable_kv_cache_events=False, extra_config={},
+        engine_id="contract", model=OffloadingModelConfig(model, dtype),
+        cache=OffloadingCacheConfig(block_size, 1),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True))
+    return types.SimpleNamespace(config=cfg)
+
+
+def mooncake_tier(services, **kw):
+    from sessionkv.services import lan_address
+    from sessionkv.tiers.mooncake import MooncakeTier
+    ports = services["mooncake"]
+    return lambda spec, view, namespace: MooncakeTier(
+        spec, view, "mooncake", master=ports.master, metadata_server=ports.metadata_url,
+        local_hostname=lan_address(), namespace=namespace, **kw)
+
+
+BACKENDS = {"mooncake": mooncake_tier}
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def make(request, mooncake):
+    """(tier factory, the region it copies from/into) per backend; each test
+    gets its own namespace, so tests never see each other's objects."""
+    factory = BACKENDS[request.param]({"mooncake": mooncake})
+    namespace = f"contract-{uuid.uuid4().hex[:8]}"
+    made = []
+
+    def build(spec_=None, namespace_=namespace):
+        region = np.zeros((N_CHUNKS, CHUNK), np.uint8)
+        tier = factory(spec_ or spec(), memoryview(region), namespace_)
+        made.append(tier)
+        return tier, region
+
+    yield build
+    for t in made:
+        t.shutdown()
+
+
+KEYS = [bytes([i]) * 32 + bytes(4) for i in range(1, 9)]
+_jobs = iter(range(1, 1 << 30))
+
+
+def job(keys, slots, promotion):
+    return TransferJob(next(_jobs), list(keys), np.asarray(slots, np.int64), promotion,
+                       ReqContext(req_id="r"))
+
+
+def run(tier, keys, slots, promotion):
+    j = job(keys, slots, promotion)
+    (tier.submit_load if promotion else tier.submit_store)(j)
+    tier.drain_jobs()
+    (result,) = [r for r in tier.get_finished_jobs() if r.job_id == j.job_id]
+    return result
+
+
+def fill(region, slots, seed):
+    rng = np.random.default_rng(seed)
+    for s in slots:
+        region[s] = rng.integers(0, 256, CHUNK, dtype=np.uint8)
+
+
+def test_store_lookup_load_round_trip_exact_bytes(make):
+    tier, region = make()
+    fill(region, range(4), seed=1)
+    assert [tier.lookup(k, ReqContext(req_id="r")) for k in KEYS[:4]] == [LookupResult.MISS] * 4
+    assert run(tier, KEYS[:4], range(4), False).success
+    assert [tier.lookup(k, ReqContext(req_id="r")) for k in KEYS[:4]] == [LookupResult.HIT] * 4
+    fill(region, range(8, 12), seed=99)                    # poison the destination
+    res = run(tier, KEYS[:4], range(8, 12), True)
+    assert res.success and res.transfer_bytes == 4 * CHUNK
+    assert np.array_equal(region[8:12], region[0:4])
+    assert tier.get_finished_jobs() == []                  # each job is reported once
+
+
+def test_a_second_engine_with_the_same_identity_reads_the_objects(make):
+    a, region_a = make()
+    b, region_b = make()
+    fill(region_a, [0], seed=2)
+    assert run(a, KEYS[:1], [0], False).success
+    assert b.lookup(KEYS[0], ReqContext(req_id="r")) is LookupResult.HIT
+    assert run(b, KEYS[:1], [5], True).success
+    assert np.array_equal(region_b[5], region_a[0])
+
+
+def test_storing_what_is_there_succeeds_and_keeps_the_first_bytes(make):
+    tier, region = make()
+    fill(region, [0, 1], seed=3)
+    assert run(tier, KEYS[:1], [0], False).success
+    assert run(tier, KEYS[:1], [1], False).success          # other bytes, same key: kept
+    assert run(tier, KEYS[:1], [2], True).success
+    assert np.array_equal(region[2], region[0])
+
+
+def test_missing_objects_fail_their_load_and_only_theirs(make):
+    tier, region = make()
+    fill(region, [0, 1], seed=4)
+    assert run(tier, KEYS[:2], [0, 1], False).success
+    res = run(tier, [KEYS[0], KEYS[5], KEYS[1]], [8, 9, 10], True)
+    assert not res.success and set(res.successful_keys) == {KEYS[0], KEYS[1]}
+    res = run(tier, KEYS[6:8], [8, 9], True)
+    assert not res.success and not res.successful_keys
+
+
+def test_corrupted_bytes_fail_the_checksum(make):
+    tier, region = make()
+    fill(region, [0, 1], seed=5)
+    assert run(tier, KEYS[:2], [0, 1], False).success
+    name = tier.name(KEYS[0])
+    backend = tier._backend
+    assert backend.remove([name]) == [True]
+    fill(region, [3], seed=6)                              # other bytes of the right size
+    assert backend.put_chunks([name], [3 * CHUNK], CHUNK) == [True]
+    res = run(tier, KEYS[:2], [8, 9], True)
+    assert not res.success and list(res.successful_keys) == [KEYS[1]]
+
+
+def test_short_objects_and_missing_checksums_are_misses(make):
+    tier, region = make()
+    fill(region, [0, 1], seed=7)
+    assert run(tier, KEYS[:2], [0, 1], False).success
+    backend = tier._backend
+    name0, name1 = tier.name(KEYS[0]), tier.name(KEYS[1])
+    assert backend.remove([name0]) == [True]
+    assert backend.put_chunks([name0], [0], CHUNK // 2) == [True]          # a short object
+    assert backend.remove([name1 + SUM_SUFFIX]) == [True]                   # no checksum
+    assert tier.lookup(KEYS[1], ReqContext(req_id="r")) is LookupResult.MISS
+    res = run(tier, KEYS[:2], [8, 9], True)
+    assert not res.success and not res.successful_keys
+
+
+@pytest.mark.parametrize("other", [
+    {"block_size": 64},                     # another block size
+    {"dtype": "bfloat16"},                  # another KV dtype
+    {"model": str(MODELS / "realistic")},   # another model
+])
+def test_another_identity_is_a_miss(make, other):
+    tier, region = make()
+    fill(region, [0], seed=8)
+    assert run(tier, KEYS[:1], [0], False).success
+    stranger, _ = make(spec(**other))
+    assert stranger.prefix != tier.prefix
+    assert stranger.lookup(KEYS[0], ReqContext(req_id="r")) is LookupResult.MISS
+    res = run(stranger, KEYS[:1], [3], True)
+    assert not res.success
+
+
+def test_many_jobs_in_flight_drain_and_report_once(make):
+    tier, region = make()
+    fill(region, range(8), seed=9)
+    jobs = [job([k], [i], False) for i, k in enumerate(KEYS)]
+    for j in jobs:
+        tier.submit_store(j)
+    tier.drain_jobs()
+    results = list(tier.get_finished_jobs())
+    assert sorted(r.job_id for r in results) == sorted(j.job_id for j in jobs)
+    assert all(r.success for r in results) and not tier.has_pending_work()

@@ -1,0 +1,123 @@
+"""G3 on Mooncake Store (TCP, or RDMA by configuration).
+
+In ``kv_connector_extra_config``::
+
+    "secondary_tiers": [{"type": "MooncakeTier", "module_path": "sessionkv.tiers.mooncake",
+                         "master": "127.0.0.1:50051",
+                         "metadata_server": "http://127.0.0.1:8080/metadata",
+                         "local_hostname": "10.0.0.5", "protocol": "tcp"}]
+
+The engine mounts no storage of its own (``global_segment_size`` 0): capacity
+comes from standalone store processes (``mooncake_client``, started by
+``scripts/services``), so objects outlive any engine. The G2 host region is
+registered once (``register_buffer``), and chunks move with the zero-copy
+batch calls (``batch_put_from``, ``batch_get_into``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from .g3 import G3Tier, ObjectBackend
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+# Mooncake ErrorCodes (mooncake-store/include/types.h).
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -706
+
+
+class MooncakeBackend(ObjectBackend):
+    """``ObjectBackend`` over one ``MooncakeDistributedStore`` client."""
+
+    def __init__(
+        self,
+        *,
+        master: str,
+        metadata_server: str,
+        local_hostname: str,
+        protocol: str = "tcp",
+        device_name: str = "",
+        local_buffer_bytes: int = 16 << 20,
+    ):
+        from mooncake.store import MooncakeDistributedStore
+
+        self._store = MooncakeDistributedStore()
+        rc = self._store.setup(local_hostname, metadata_server, 0, local_buffer_bytes,
+                               protocol, device_name, master)
+        if rc != 0:
+            raise ConnectionError(
+                f"Mooncake Store setup failed (rc {rc}): master {master}, metadata "
+                f"{metadata_server}, local_hostname {local_hostname}, protocol {protocol}")
+        self._base = 0
+
+    def bind_region(self, region: memoryview, address: int) -> None:
+        rc = self._store.register_buffer(address, len(region))
+        if rc != 0:
+            raise ConnectionError(f"Mooncake register_buffer of the G2 region failed (rc {rc})")
+        self._base = address
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        return [r == 1 for r in self._store.batch_is_exist(list(names))]
+
+    def put_chunks(self, names: Sequence[str], offsets: Sequence[int], size: int) -> list[bool]:
+        rcs = self._store.batch_put_from(list(names), [self._base + o for o in offsets],
+                                         [size] * len(names))
+        return [rc == 0 or rc == OBJECT_ALREADY_EXISTS for rc in rcs]
+
+    def get_chunks(self, names: Sequence[str], offsets: Sequence[int], size: int) -> list[bool]:
+        rcs = self._store.batch_get_into(list(names), [self._base + o for o in offsets],
+                                         [size] * len(names))
+        return [rc == size for rc in rcs]
+
+    def put_small(self, names: Sequence[str], values: Sequence[bytes]) -> list[bool]:
+        if not names:
+            return []
+        ok = self._store.upsert_batch(list(names), list(values)) == 0
+        return [ok] * len(names)
+
+    def get_small(self, names: Sequence[str]) -> list[bytes | None]:
+        if not names:
+            return []
+        return [v or None for v in self._store.get_batch(list(names))]
+
+    def remove(self, names: Sequence[str]) -> list[bool]:
+        if not names:
+            return []
+        return [rc == 0 or rc == OBJECT_NOT_FOUND
+                for rc in self._store.batch_remove(list(names), True)]
+
+    def close(self) -> None:
+        self._store.close()
+
+
+class MooncakeTier(G3Tier):
+    """G3 tier on Mooncake Store (see the module docstring)."""
+
+    def __init__(
+        self,
+        offloading_spec: "OffloadingSpec",
+        primary_kv_view: memoryview,
+        tier_type: str,
+        master: str,
+        metadata_server: str,
+        local_hostname: str,
+        protocol: str = "tcp",
+        device_name: str = "",
+        namespace: str = "sessionkv",
+        io_threads: int = 2,
+        backpressure_detector: "BackpressureDetector | None" = None,
+    ):
+        backend = MooncakeBackend(master=master, metadata_server=metadata_server,
+                                  local_hostname=local_hostname, protocol=protocol,
+                                  device_name=device_name)
+        try:
+            super().__init__(offloading_spec, primary_kv_view, tier_type, backend,
+                             namespace=namespace, io_threads=io_threads,
+                             backpressure_detector=backpressure_detector)
+        except Exception:
+            backend.close()
+            raise
