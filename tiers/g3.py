@@ -17,6 +17,9 @@ its data object was stored, and is what ``lookup`` asks for; a load verifies
 the bytes it copied against it. Never wrong KV: a chunk whose checksum object
 is missing, whose data is missing, short, or does not match, fails its load,
 and vLLM recomputes it (the G2 slot it was copied into is freed, unread).
+A chunk that failed a load is a miss for ``MISS_AFTER_FAILURE_S`` (vLLM would
+otherwise promote it again at once, forever), and a chunk that failed its
+checksum loses its checksum object, so no engine finds it again.
 
 Threading: vLLM calls the tier on the scheduler thread; copies run on the
 tier's I/O threads, which report finished jobs through a queue that
@@ -54,6 +57,8 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 SUM = struct.Struct("<QQ")          # xxh3-64 of the chunk, its length
 SUM_SUFFIX = ".sum"
+MISS_AFTER_FAILURE_S = 30.0
+MAX_FAILED = 65_536
 
 
 def checksum(data) -> bytes:
@@ -135,6 +140,7 @@ class G3Tier(SecondaryTierManager):
                                         thread_name_prefix=f"sessionkv-{tier_type}")
         self._pending: set[Future] = set()
         self._done: list[JobResult] = []
+        self._failed: dict[str, float] = {}     # name -> until when it is a miss
         self._lock = threading.Lock()
 
     # ---- names ----------------------------------------------------------------
@@ -159,7 +165,15 @@ class G3Tier(SecondaryTierManager):
     # ---- vLLM's contract (scheduler thread) ------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        (hit,) = self._backend.exists([self.name(key) + SUM_SUFFIX])
+        name = self.name(key)
+        if self._failed:
+            with self._lock:
+                until = self._failed.get(name)
+                if until is not None:
+                    if until > time.monotonic():
+                        return LookupResult.MISS
+                    del self._failed[name]
+        (hit,) = self._backend.exists([name + SUM_SUFFIX])
         return LookupResult.HIT if hit else LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
@@ -214,12 +228,23 @@ class G3Tier(SecondaryTierManager):
             logger.exception("sessionkv: G3 job %d failed", job_id)
             ok = []
         good = [k for k, o in zip(keys, ok) if o]
+        if len(good) < len(keys) and fn == self._load:
+            self._remember_failed([n for n, o in zip(names, ok) if not o])
         result = JobResult(job_id=job_id, success=len(good) == len(keys),
                            successful_keys=good if len(good) < len(keys) else None,
                            transfer_time=time.monotonic() - start,
                            transfer_bytes=len(good) * self._chunk)
         with self._lock:
             self._done.append(result)
+
+    def _remember_failed(self, names: list[str]) -> None:
+        until = time.monotonic() + MISS_AFTER_FAILURE_S
+        with self._lock:
+            for n in names:
+                self._failed.pop(n, None)
+                self._failed[n] = until
+            while len(self._failed) > MAX_FAILED:
+                del self._failed[next(iter(self._failed))]
 
     def _store(self, names: list[str], offsets: list[int]) -> list[bool]:
         have = self._backend.exists([n + SUM_SUFFIX for n in names])
@@ -240,13 +265,17 @@ class G3Tier(SecondaryTierManager):
     def _load(self, names: list[str], offsets: list[int]) -> list[bool]:
         want = self._backend.get_small([n + SUM_SUFFIX for n in names])
         got = self._backend.get_chunks(names, offsets, self._chunk)
-        ok = []
+        ok, broken = [], []
         for name, off, w, g in zip(names, offsets, want, got):
             good = bool(g) and w is not None and len(w) == SUM.size and \
                 w == checksum(self._region[off:off + self._chunk])
-            if g and not good:
-                logger.warning("sessionkv: G3 object %s failed its checksum: recomputing", name)
+            if w is not None and not good:      # listed, but its data is gone, short or wrong
+                broken.append(name)
             ok.append(good)
+        if broken:
+            logger.warning("sessionkv: %d G3 objects unreadable or failing their checksum "
+                           "(%s...): recomputing, and unlisting them", len(broken), broken[0])
+            self._backend.remove([n + SUM_SUFFIX for n in broken])
         return ok
 
 

@@ -150,6 +150,11 @@ def test_corrupted_bytes_fail_the_checksum(make):
     assert backend.put_chunks([name], [3 * CHUNK], CHUNK) == [True]
     res = run(tier, KEYS[:2], [8, 9], True)
     assert not res.success and list(res.successful_keys) == [KEYS[1]]
+    # No second promotion of the bad chunk, here or in another engine.
+    assert tier.lookup(KEYS[0], ReqContext(req_id="r")) is LookupResult.MISS
+    other, _ = make()
+    assert other.lookup(KEYS[0], ReqContext(req_id="r")) is LookupResult.MISS
+    assert other.lookup(KEYS[1], ReqContext(req_id="r")) is LookupResult.HIT
 
 
 def test_short_objects_and_missing_checksums_are_misses(make):
@@ -164,6 +169,7 @@ def test_short_objects_and_missing_checksums_are_misses(make):
     assert tier.lookup(KEYS[1], ReqContext(req_id="r")) is LookupResult.MISS
     res = run(tier, KEYS[:2], [8, 9], True)
     assert not res.success and not res.successful_keys
+    assert tier.lookup(KEYS[0], ReqContext(req_id="r")) is LookupResult.MISS
 
 
 @pytest.mark.parametrize("other", [

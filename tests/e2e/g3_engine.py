@@ -1,0 +1,54 @@
+"""One engine process for the G3 tests: serve prompts serially through a
+SessionTierConnector with the given G3 tiers, then exit.
+
+    python g3_engine.py SPEC_JSON OUT_JSON
+
+SPEC: {"model", "block_size", "tiers", "prompts": [[token ids]...], "poison": bool}.
+With ``poison``, G1 and G2 are filled with garbage before the first request,
+so chunks loaded from G3 must overwrite them. OUT: one {"tokens", "logprobs",
+"report", "objects"} per prompt, ``objects`` naming the G3 data objects of its
+full blocks.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def main(spec_path: str, out_path: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    from engines import POISON_EXT, kv_transfer_config, new_engine_id, poison_g2, serve
+    from test_index_e2e import keys_of
+    from sessionkv.server import remove_offload_region
+
+    spec = json.load(open(spec_path))
+    engine_id = new_engine_id()
+    llm = LLM(model=spec["model"], enforce_eager=True, block_size=spec["block_size"],
+              max_model_len=1024, seed=0, dtype="float32", worker_extension_cls=POISON_EXT,
+              kv_transfer_config=kv_transfer_config(
+                  engine_id, cpu_bytes=16 << 20, secondary_tiers=spec["tiers"]))
+    try:
+        if spec.get("poison"):
+            (n,) = llm.collective_rpc("poison_kv", args=(json.dumps(None), "7"))
+            assert n > 0
+            poison_g2(engine_id, seed=7)
+        params = SamplingParams(temperature=0, max_tokens=6, logprobs=2)
+        tier = llm.llm_engine.engine_core.engine_core.scheduler.connector.manager.secondary_tiers[0]
+        out = []
+        for prompt in spec["prompts"]:
+            tok, lps, rep = serve(llm, prompt, params, session="g3")
+            out.append({"tokens": tok, "logprobs": [{str(k): v for k, v in s.items()} for s in lps],
+                        "report": rep.to_params()["sessionkv"],
+                        "objects": [tier.name(k) for k in keys_of(llm, prompt)]})
+        json.dump(out, open(out_path, "w"))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        remove_offload_region(engine_id)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
