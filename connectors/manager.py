@@ -190,6 +190,11 @@ class SessionTierManager(TieringOffloadingManager):
 
     # ---- scheduler thread -------------------------------------------------
 
+    def _should_store_to_tier(self, tier: SecondaryTierManager, num_blocks: int) -> bool:
+        # g3.write_through false: vLLM's cascade sends nothing down; hints do.
+        return (self.config.policy.g3.write_through
+                and super()._should_store_to_tier(tier, num_blocks))
+
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
         super().complete_store(keys, req_context, success)

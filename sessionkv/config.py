@@ -37,6 +37,15 @@ class G2Policy:
 
 
 @dataclass(frozen=True)
+class G3Policy:
+    """Policy of the G3 tiers (``secondary_tiers``)."""
+
+    # true: every chunk stored in G2 is written down to G3 too (vLLM's cascade);
+    # false: only what a hint or the policy sends down.
+    write_through: bool = True
+
+
+@dataclass(frozen=True)
 class SessionPolicy:
     """Session lifecycle in the SessionPrefixIndex."""
 
@@ -69,6 +78,7 @@ class TierPolicy:
     """The YAML tier policy file, parsed. Defaults apply when no file is given."""
 
     g2: G2Policy = field(default_factory=G2Policy)
+    g3: G3Policy = field(default_factory=G3Policy)
     sessions: SessionPolicy = field(default_factory=SessionPolicy)
     limits: Limits = field(default_factory=Limits)
     trust: Trust = field(default_factory=Trust)
@@ -163,7 +173,7 @@ def _positive_int(value: Any, where: str) -> int:
 def parse_policy(doc: Any, source: str = "policy") -> TierPolicy:
     """Parse a tier policy document (the YAML file's content)."""
     doc = _mapping(doc, source)
-    _reject_unknown(doc, ("version", "g2", "sessions", "limits", "trust"), f"{source}: ")
+    _reject_unknown(doc, ("version", "g2", "g3", "sessions", "limits", "trust"), f"{source}: ")
     version = doc.get("version", 1)
     if version != 1:
         raise ValueError(f"{source}: version must be 1, got {version!r}")
@@ -175,6 +185,11 @@ def parse_policy(doc: Any, source: str = "policy") -> TierPolicy:
             f"{source}: g2.eviction must be one of {', '.join(G2_EVICTION_POLICIES)},"
             f" got {eviction!r}"
         )
+    g3 = _mapping(doc.get("g3"), f"{source}: g3")
+    _reject_unknown(g3, ("write_through",), f"{source}: g3.")
+    write_through = g3.get("write_through", G3Policy.write_through)
+    if not isinstance(write_through, bool):
+        raise ValueError(f"{source}: g3.write_through must be true or false, got {write_through!r}")
     sess = _mapping(doc.get("sessions"), f"{source}: sessions")
     _reject_unknown(sess, ("idle_timeout_s", "max_tombstones"), f"{source}: sessions.")
     defaults = SessionPolicy()
@@ -186,7 +201,8 @@ def parse_policy(doc: Any, source: str = "policy") -> TierPolicy:
             sess.get("max_tombstones", defaults.max_tombstones),
             f"{source}: sessions.max_tombstones"),
     )
-    return TierPolicy(g2=G2Policy(eviction=eviction), sessions=sessions,
+    return TierPolicy(g2=G2Policy(eviction=eviction), g3=G3Policy(write_through=write_through),
+                      sessions=sessions,
                       limits=_parse_limits(doc.get("limits"), source),
                       trust=_parse_trust(doc.get("trust"), source))
 

@@ -27,20 +27,11 @@ def mooncake(tmp_path_factory):
     """A real mooncake_master and one standalone store process (512 MB) on
     free ports, for the whole session. Inside scripts/test's private network
     namespace where the machine allows one (it says so when it does not)."""
-    from sessionkv.server import free_port
-    from sessionkv.services import MooncakePorts, lan_address, mooncake_master, mooncake_store
+    from sessionkv.services import lan_address, start_mooncake
     if not os.environ.get("SESSIONKV_NETNS"):
         warnings.warn("no private network namespace: Mooncake's store process listens on "
                       f"all interfaces ({lan_address()}) while the tests run")
-    ports = MooncakePorts(rpc=free_port(), metadata=free_port(), metrics=free_port(),
-                          store=free_port())
-    logs = tmp_path_factory.mktemp("mooncake")
-    master = mooncake_master(logs, ports).start()
-    try:
-        store = mooncake_store(logs, ports).start()
-    except Exception:
-        master.stop()
-        raise
+    ports, master, store = start_mooncake(tmp_path_factory.mktemp("mooncake"))
     yield ports
     store.stop()
     master.stop()

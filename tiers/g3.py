@@ -2,28 +2,41 @@
 
 ``G3Tier`` is a vLLM ``SecondaryTierManager``: vLLM cascades chunks stored in
 G2 down to it (``submit_store``) and promotes chunks from it into G2 slots it
-reserved (``submit_load``); both copy straight between the shared G2 host
-region and the backend. A backend (Mooncake Store, Redis, LMCache) only has to
-be an ``ObjectBackend``: whole objects by name, in and out of that region.
+reserved (``submit_load``). A backend (Mooncake Store, Redis, LMCache) only
+has to be an ``ObjectBackend``: whole objects by name, copied from and into
+host buffers.
 
 Objects, per chunk (``OffloadKey`` = the chunk's last block key)::
 
-    <namespace>/<fingerprint>/<key hex>        the chunk's bytes, zero-copy
+    <namespace>/<fingerprint>/<key hex>        the chunk's bytes
     <namespace>/<fingerprint>/<key hex>.sum    16 bytes: xxh3-64 and length
 
 The fingerprint (``tiers.fingerprint``) makes engines whose bytes are not
 interchangeable miss each other. The checksum object is written only after
-its data object was stored, and is what ``lookup`` asks for; a load verifies
-the bytes it copied against it. Never wrong KV: a chunk whose checksum object
-is missing, whose data is missing, short, or does not match, fails its load,
-and vLLM recomputes it (the G2 slot it was copied into is freed, unread).
-A chunk that failed a load is a miss for ``MISS_AFTER_FAILURE_S`` (vLLM would
-otherwise promote it again at once, forever), and a chunk that failed its
-checksum loses its checksum object, so no engine finds it again.
+its data object was stored, and is what lookups ask for.
 
-Threading: vLLM calls the tier on the scheduler thread; copies run on the
-tier's I/O threads, which report finished jobs through a queue that
-``get_finished_jobs`` drains. ``drain_jobs`` waits for all of them.
+Never wrong KV. A load copies into a staging buffer, verifies the bytes
+against the checksum object, and only then copies them into the G2 slot; a
+chunk whose checksum object is missing, or whose data is missing, short or
+different, fails its load and vLLM recomputes it. A chunk that failed is a
+miss in this engine for ``MISS_AFTER_FAILURE_S`` (vLLM would promote it again
+at once, forever), and a listed chunk that failed is unlisted (both objects
+removed) so no engine finds it again.
+
+Never blocking. vLLM calls the tier on the scheduler thread, and nothing
+there waits for the backend: lookups are asynchronous (vLLM's
+``AsyncLookupManager``: ``RETRY`` until the answer is in), copies run on the
+tier's I/O threads. Every backend call has our own deadline (``timeout_s``
+plus the bytes at ``MIN_RATE``); a call past it is abandoned (it writes only
+into staging, which stays reserved until the call returns) and trips a
+breaker: for ``retry_s`` every call fails at once as a miss, then the next
+call probes the backend again. So a stopped backend costs each request at
+most one deadline, a dead one none, and the tier reconnects by itself when
+the backend is back. ``drain_jobs`` waits only for calls within their
+deadline: no abandoned call touches G2.
+
+Threading: vLLM's calls on the scheduler thread; copies on the I/O threads;
+backend calls on the guard's threads.
 """
 
 from __future__ import annotations
@@ -33,10 +46,12 @@ import struct
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, ClassVar
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 import xxhash
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
@@ -45,7 +60,9 @@ from vllm.v1.kv_offload.base import (
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
 )
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .fingerprint import fingerprint, identity_fields, weights_digest
@@ -59,6 +76,7 @@ SUM = struct.Struct("<QQ")          # xxh3-64 of the chunk, its length
 SUM_SUFFIX = ".sum"
 MISS_AFTER_FAILURE_S = 30.0
 MAX_FAILED = 65_536
+MIN_RATE = 100e6                    # bytes/s a healthy backend sustains, for deadlines
 
 
 def checksum(data) -> bytes:
@@ -66,32 +84,37 @@ def checksum(data) -> bytes:
     return SUM.pack(xxhash.xxh3_64_intdigest(data), len(data))
 
 
-class ObjectBackend(ABC):
-    """Named whole objects in a shared store, moved to and from one host region.
+def address_of(view: memoryview) -> int:
+    """The address of a writable, contiguous buffer (for zero-copy backends)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
-    ``bind_region`` comes first (once); offsets and sizes are bytes within that
-    region. Every batch call returns one result per item, in order, and never
-    raises for one item's failure (a backend error is ``False`` / ``None``).
-    Methods are called from the tier's I/O threads and from the scheduler
-    thread (``exists``), possibly at once.
+
+class ObjectBackend(ABC):
+    """Named whole objects in a shared store, copied from and into host buffers.
+
+    ``register`` comes first for every buffer the tier copies from or into
+    (zero-copy backends pin or register it). Every batch call returns one
+    result per item, in order, and does not raise for one item's failure
+    (``False`` / ``None``); raising means the backend as a whole failed.
+    Calls may hang: the tier runs them on its own threads with deadlines, and
+    may call them from several threads at once.
     """
 
     @abstractmethod
-    def bind_region(self, region: memoryview, address: int) -> None:
-        """The host region (G2) every copy reads from or writes into."""
+    def register(self, buf: memoryview) -> None: ...
 
     @abstractmethod
     def exists(self, names: Sequence[str]) -> list[bool]: ...
 
     @abstractmethod
-    def put_chunks(self, names: Sequence[str], offsets: Sequence[int], size: int) -> list[bool]:
-        """Store ``size`` bytes at each offset as the named object (zero-copy
-        where the backend can). An existing object of that name may be kept."""
+    def put_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
+        """Store each buffer as the named object (zero-copy where the backend
+        can). An existing object of that name may be kept."""
 
     @abstractmethod
-    def get_chunks(self, names: Sequence[str], offsets: Sequence[int], size: int) -> list[bool]:
-        """Copy each named object into the region at its offset; False unless
-        the whole object arrived and is exactly ``size`` bytes."""
+    def get_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
+        """Copy each named object into its buffer; False unless the whole
+        object arrived and is exactly ``len(buf)`` bytes."""
 
     @abstractmethod
     def put_small(self, names: Sequence[str], values: Sequence[bytes]) -> list[bool]: ...
@@ -107,10 +130,128 @@ class ObjectBackend(ABC):
         return
 
 
+class BackendDown(Exception):
+    """The backend did not answer in time, or the breaker is open."""
+
+
+class Guard:
+    """Backend calls with deadlines, and a breaker (see the module docstring)."""
+
+    def __init__(self, name: str, timeout_s: float, retry_s: float, threads: int = 8,
+                 clock: Callable[[], float] = time.monotonic):
+        self._name = name
+        self.timeout_s = timeout_s
+        self._retry_s = retry_s
+        self._clock = clock
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"sessionkv-{name}-call")
+        self._permits = threading.BoundedSemaphore(threads)  # held by a call until it returns
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self.trips = 0
+
+    @property
+    def down(self) -> bool:
+        return self._clock() < self._down_until
+
+    def trip(self, why: str) -> None:
+        with self._lock:
+            if not self.down:
+                logger.warning("sessionkv: G3 %s %s: misses for %.1f s, then retrying",
+                               self._name, why, self._retry_s)
+            self._down_until = self._clock() + self._retry_s
+            self.trips += 1
+
+    def call(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0,
+             on_abandoned: Callable[[Any], None] | None = None) -> Any:
+        """``fn(*args)`` within its deadline, or ``BackendDown``. A call past
+        its deadline keeps running; ``on_abandoned(result)`` runs when it
+        returns (never when it raised)."""
+        if self.down:
+            raise BackendDown(f"{self._name} is down")
+        if not self._permits.acquire(blocking=False):
+            self.trip("has every call thread hung")
+            raise BackendDown(f"{self._name}: every call thread is hung")
+        abandoned = threading.Event()
+
+        def run():
+            try:
+                result = fn(*args)
+            finally:
+                self._permits.release()
+            if abandoned.is_set() and on_abandoned is not None:
+                on_abandoned(result)
+            return result
+
+        fut = self._pool.submit(run)
+        try:
+            return fut.result(self.timeout_s + nbytes / MIN_RATE)
+        except FutureTimeout:
+            abandoned.set()
+            if fut.done() and fut.exception() is None:   # it made it after all
+                return fut.result()
+            self.trip(f"call {getattr(fn, '__name__', fn)} timed out")
+            raise BackendDown(f"{self._name}: no answer in time") from None
+        except BackendDown:
+            raise
+        except Exception as e:
+            self.trip(f"call failed: {e!r}")
+            raise BackendDown(f"{self._name}: {e!r}") from e
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Lookups(AsyncLookupManager):
+    """vLLM's asynchronous lookups, asking the backend for checksum objects."""
+
+    def __init__(self, tier: "G3Tier"):
+        self._tier = tier
+        super().__init__(tier_type=tier.tier_type)
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        return self._tier.listed(keys)
+
+
+class Staging:
+    """Registered host buffers that loads copy into before verification.
+    ``take`` blocks (an I/O thread) until enough slots are free."""
+
+    def __init__(self, slots: int, chunk: int):
+        self.buffer = np.empty((slots, chunk), np.uint8)
+        self._view = memoryview(self.buffer).cast("B")
+        self._chunk = chunk
+        self._free = list(range(slots))
+        self._cond = threading.Condition()
+
+    @property
+    def view(self) -> memoryview:
+        return self._view
+
+    @property
+    def slots(self) -> int:
+        return len(self.buffer)
+
+    def take(self, n: int, timeout_s: float) -> list[int] | None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self._free) >= n, timeout_s):
+                return None
+            got, self._free = self._free[:n], self._free[n:]
+            return got
+
+    def give(self, slots: list[int]) -> None:
+        with self._cond:
+            self._free.extend(slots)
+            self._cond.notify_all()
+
+    def slot(self, i: int) -> memoryview:
+        return self._view[i * self._chunk:(i + 1) * self._chunk]
+
+    def release(self) -> None:
+        self._view.release()
+
+
 class G3Tier(SecondaryTierManager):
-    """A vLLM secondary tier over an ``ObjectBackend`` (see the module docstring).
-    Subclasses build the backend in ``make_backend``; every other keyword of
-    their tier config goes there."""
+    """A vLLM secondary tier over an ``ObjectBackend`` (see the module docstring)."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
 
@@ -122,26 +263,36 @@ class G3Tier(SecondaryTierManager):
         backend: ObjectBackend,
         namespace: str = "sessionkv",
         io_threads: int = 2,
+        timeout_s: float = 2.0,
+        retry_s: float = 1.0,
+        staging_chunks: int = 64,
         backpressure_detector: "BackpressureDetector | None" = None,
     ):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if not namespace or "/" in namespace:
             raise ValueError(f"namespace must be a non-empty name without '/', got {namespace!r}")
+        for key, v in (("timeout_s", timeout_s), ("retry_s", retry_s),
+                       ("staging_chunks", staging_chunks), ("io_threads", io_threads)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"{tier_type}: {key} must be a positive number, got {v!r}")
         self._chunk = primary_kv_view.strides[0]
-        self._region = primary_kv_view.cast("B") if primary_kv_view.ndim > 1 or \
-            primary_kv_view.format != "B" else primary_kv_view
+        self._region = primary_kv_view.cast("B") if (
+            primary_kv_view.ndim > 1 or primary_kv_view.format != "B") else primary_kv_view
         self._identity = spec_identity(offloading_spec, self._chunk)
         self._namespace = namespace
         self._prefix: str | None = None
         self._backend = backend
-        backend.bind_region(self._region,
-                            ctypes.addressof(ctypes.c_char.from_buffer(self._region)))
-        self._pool = ThreadPoolExecutor(max_workers=io_threads,
+        self._staging = Staging(int(staging_chunks), self._chunk)
+        backend.register(self._region)
+        backend.register(self._staging.view)
+        self.guard = Guard(tier_type, float(timeout_s), float(retry_s))
+        self._pool = ThreadPoolExecutor(max_workers=int(io_threads),
                                         thread_name_prefix=f"sessionkv-{tier_type}")
         self._pending: set[Future] = set()
         self._done: list[JobResult] = []
         self._failed: dict[str, float] = {}     # name -> until when it is a miss
         self._lock = threading.Lock()
+        self._lookups = _Lookups(self)
 
     # ---- names ----------------------------------------------------------------
 
@@ -173,8 +324,16 @@ class G3Tier(SecondaryTierManager):
                     if until > time.monotonic():
                         return LookupResult.MISS
                     del self._failed[name]
-        (hit,) = self._backend.exists([name + SUM_SUFFIX])
-        return LookupResult.HIT if hit else LookupResult.MISS
+        found = self._lookups.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._lookups.flush()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookups.cleanup(req_context.req_id)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._submit(self._store, job_metadata)
@@ -185,7 +344,10 @@ class G3Tier(SecondaryTierManager):
     def get_finished_jobs(self) -> Iterable[JobResult]:
         with self._lock:
             done, self._done = self._done, []
-        return done
+        for r, keys in done:
+            if keys:                 # failed loads: no second promotion (vLLM #49176)
+                self._lookups.mark_miss(keys)
+        return [r for r, _ in done]
 
     def has_pending_work(self) -> bool:
         with self._lock:
@@ -200,9 +362,23 @@ class G3Tier(SecondaryTierManager):
         wait(pending)
 
     def shutdown(self) -> None:
+        self._lookups.shutdown()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.guard.shutdown()
         self._backend.close()
+        self._staging.release()
         self._region.release()      # else the primary tier cannot unmap G2
+
+    # ---- lookups (the lookup manager's thread) -----------------------------------
+
+    def listed(self, keys: list[OffloadKey]) -> list[bool]:
+        """Whether each chunk's checksum object exists; False when the backend
+        does not answer in time."""
+        names = [self.prefix + bytes(k).hex() + SUM_SUFFIX for k in keys]
+        try:
+            return self.guard.call(self._backend.exists, names)
+        except BackendDown:
+            return [False] * len(keys)
 
     # ---- I/O threads ----------------------------------------------------------------
 
@@ -222,20 +398,27 @@ class G3Tier(SecondaryTierManager):
     def _run(self, fn, job_id: int, keys: list[OffloadKey], names: list[str],
              offsets: list[int]) -> None:
         start = time.monotonic()
+        down = False
         try:
             ok = fn(names, offsets)
+        except BackendDown as e:    # the breaker covers it: no per-chunk memory
+            logger.debug("sessionkv: G3 job %d: %s", job_id, e)
+            ok, down = [False] * len(keys), True
         except Exception:           # a backend bug fails the job, never the engine
             logger.exception("sessionkv: G3 job %d failed", job_id)
-            ok = []
+            ok = [False] * len(keys)
         good = [k for k, o in zip(keys, ok) if o]
+        failed_loads: list[OffloadKey] = []
         if len(good) < len(keys) and fn == self._load:
-            self._remember_failed([n for n, o in zip(names, ok) if not o])
+            failed_loads = [k for k, o in zip(keys, ok) if not o]
+            if not down:
+                self._remember_failed([n for n, o in zip(names, ok) if not o])
         result = JobResult(job_id=job_id, success=len(good) == len(keys),
                            successful_keys=good if len(good) < len(keys) else None,
                            transfer_time=time.monotonic() - start,
                            transfer_bytes=len(good) * self._chunk)
         with self._lock:
-            self._done.append(result)
+            self._done.append((result, failed_loads))
 
     def _remember_failed(self, names: list[str]) -> None:
         until = time.monotonic() + MISS_AFTER_FAILURE_S
@@ -246,36 +429,74 @@ class G3Tier(SecondaryTierManager):
             while len(self._failed) > MAX_FAILED:
                 del self._failed[next(iter(self._failed))]
 
+    def _chunks(self, offsets: list[int]) -> list[memoryview]:
+        return [self._region[o:o + self._chunk] for o in offsets]
+
     def _store(self, names: list[str], offsets: list[int]) -> list[bool]:
-        have = self._backend.exists([n + SUM_SUFFIX for n in names])
+        b, g = self._backend, self.guard
+        have = g.call(b.exists, [n + SUM_SUFFIX for n in names])
         todo = [i for i, h in enumerate(have) if not h]
         ok = list(have)
-        if todo:
-            sums = [checksum(self._region[offsets[i]:offsets[i] + self._chunk]) for i in todo]
-            put = self._backend.put_chunks([names[i] for i in todo],
-                                           [offsets[i] for i in todo], self._chunk)
-            stored = [i for i, p in zip(todo, put) if p]
-            # The checksum goes last: a lookup never finds a chunk whose data is not there.
-            sums_ok = self._backend.put_small([names[i] + SUM_SUFFIX for i in stored],
-                                              [s for i, s, p in zip(todo, sums, put) if p])
-            for i, s in zip(stored, sums_ok):
-                ok[i] = s
+        if not todo:
+            return ok
+        todo_names = [names[i] for i in todo]
+        chunks = self._chunks([offsets[i] for i in todo])
+        sums = [checksum(c) for c in chunks]
+        # Zero-copy from G2: a put past its deadline may read a slot vLLM has
+        # reused. Its object then gets no checksum object (never listed), and
+        # is removed when the late put returns.
+        put = g.call(b.put_chunks, todo_names, chunks, nbytes=len(todo) * self._chunk,
+                     on_abandoned=lambda _: self._forget(todo_names))
+        stored = [j for j, p in enumerate(put) if p]
+        listed = g.call(b.put_small, [todo_names[j] + SUM_SUFFIX for j in stored],
+                        [sums[j] for j in stored])
+        for j, s in zip(stored, listed):
+            ok[todo[j]] = s
         return ok
 
+    def _forget(self, names: list[str]) -> None:
+        try:
+            self._backend.remove(names)
+        except Exception:           # best effort: such objects are never listed
+            pass
+
     def _load(self, names: list[str], offsets: list[int]) -> list[bool]:
-        want = self._backend.get_small([n + SUM_SUFFIX for n in names])
-        got = self._backend.get_chunks(names, offsets, self._chunk)
-        ok, broken = [], []
-        for name, off, w, g in zip(names, offsets, want, got):
-            good = bool(g) and w is not None and len(w) == SUM.size and \
-                w == checksum(self._region[off:off + self._chunk])
-            if w is not None and not good:      # listed, but its data is gone, short or wrong
-                broken.append(name)
-            ok.append(good)
+        ok: list[bool] = []
+        step = self._staging.slots
+        for i in range(0, len(names), step):
+            ok += self._load_some(names[i:i + step], offsets[i:i + step])
+        return ok
+
+    def _load_some(self, names: list[str], offsets: list[int]) -> list[bool]:
+        slots = self._staging.take(len(names), self.guard.timeout_s)
+        if slots is None:
+            return [False] * len(names)
+        bufs = [self._staging.slot(s) for s in slots]
+        give_back = True
+        try:
+            want = self.guard.call(self._backend.get_small, [n + SUM_SUFFIX for n in names])
+            try:
+                got = self.guard.call(self._backend.get_chunks, names, bufs,
+                                      nbytes=len(names) * self._chunk,
+                                      on_abandoned=lambda _: self._staging.give(slots))
+            except BackendDown:
+                give_back = False    # the late call still writes into them
+                raise
+            ok, broken = [], []
+            for name, off, w, g, buf in zip(names, offsets, want, got, bufs):
+                good = bool(g) and w is not None and w == checksum(buf)
+                if w is not None and not good:   # listed, but gone, short or different
+                    broken.append(name)
+                if good:
+                    self._region[off:off + self._chunk] = buf
+                ok.append(good)
+        finally:
+            if give_back:
+                self._staging.give(slots)
         if broken:
             logger.warning("sessionkv: %d G3 objects unreadable or failing their checksum "
                            "(%s...): recomputing, and unlisting them", len(broken), broken[0])
-            self._backend.remove([n + SUM_SUFFIX for n in broken])
+            self._forget([n for b in broken for n in (b + SUM_SUFFIX, b)])
         return ok
 
 
@@ -291,4 +512,3 @@ def spec_identity(spec: "OffloadingSpec", chunk_bytes: int) -> dict:
                f"/replicated={cfg.replicated_layout}",
         tp=par.tp_size, pp=par.pp_size, pcp=par.pcp_size, dcp=par.dcp_size,
         none_hash=b"", chunk_bytes=chunk_bytes)
-

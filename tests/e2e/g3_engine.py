@@ -3,7 +3,8 @@ SessionTierConnector with the given G3 tiers, then exit.
 
     python g3_engine.py SPEC_JSON OUT_JSON
 
-SPEC: {"model", "block_size", "tiers", "prompts": [[token ids]...], "poison": bool}.
+SPEC: {"model", "block_size", "tiers", "prompts": [[token ids]...], "poison": bool,
+"policy": YAML text of the tier policy (optional)}.
 With ``poison``, G1 and G2 are filled with garbage before the first request,
 so chunks loaded from G3 must overwrite them. OUT: one {"tokens", "logprobs",
 "report", "objects"} per prompt, ``objects`` naming the G3 data objects of its
@@ -26,11 +27,16 @@ def main(spec_path: str, out_path: str) -> None:
     from sessionkv.server import remove_offload_region
 
     spec = json.load(open(spec_path))
+    extra = {"secondary_tiers": spec["tiers"]}
+    if spec.get("policy"):
+        policy = f"{out_path}.policy.yaml"
+        with open(policy, "w") as f:
+            f.write(spec["policy"])
+        extra["sessionkv"] = {"policy_file": policy}
     engine_id = new_engine_id()
     llm = LLM(model=spec["model"], enforce_eager=True, block_size=spec["block_size"],
               max_model_len=1024, seed=0, dtype="float32", worker_extension_cls=POISON_EXT,
-              kv_transfer_config=kv_transfer_config(
-                  engine_id, cpu_bytes=16 << 20, secondary_tiers=spec["tiers"]))
+              kv_transfer_config=kv_transfer_config(engine_id, cpu_bytes=16 << 20, **extra))
     try:
         if spec.get("poison"):
             (n,) = llm.collective_rpc("poison_kv", args=(json.dumps(None), "7"))

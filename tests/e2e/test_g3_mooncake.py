@@ -32,10 +32,10 @@ def tiers(mooncake):
              "local_hostname": lan_address(), "namespace": f"e2e-{uuid4().hex[:8]}"}]
 
 
-def engine(tmp_path, tiers, prompts, model=TINY, poison=False, block_size=32):
+def engine(tmp_path, tiers, prompts, model=TINY, poison=False, block_size=32, policy=None):
     spec, out = tmp_path / "spec.json", tmp_path / "out.json"
     spec.write_text(json.dumps({"model": model, "block_size": block_size, "tiers": tiers,
-                                "prompts": prompts, "poison": poison}))
+                                "prompts": prompts, "poison": poison, "policy": policy}))
     p = subprocess.run([sys.executable, str(HERE / "g3_engine.py"), str(spec), str(out)],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
@@ -92,3 +92,20 @@ def test_another_model_with_the_same_tokenizer_misses(first, tiers, tmp_path):
     assert cold["report"]["blocks"]["g3"] == 0                 # engine 1's KV is not this model's
     assert cold["tokens"] != first["tokens"] or cold["logprobs"] != first["logprobs"]
     assert warm["report"]["blocks"]["g1"] == 6 and same(warm, cold)
+
+
+def objects(mooncake, prefix):
+    """Every object Mooncake holds under a prefix (the master's key list)."""
+    import urllib.request
+    url = f"http://127.0.0.1:{mooncake.metrics}/get_all_keys"
+    keys = urllib.request.urlopen(url, timeout=5).read().decode().split()
+    return [k for k in keys if k.startswith(prefix)]
+
+
+def test_without_write_through_nothing_goes_down(first, tiers, mooncake, tmp_path):
+    mine = first["objects"][0].rsplit("/", 1)[0] + "/"      # namespace/fingerprint/
+    assert len(objects(mooncake, mine)) == 12                 # 6 chunks + 6 checksums
+    quiet = [{**tiers[0], "namespace": tiers[0]["namespace"] + "-quiet"}]
+    (run,) = engine(tmp_path, quiet, [P, P], policy="g3: {write_through: false}\n")[:1]
+    assert same(run, first)
+    assert objects(mooncake, quiet[0]["namespace"] + "/") == []

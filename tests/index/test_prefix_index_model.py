@@ -4,7 +4,7 @@ through the probe, session ends and idle expiry; every query must agree."""
 
 import hypothesis.strategies as st
 from hypothesis import settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from reference import RefIndex
 from sessionkv.index.prefix_index import SessionPrefixIndex

@@ -39,6 +39,13 @@ def test_vllm_keys_pass_through():
     assert cfg == SessionKVConfig()
 
 
+def test_g3_write_through_defaults_on_and_can_be_turned_off(tmp_path):
+    assert parse_extra_config(BASE).policy.g3.write_through is True   # vLLM's cascade
+    path = policy_file(tmp_path, "g3: {write_through: false}\n")
+    cfg = parse_extra_config({**BASE, "sessionkv": {"policy_file": path}})
+    assert cfg.policy.g3.write_through is False
+
+
 def test_control_settings_are_parsed():
     from sessionkv.config import ControlConfig
     cfg = parse_extra_config({**BASE, "sessionkv": {"control": {
@@ -79,7 +86,9 @@ def test_bad_config_names_the_key(extra, key):
     [
         ("g2:\n  eviction: mru\n", "g2.eviction"),
         ("g2:\n  evict: lru\n", "evict"),
-        ("g3: {}\n", "g3"),
+        ("g3: {write_through: maybe}\n", "g3.write_through"),
+        ("g3: {write_thru: false}\n", "write_thru"),
+        ("g3: [1]\n", "g3"),
         ("version: 2\n", "version"),
         ("sessions: {idle_timeout_s: 0}\n", "sessions.idle_timeout_s"),
         ("sessions: {idle_timeout_s: forever}\n", "sessions.idle_timeout_s"),

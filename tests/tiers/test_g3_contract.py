@@ -7,6 +7,7 @@ first, so a load that wrote nothing fails), ``get_finished_jobs``,
 ``drain_jobs``.
 """
 
+import time
 import types
 import uuid
 
@@ -24,7 +25,7 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
-from sessionkv.tiers.g3 import SUM_SUFFIX, G3Tier
+from sessionkv.tiers.g3 import SUM_SUFFIX
 
 from conftest import MODELS
 
@@ -47,6 +48,7 @@ def mooncake_tier(services, **kw):
     from sessionkv.services import lan_address
     from sessionkv.tiers.mooncake import MooncakeTier
     ports = services["mooncake"]
+    kw.setdefault("timeout_s", 5.0)
     return lambda spec, view, namespace: MooncakeTier(
         spec, view, "mooncake", master=ports.master, metadata_server=ports.metadata_url,
         local_hostname=lan_address(), namespace=namespace, **kw)
@@ -74,8 +76,37 @@ def make(request, mooncake):
         t.shutdown()
 
 
+@pytest.fixture(params=sorted(BACKENDS))
+def faulty(request, tmp_path):
+    """A tier on its own backend service, and that service, for fault tests."""
+    from sessionkv.services import start_mooncake
+    ports, master, store = start_mooncake(tmp_path)
+    tier = BACKENDS[request.param]({"mooncake": ports}, timeout_s=0.5, retry_s=0.3)(
+        spec(), memoryview(np.zeros((N_CHUNKS, CHUNK), np.uint8)), "faults")
+    yield tier, master
+    tier.shutdown()
+    store.stop()
+    master.stop()
+
+
 KEYS = [bytes([i]) * 32 + bytes(4) for i in range(1, 9)]
 _jobs = iter(range(1, 1 << 30))
+
+
+def look(tier, key):
+    """A lookup as vLLM makes it: RETRY until the asynchronous answer is in
+    (the scheduler flushes the batch at the end of each step)."""
+    ctx = ReqContext(req_id=f"look-{next(_jobs)}")
+    try:
+        for _ in range(500):
+            r = tier.lookup(key, ctx)
+            if r is not LookupResult.RETRY:
+                return r
+            tier.on_schedule_end(None)
+            time.sleep(0.01)
+        raise AssertionError("lookup never resolved")
+    finally:
+        tier.on_request_finished(ctx)
 
 
 def job(keys, slots, promotion):
@@ -100,9 +131,9 @@ def fill(region, slots, seed):
 def test_store_lookup_load_round_trip_exact_bytes(make):
     tier, region = make()
     fill(region, range(4), seed=1)
-    assert [tier.lookup(k, ReqContext(req_id="r")) for k in KEYS[:4]] == [LookupResult.MISS] * 4
+    assert [look(tier, k) for k in KEYS[:4]] == [LookupResult.MISS] * 4
     assert run(tier, KEYS[:4], range(4), False).success
-    assert [tier.lookup(k, ReqContext(req_id="r")) for k in KEYS[:4]] == [LookupResult.HIT] * 4
+    assert [look(tier, k) for k in KEYS[:4]] == [LookupResult.HIT] * 4
     fill(region, range(8, 12), seed=99)                    # poison the destination
     res = run(tier, KEYS[:4], range(8, 12), True)
     assert res.success and res.transfer_bytes == 4 * CHUNK
@@ -115,7 +146,7 @@ def test_a_second_engine_with_the_same_identity_reads_the_objects(make):
     b, region_b = make()
     fill(region_a, [0], seed=2)
     assert run(a, KEYS[:1], [0], False).success
-    assert b.lookup(KEYS[0], ReqContext(req_id="r")) is LookupResult.HIT
+    assert look(b, KEYS[0]) is LookupResult.HIT
     assert run(b, KEYS[:1], [5], True).success
     assert np.array_equal(region_b[5], region_a[0])
 
@@ -147,14 +178,14 @@ def test_corrupted_bytes_fail_the_checksum(make):
     backend = tier._backend
     assert backend.remove([name]) == [True]
     fill(region, [3], seed=6)                              # other bytes of the right size
-    assert backend.put_chunks([name], [3 * CHUNK], CHUNK) == [True]
+    assert backend.put_chunks([name], [memoryview(region[3])]) == [True]
     res = run(tier, KEYS[:2], [8, 9], True)
     assert not res.success and list(res.successful_keys) == [KEYS[1]]
     # No second promotion of the bad chunk, here or in another engine.
-    assert tier.lookup(KEYS[0], ReqContext(req_id="r")) is LookupResult.MISS
+    assert look(tier, KEYS[0]) is LookupResult.MISS
     other, _ = make()
-    assert other.lookup(KEYS[0], ReqContext(req_id="r")) is LookupResult.MISS
-    assert other.lookup(KEYS[1], ReqContext(req_id="r")) is LookupResult.HIT
+    assert look(other, KEYS[0]) is LookupResult.MISS
+    assert look(other, KEYS[1]) is LookupResult.HIT
 
 
 def test_short_objects_and_missing_checksums_are_misses(make):
@@ -164,12 +195,12 @@ def test_short_objects_and_missing_checksums_are_misses(make):
     backend = tier._backend
     name0, name1 = tier.name(KEYS[0]), tier.name(KEYS[1])
     assert backend.remove([name0]) == [True]
-    assert backend.put_chunks([name0], [0], CHUNK // 2) == [True]          # a short object
+    assert backend.put_chunks([name0], [memoryview(region[0])[:CHUNK // 2]]) == [True]  # short
     assert backend.remove([name1 + SUM_SUFFIX]) == [True]                   # no checksum
-    assert tier.lookup(KEYS[1], ReqContext(req_id="r")) is LookupResult.MISS
+    assert look(tier, KEYS[1]) is LookupResult.MISS
     res = run(tier, KEYS[:2], [8, 9], True)
     assert not res.success and not res.successful_keys
-    assert tier.lookup(KEYS[0], ReqContext(req_id="r")) is LookupResult.MISS
+    assert look(tier, KEYS[0]) is LookupResult.MISS
 
 
 @pytest.mark.parametrize("other", [
@@ -183,7 +214,7 @@ def test_another_identity_is_a_miss(make, other):
     assert run(tier, KEYS[:1], [0], False).success
     stranger, _ = make(spec(**other))
     assert stranger.prefix != tier.prefix
-    assert stranger.lookup(KEYS[0], ReqContext(req_id="r")) is LookupResult.MISS
+    assert look(stranger, KEYS[0]) is LookupResult.MISS
     res = run(stranger, KEYS[:1], [3], True)
     assert not res.success
 
@@ -198,3 +229,29 @@ def test_many_jobs_in_flight_drain_and_report_once(make):
     results = list(tier.get_finished_jobs())
     assert sorted(r.job_id for r in results) == sorted(j.job_id for j in jobs)
     assert all(r.success for r in results) and not tier.has_pending_work()
+
+
+def test_a_hung_backend_costs_deadlines_then_recovers(faulty):
+    import signal
+    tier, service = faulty
+    region = np.frombuffer(tier._region, np.uint8).reshape(N_CHUNKS, CHUNK)
+    fill(region, [0, 1], seed=10)
+    assert run(tier, KEYS[:2], [0, 1], False).success
+    service.signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert look(tier, KEYS[0]) is LookupResult.MISS          # no answer: a miss
+        assert not run(tier, KEYS[:2], [4, 5], True).success      # load fails, bounded
+        assert not run(tier, KEYS[2:4], [2, 3], False).success    # store fails, bounded
+        tier.drain_jobs()
+        assert time.monotonic() - t0 < 5.0 and tier.guard.trips >= 1
+    finally:
+        service.signal(signal.SIGCONT)
+    time.sleep(0.5)
+    deadline = time.monotonic() + 10
+    while look(tier, KEYS[1]) is not LookupResult.HIT:           # reconnects by itself
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    fill(region, [8, 9], seed=99)
+    res = run(tier, KEYS[1:2], [9], True)
+    assert res.success and np.array_equal(region[9], region[1])

@@ -1,0 +1,51 @@
+"""Engine steps and outputs while Mooncake fails (the scenario in
+tests/e2e/g3_faults.py): normal, master stopped (SIGSTOP) and continued,
+master killed and restarted, store process killed and restarted.
+
+    scripts/netns .venv/bin/python bench/g3_faults.py --json OUT
+
+scripts/netns gives it a private network namespace (
+``unshare -n`` with a veth address in SESSIONKV_LAN_ADDRESS). Keys:
+``{"phases": {label: {"requests", "steps", "max_step_s", "median_step_s",
+"blocks": {g1, g2, g3, recomputed}, "wall_s"}}, "wrong": [...],
+"worst_outage_step_s", "normal_max_step_s", "ratio"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+OUTAGES = ("master_stopped", "master_killed", "store_killed")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", required=True)
+    args = ap.parse_args()
+    from g3_faults import scenario
+
+    with tempfile.TemporaryDirectory() as logs:
+        out = scenario(Path(logs))
+    ph = out["phases"]
+    out["normal_max_step_s"] = ph["normal"]["max_step_s"]
+    out["worst_outage_step_s"] = max(ph[p]["max_step_s"] for p in OUTAGES)
+    out["ratio"] = out["worst_outage_step_s"] / out["normal_max_step_s"]
+    Path(args.json).write_text(json.dumps(out, indent=2))
+    print(json.dumps({k: v for k, v in out.items() if k != "phases"}, indent=2))
+    for label, p in ph.items():
+        print(f"{label:24s} max {p['max_step_s'] * 1e3:7.1f} ms  median "
+              f"{p['median_step_s'] * 1e3:6.2f} ms  blocks {p['blocks']}  wall {p['wall_s']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
