@@ -199,6 +199,13 @@ def start_mooncake(log_dir: Path) -> tuple[MooncakePorts, Service, Service]:
         raise
 
 
+def start_redis(log_dir: Path, maxmemory: str = "256mb") -> tuple[str, Service]:
+    """redis-server on a free port, started: (its URL, the service)."""
+    from sessionkv.server import free_port
+    port = free_port()
+    return f"redis://127.0.0.1:{port}/0", redis(log_dir, port, maxmemory).start()
+
+
 def all_services(log_dir: Path) -> list[Service]:
     return [mooncake_master(log_dir), mooncake_store(log_dir), redis(log_dir)]
 

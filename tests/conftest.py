@@ -35,3 +35,12 @@ def mooncake(tmp_path_factory):
     yield ports
     store.stop()
     master.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real redis-server (volatile-lru, 256 MB) on a free port, for the session."""
+    from sessionkv.services import start_redis
+    url, server = start_redis(tmp_path_factory.mktemp("redis"))
+    yield url
+    server.stop()

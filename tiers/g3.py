@@ -251,23 +251,41 @@ class Staging:
 
 
 class G3Tier(SecondaryTierManager):
-    """A vLLM secondary tier over an ``ObjectBackend`` (see the module docstring)."""
+    """A vLLM secondary tier over an ``ObjectBackend`` (see the module docstring).
+
+    A backend's tier is ``class XTier(G3Tier): backend_class = XBackend``: the
+    tier config's keys not listed here go to ``backend_class(**keys)``."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
+    backend_class: ClassVar[type[ObjectBackend] | None] = None
 
     def __init__(
         self,
         offloading_spec: "OffloadingSpec",
         primary_kv_view: memoryview,
         tier_type: str,
-        backend: ObjectBackend,
+        backend: ObjectBackend | None = None,
         namespace: str = "sessionkv",
         io_threads: int = 2,
         timeout_s: float = 2.0,
         retry_s: float = 1.0,
         staging_chunks: int = 64,
         backpressure_detector: "BackpressureDetector | None" = None,
+        **backend_config: Any,
     ):
+        if backend is None:
+            if self.backend_class is None:
+                raise TypeError(f"{type(self).__name__} names no backend_class")
+            backend = self.backend_class(**backend_config)
+        try:
+            self._setup(offloading_spec, primary_kv_view, tier_type, backend, namespace,
+                        io_threads, timeout_s, retry_s, staging_chunks, backpressure_detector)
+        except Exception:
+            backend.close()
+            raise
+
+    def _setup(self, offloading_spec, primary_kv_view, tier_type, backend, namespace,
+               io_threads, timeout_s, retry_s, staging_chunks, backpressure_detector) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if not namespace or "/" in namespace:
             raise ValueError(f"namespace must be a non-empty name without '/', got {namespace!r}")

@@ -25,13 +25,7 @@ deadlines, breaker and checksums turn all of these into misses.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 from .g3 import G3Tier, ObjectBackend, address_of
-
-if TYPE_CHECKING:
-    from vllm.v1.kv_offload.base import OffloadingSpec
-    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 # Mooncake ErrorCodes (mooncake-store/include/types.h).
 OBJECT_NOT_FOUND = -704
@@ -107,33 +101,8 @@ class MooncakeBackend(ObjectBackend):
 
 
 class MooncakeTier(G3Tier):
-    """G3 tier on Mooncake Store (see the module docstring)."""
+    """G3 tier on Mooncake Store (see the module docstring). Tier config keys:
+    ``master``, ``metadata_server``, ``local_hostname``, ``protocol``,
+    ``device_name``, and ``G3Tier``'s own."""
 
-    def __init__(
-        self,
-        offloading_spec: "OffloadingSpec",
-        primary_kv_view: memoryview,
-        tier_type: str,
-        master: str,
-        metadata_server: str,
-        local_hostname: str,
-        protocol: str = "tcp",
-        device_name: str = "",
-        namespace: str = "sessionkv",
-        io_threads: int = 2,
-        timeout_s: float = 2.0,
-        retry_s: float = 1.0,
-        staging_chunks: int = 64,
-        backpressure_detector: "BackpressureDetector | None" = None,
-    ):
-        backend = MooncakeBackend(master=master, metadata_server=metadata_server,
-                                  local_hostname=local_hostname, protocol=protocol,
-                                  device_name=device_name)
-        try:
-            super().__init__(offloading_spec, primary_kv_view, tier_type, backend,
-                             namespace=namespace, io_threads=io_threads, timeout_s=timeout_s,
-                             retry_s=retry_s, staging_chunks=staging_chunks,
-                             backpressure_detector=backpressure_detector)
-        except Exception:
-            backend.close()
-            raise
+    backend_class = MooncakeBackend

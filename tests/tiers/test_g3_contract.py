@@ -44,30 +44,63 @@ def spec(model=str(MODELS / "tiny"), block_size=32, dtype="float32"):
     return types.SimpleNamespace(config=cfg)
 
 
-def mooncake_tier(services, **kw):
-    from sessionkv.services import lan_address
-    from sessionkv.tiers.mooncake import MooncakeTier
-    ports = services["mooncake"]
-    kw.setdefault("timeout_s", 5.0)
-    return lambda spec, view, namespace: MooncakeTier(
-        spec, view, "mooncake", master=ports.master, metadata_server=ports.metadata_url,
-        local_hostname=lan_address(), namespace=namespace, **kw)
+class Mooncake:
+    """Mooncake Store: the session's master and store process; for faults,
+    its own, and the master is what fails."""
+
+    @staticmethod
+    def shared(request):
+        return request.getfixturevalue("mooncake")
+
+    @staticmethod
+    def own(log_dir):
+        from sessionkv.services import start_mooncake
+        ports, master, store = start_mooncake(log_dir)
+        return ports, master, [store, master]
+
+    @staticmethod
+    def tier(ports, spec_, view, namespace, **kw):
+        from sessionkv.services import lan_address
+        from sessionkv.tiers.mooncake import MooncakeTier
+        return MooncakeTier(spec_, view, "mooncake", master=ports.master,
+                            metadata_server=ports.metadata_url, local_hostname=lan_address(),
+                            namespace=namespace, **kw)
 
 
-BACKENDS = {"mooncake": mooncake_tier}
+class Redis:
+    """Redis: the session's server; for faults, its own."""
+
+    @staticmethod
+    def shared(request):
+        return request.getfixturevalue("redis_url")
+
+    @staticmethod
+    def own(log_dir):
+        from sessionkv.services import start_redis
+        url, server = start_redis(log_dir)
+        return url, server, [server]
+
+    @staticmethod
+    def tier(url, spec_, view, namespace, **kw):
+        from sessionkv.tiers.redis import RedisTier
+        return RedisTier(spec_, view, "redis", url=url, namespace=namespace, **kw)
+
+
+BACKENDS = {"mooncake": Mooncake, "redis": Redis}
 
 
 @pytest.fixture(params=sorted(BACKENDS))
-def make(request, mooncake):
-    """(tier factory, the region it copies from/into) per backend; each test
-    gets its own namespace, so tests never see each other's objects."""
-    factory = BACKENDS[request.param]({"mooncake": mooncake})
+def make(request):
+    """Builds tiers on one backend's shared service; each test gets its own
+    namespace, so tests never see each other's objects."""
+    backend = BACKENDS[request.param]
+    where = backend.shared(request)
     namespace = f"contract-{uuid.uuid4().hex[:8]}"
     made = []
 
     def build(spec_=None, namespace_=namespace):
         region = np.zeros((N_CHUNKS, CHUNK), np.uint8)
-        tier = factory(spec_ or spec(), memoryview(region), namespace_)
+        tier = backend.tier(where, spec_ or spec(), memoryview(region), namespace_, timeout_s=5.0)
         made.append(tier)
         return tier, region
 
@@ -78,15 +111,15 @@ def make(request, mooncake):
 
 @pytest.fixture(params=sorted(BACKENDS))
 def faulty(request, tmp_path):
-    """A tier on its own backend service, and that service, for fault tests."""
-    from sessionkv.services import start_mooncake
-    ports, master, store = start_mooncake(tmp_path)
-    tier = BACKENDS[request.param]({"mooncake": ports}, timeout_s=0.5, retry_s=0.3)(
-        spec(), memoryview(np.zeros((N_CHUNKS, CHUNK), np.uint8)), "faults")
-    yield tier, master
+    """A tier on its own backend service, and the process to fail."""
+    backend = BACKENDS[request.param]
+    where, victim, services = backend.own(tmp_path)
+    tier = backend.tier(where, spec(), memoryview(np.zeros((N_CHUNKS, CHUNK), np.uint8)),
+                        "faults", timeout_s=0.5, retry_s=0.3)
+    yield tier, victim
     tier.shutdown()
-    store.stop()
-    master.stop()
+    for s in services:
+        s.stop()
 
 
 KEYS = [bytes([i]) * 32 + bytes(4) for i in range(1, 9)]

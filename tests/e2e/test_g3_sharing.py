@@ -1,0 +1,160 @@
+"""Cross-engine sharing through G3 on real vLLM (tiny model), on each backend:
+Mooncake Store and Redis.
+
+Each engine is its own process (``g3_engine.py``); the backend (Mooncake's
+standalone store process, the Redis server) holds the objects after an
+engine exits. Engines that read from G3
+start with G1 and G2 full of garbage, so only a correct load gives the cold
+reference's tokens and logprobs.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engines import MODELS, TINY
+from sessionkv.services import lan_address
+
+HERE = Path(__file__).parent
+RNG = np.random.default_rng(11)
+# 200 tokens: 6 full blocks and a partial one (see test_pin_retain).
+P = RNG.integers(10, 4000, 200).tolist()
+
+
+class Mooncake:
+    service = "mooncake"
+
+    @staticmethod
+    def tier(ports, namespace):
+        return {"type": "MooncakeTier", "module_path": "sessionkv.tiers.mooncake",
+                "master": ports.master, "metadata_server": ports.metadata_url,
+                "local_hostname": lan_address(), "namespace": namespace}
+
+    @staticmethod
+    def names(ports, prefix):
+        """Every object under a prefix (the master's key list)."""
+        import urllib.request
+        url = f"http://127.0.0.1:{ports.metrics}/get_all_keys"
+        keys = urllib.request.urlopen(url, timeout=5).read().decode().split()
+        return [k for k in keys if k.startswith(prefix)]
+
+    @staticmethod
+    def overwrite(ports, names, rng):
+        """Replace objects by random bytes of the same size, with Mooncake's own client."""
+        from mooncake.store import MooncakeDistributedStore
+        store = MooncakeDistributedStore()
+        assert store.setup(lan_address(), ports.metadata_url, 0, 16 << 20, "tcp", "",
+                           ports.master) == 0
+        try:
+            assert store.batch_is_exist(names) == [1] * len(names)
+            for name in names:
+                size = store.get_size(name)
+                assert store.remove(name, True) == 0
+                assert store.put(name, rng.integers(0, 256, size, dtype=np.uint8).tobytes()) == 0
+        finally:
+            store.close()
+
+
+class Redis:
+    service = "redis_url"
+
+    @staticmethod
+    def tier(url, namespace):
+        return {"type": "RedisTier", "module_path": "sessionkv.tiers.redis", "url": url,
+                "namespace": namespace}
+
+    @staticmethod
+    def names(url, prefix):
+        import redis
+        return [k.decode() for k in redis.Redis.from_url(url).scan_iter(match=prefix + "*")]
+
+    @staticmethod
+    def overwrite(url, names, rng):
+        import redis
+        r = redis.Redis.from_url(url)
+        for name in names:
+            size = r.strlen(name)
+            assert size > 0
+            assert r.set(name, rng.integers(0, 256, size, dtype=np.uint8).tobytes(), ex=3600)
+
+
+@pytest.fixture(scope="module", params=["mooncake", "redis"])
+def backend(request):
+    kind = {"mooncake": Mooncake, "redis": Redis}[request.param]
+    return kind, request.getfixturevalue(kind.service)
+
+
+@pytest.fixture(scope="module")
+def tiers(backend):
+    from uuid import uuid4
+    kind, where = backend
+    return [kind.tier(where, f"e2e-{uuid4().hex[:8]}")]
+
+
+def engine(tmp_path, tiers, prompts, model=TINY, poison=False, block_size=32, policy=None):
+    spec, out = tmp_path / "spec.json", tmp_path / "out.json"
+    spec.write_text(json.dumps({"model": model, "block_size": block_size, "tiers": tiers,
+                                "prompts": prompts, "poison": poison, "policy": policy}))
+    p = subprocess.run([sys.executable, str(HERE / "g3_engine.py"), str(spec), str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def same(a, b):
+    return (a["tokens"], a["logprobs"]) == (b["tokens"], b["logprobs"])
+
+
+@pytest.fixture(scope="module")
+def first(tiers, tmp_path_factory):
+    """Engine 1: serves P cold, offloads it down to G3, exits."""
+    (run,) = engine(tmp_path_factory.mktemp("e1"), tiers, [P])
+    assert run["report"]["blocks"]["recomputed"] == 7
+    return run
+
+
+def test_engine_2_loads_engine_1s_prefix_from_g3(first, tiers, tmp_path):
+    (run,) = engine(tmp_path, tiers, [P], poison=True)
+    assert run["report"]["blocks"]["g3"] == 6 and run["report"]["tokens"]["recomputed"] == 8
+    assert same(run, first)
+
+
+def test_corrupted_objects_are_recomputed_exactly(first, tiers, backend, tmp_path):
+    kind, where = backend
+    names = first["objects"]
+    assert len(names) == 6
+    kind.overwrite(where, names, np.random.default_rng(3))
+    (run,) = engine(tmp_path, tiers, [P], poison=True)
+    assert run["report"]["blocks"]["g3"] == 0 and run["report"]["tokens"]["recomputed"] == 200
+    assert same(run, first)
+
+
+def test_another_model_with_the_same_tokenizer_misses(first, tiers, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+    other = tmp_path / "tiny-other"
+    shutil.copytree(MODELS / "tiny", other)
+    (weights,) = other.glob("*.safetensors")
+    state = load_file(weights)
+    name = next(k for k in state if "layers.0" in k and "proj" in k)
+    state[name] = state[name] + 0.05 * torch.randn_like(state[name])
+    save_file(state, weights, metadata={"format": "pt"})
+    (cold, warm) = engine(tmp_path, tiers, [P, P], model=str(other), poison=True)
+    assert cold["report"]["blocks"]["g3"] == 0                 # engine 1's KV is not this model's
+    assert cold["tokens"] != first["tokens"] or cold["logprobs"] != first["logprobs"]
+    assert warm["report"]["blocks"]["g1"] == 6 and same(warm, cold)
+
+
+def test_without_write_through_nothing_goes_down(first, tiers, backend, tmp_path):
+    kind, where = backend
+    mine = first["objects"][0].rsplit("/", 1)[0] + "/"      # namespace/fingerprint/
+    assert len(kind.names(where, mine)) == 12                 # 6 chunks + 6 checksums
+    quiet = [{**tiers[0], "namespace": tiers[0]["namespace"] + "-quiet"}]
+    (run,) = engine(tmp_path, quiet, [P, P], policy="g3: {write_through: false}\n")[:1]
+    assert same(run, first)
+    assert kind.names(where, quiet[0]["namespace"] + "/") == []

@@ -1,0 +1,95 @@
+"""G3 on Redis.
+
+In ``kv_connector_extra_config``::
+
+    "secondary_tiers": [{"type": "RedisTier", "module_path": "sessionkv.tiers.redis",
+                         "url": "redis://127.0.0.1:6379/0", "ttl_s": 3600}]
+
+Every batch is one pipelined round trip (the ``redis`` client with
+``hiredis``); chunks are sent straight from the G2 region (the client writes
+memoryviews without copying) and read back with one copy into staging.
+
+Capacity: run Redis with ``maxmemory`` and ``maxmemory-policy volatile-lru``
+(``scripts/services`` does). Under ``volatile-lru`` only keys with a TTL can
+be evicted, so every object is written with ``ttl_s``; a Pin ``PERSIST``s
+its keys and the TTL comes back when the pin lapses (the Demote/Prefetch/
+Share issue). A full Redis refuses writes (OOM): a failed store, never an
+error in the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from .g3 import G3Tier, ObjectBackend
+
+# Abandoned calls (past the tier's deadline) still end: the socket times out.
+SOCKET_TIMEOUT_S = 30.0
+
+
+class RedisBackend(ObjectBackend):
+    """``ObjectBackend`` over a Redis server (one connection pool, thread-safe)."""
+
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", ttl_s: int = 3600,
+                 max_connections: int = 16):
+        import redis
+
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or ttl_s <= 0:
+            raise ValueError(f"RedisTier: ttl_s must be a positive integer, got {ttl_s!r}")
+        self._ttl = ttl_s
+        self._redis = redis.Redis.from_url(
+            url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S,
+            max_connections=max_connections, health_check_interval=0)
+
+    def register(self, buf: memoryview) -> None:
+        return              # no registration: the client sends from the buffer
+
+    def _pipeline(self, fill) -> list:
+        pipe = self._redis.pipeline(transaction=False)
+        fill(pipe)
+        return pipe.execute(raise_on_error=False)
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        if not names:
+            return []
+        return [r == 1 for r in self._pipeline(lambda p: [p.exists(n) for n in names])]
+
+    def put_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
+        return self.put_small(names, bufs)
+
+    def get_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
+        if not names:
+            return []
+        ok = []
+        for value, buf in zip(self._pipeline(lambda p: [p.get(n) for n in names]), bufs):
+            good = isinstance(value, bytes) and len(value) == len(buf)
+            if good:
+                buf[:] = value
+            ok.append(good)
+        return ok
+
+    def put_small(self, names: Sequence[str], values: Sequence) -> list[bool]:
+        if not names:
+            return []
+        res = self._pipeline(lambda p: [p.set(n, v, ex=self._ttl) for n, v in zip(names, values)])
+        return [r is True for r in res]
+
+    def get_small(self, names: Sequence[str]) -> list[bytes | None]:
+        if not names:
+            return []
+        return [v if isinstance(v, bytes) and v else None
+                for v in self._pipeline(lambda p: [p.get(n) for n in names])]
+
+    def remove(self, names: Sequence[str]) -> list[bool]:
+        if not names:
+            return []
+        return [isinstance(r, int) for r in self._pipeline(lambda p: [p.delete(n) for n in names])]
+
+    def close(self) -> None:
+        self._redis.close()
+
+
+class RedisTier(G3Tier):
+    """G3 tier on Redis (see the module docstring). Tier config keys: ``url``,
+    ``ttl_s``, ``max_connections``, and ``G3Tier``'s own."""
+
+    backend_class = RedisBackend
