@@ -112,9 +112,10 @@ class ObjectBackend(ABC):
         can). An existing object of that name may be kept."""
 
     @abstractmethod
-    def get_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
-        """Copy each named object into its buffer; False unless the whole
-        object arrived and is exactly ``len(buf)`` bytes."""
+    def get_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:
+        """Copy each named object into its buffer: per item the object's size
+        when it was read (equal to ``len(buf)`` when the whole object
+        arrived), or -1 when it could not be read (missing, backend error)."""
 
     @abstractmethod
     def put_small(self, names: Sequence[str], values: Sequence[bytes]) -> list[bool]: ...
@@ -135,7 +136,14 @@ class BackendDown(Exception):
 
 
 class Guard:
-    """Backend calls with deadlines, and a breaker (see the module docstring)."""
+    """Backend calls with deadlines, and a breaker (see the module docstring).
+
+    The breaker stays open while an abandoned call is still running (some
+    clients busy-poll while a peer does not answer: one such call at a time),
+    and its retry delay doubles with each trip in a row, up to
+    ``MAX_BACKOFF`` times ``retry_s``; an answer in time resets it."""
+
+    MAX_BACKOFF = 8
 
     def __init__(self, name: str, timeout_s: float, retry_s: float, threads: int = 8,
                  clock: Callable[[], float] = time.monotonic):
@@ -147,18 +155,22 @@ class Guard:
         self._permits = threading.BoundedSemaphore(threads)  # held by a call until it returns
         self._lock = threading.Lock()
         self._down_until = 0.0
+        self._in_a_row = 0
+        self._abandoned = 0              # calls past their deadline, still running
         self.trips = 0
 
     @property
     def down(self) -> bool:
-        return self._clock() < self._down_until
+        return self._abandoned > 0 or self._clock() < self._down_until
 
     def trip(self, why: str) -> None:
         with self._lock:
-            if not self.down:
+            delay = self._retry_s * min(2 ** self._in_a_row, self.MAX_BACKOFF)
+            if self._clock() >= self._down_until:
                 logger.warning("sessionkv: G3 %s %s: misses for %.1f s, then retrying",
-                               self._name, why, self._retry_s)
-            self._down_until = self._clock() + self._retry_s
+                               self._name, why, delay)
+            self._down_until = self._clock() + delay
+            self._in_a_row += 1
             self.trips += 1
 
     def call(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0,
@@ -169,25 +181,32 @@ class Guard:
         if self.down:
             raise BackendDown(f"{self._name} is down")
         if not self._permits.acquire(blocking=False):
-            self.trip("has every call thread hung")
-            raise BackendDown(f"{self._name}: every call thread is hung")
-        abandoned = threading.Event()
+            self.trip("has every call thread busy")
+            raise BackendDown(f"{self._name}: every call thread is busy")
+        state = {"abandoned": False}
 
         def run():
             try:
                 result = fn(*args)
             finally:
                 self._permits.release()
-            if abandoned.is_set() and on_abandoned is not None:
+                with self._lock:
+                    late = state["abandoned"]
+                    if late:
+                        self._abandoned -= 1
+            if late and on_abandoned is not None:
                 on_abandoned(result)
             return result
 
         fut = self._pool.submit(run)
         try:
-            return fut.result(self.timeout_s + nbytes / MIN_RATE)
+            result = fut.result(self.timeout_s + nbytes / MIN_RATE)
         except FutureTimeout:
-            abandoned.set()
-            if fut.done() and fut.exception() is None:   # it made it after all
+            with self._lock:
+                if not fut.done():
+                    state["abandoned"] = True
+                    self._abandoned += 1
+            if not state["abandoned"] and fut.exception() is None:   # made it after all
                 return fut.result()
             self.trip(f"call {getattr(fn, '__name__', fn)} timed out")
             raise BackendDown(f"{self._name}: no answer in time") from None
@@ -196,6 +215,8 @@ class Guard:
         except Exception as e:
             self.trip(f"call failed: {e!r}")
             raise BackendDown(f"{self._name}: {e!r}") from e
+        self._in_a_row = 0
+        return result
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -501,9 +522,9 @@ class G3Tier(SecondaryTierManager):
                 give_back = False    # the late call still writes into them
                 raise
             ok, broken = [], []
-            for name, off, w, g, buf in zip(names, offsets, want, got, bufs):
-                good = bool(g) and w is not None and w == checksum(buf)
-                if w is not None and not good:   # listed, but gone, short or different
+            for name, off, w, size, buf in zip(names, offsets, want, got, bufs):
+                good = size == len(buf) and w is not None and w == checksum(buf)
+                if size >= 0 and not good:       # there, but short, long or different
                     broken.append(name)
                 if good:
                     self._region[off:off + self._chunk] = buf

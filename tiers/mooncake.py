@@ -18,12 +18,15 @@ Mooncake's own behaviour under faults (0.3.13, measured): a stopped master
 makes ``is_exist`` wait 30 s and answer -901; a killed one answers -900 at
 once for single calls and after ~4.3 s for batches; the client reconnects by
 itself when a master comes back on the same address; with the store process
-killed, ``is_exist`` still answers 1 and reads return nothing. ``G3Tier``'s
-deadlines, breaker and checksums turn all of these into misses.
+killed, ``is_exist`` still answers 1 and reads return nothing; with it stopped,
+a read fails after ``MC_TCP_PROGRESS_TIMEOUT_SEC`` (60 s by default, 5 s here)
+and busy-polls a core meanwhile. ``G3Tier``'s deadlines, breaker and checksums
+turn all of these into misses.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from .g3 import G3Tier, ObjectBackend, address_of
 
@@ -44,7 +47,12 @@ class MooncakeBackend(ObjectBackend):
         protocol: str = "tcp",
         device_name: str = "",
         local_buffer_bytes: int = 16 << 20,
+        tcp_progress_timeout_s: int = 5,
     ):
+        # Mooncake reads this knob from the environment only. Its default
+        # (60 s) keeps a read from a stopped store process busy-polling a core
+        # for a minute; the tier abandons such calls after its own deadline.
+        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(int(tcp_progress_timeout_s)))
         from mooncake.store import MooncakeDistributedStore
 
         self._store = MooncakeDistributedStore()
@@ -72,12 +80,12 @@ class MooncakeBackend(ObjectBackend):
                                          [len(b) for b in bufs])
         return [rc == 0 or rc == OBJECT_ALREADY_EXISTS for rc in rcs]
 
-    def get_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
+    def get_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:
         if not names:
             return []
         rcs = self._store.batch_get_into(list(names), [address_of(b) for b in bufs],
                                          [len(b) for b in bufs])
-        return [rc == len(b) for rc, b in zip(rcs, bufs)]
+        return [rc if rc > 0 else -1 for rc in rcs]
 
     def put_small(self, names: Sequence[str], values: Sequence[bytes]) -> list[bool]:
         if not names:
@@ -103,6 +111,6 @@ class MooncakeBackend(ObjectBackend):
 class MooncakeTier(G3Tier):
     """G3 tier on Mooncake Store (see the module docstring). Tier config keys:
     ``master``, ``metadata_server``, ``local_hostname``, ``protocol``,
-    ``device_name``, and ``G3Tier``'s own."""
+    ``device_name``, ``tcp_progress_timeout_s``, and ``G3Tier``'s own."""
 
     backend_class = MooncakeBackend

@@ -56,16 +56,18 @@ class RedisBackend(ObjectBackend):
     def put_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
         return self.put_small(names, bufs)
 
-    def get_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
+    def get_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:
         if not names:
             return []
-        ok = []
+        sizes = []
         for value, buf in zip(self._pipeline(lambda p: [p.get(n) for n in names]), bufs):
-            good = isinstance(value, bytes) and len(value) == len(buf)
-            if good:
+            if not isinstance(value, bytes):
+                sizes.append(-1)
+                continue
+            if len(value) == len(buf):
                 buf[:] = value
-            ok.append(good)
-        return ok
+            sizes.append(len(value))
+        return sizes
 
     def put_small(self, names: Sequence[str], values: Sequence) -> list[bool]:
         if not names:

@@ -1,14 +1,14 @@
 """The G3 fault scenario, shared by tests/e2e/test_g3_faults.py (which asserts
 on it) and bench/g3_faults.py (which writes its figures as JSON).
 
-One engine in this process (tiny model, 12-chunk G2, Mooncake G3 with a 1 s
-deadline), its own mooncake_master and store process. Prompts of 6 full
-blocks; G1 is reset and poisoned before every request, and G2 holds only two
-prompts, so most turns come from G3. Phases: normal; master stopped
-(SIGSTOP); master continued; master killed; master restarted (sharing must
-work again); store process killed; store process restarted. Every request's
-tokens and logprobs are compared with its cold reference, and every engine
-step is timed.
+One engine in this process (tiny model, 12-chunk G2, a G3 tier with a 1 s
+deadline) and its own backend processes (Mooncake: master and store process;
+Redis: the server). Prompts of 6 full blocks; G1 is reset and poisoned before
+every request, and G2 holds only two prompts, so most turns come from G3.
+Phases: cold, normal, then for each backend process: stopped (SIGSTOP, and a
+reset while stopped), continued, killed, restarted (a new prompt must come
+back from G3). Every request's tokens and logprobs are compared with its cold
+reference, and every engine step is timed.
 """
 
 from __future__ import annotations
@@ -28,19 +28,16 @@ BLOCK = 32
 CHUNK_BYTES = 2 * 2 * 2 * 64 * BLOCK * 4
 G2_CHUNKS = 12
 RNG = np.random.default_rng(41)
-PROMPTS = {n: RNG.integers(10, 4000, 200).tolist() for n in "ABCDXYZ"}
+PROMPTS = {n: RNG.integers(10, 4000, 200).tolist() for n in "ABCDEFGH"}
+BACKENDS = ("mooncake", "redis")
 
 
-def make_engine(ports, lan, policy: Path | None = None, timeout_s: float = 1.0):
+def make_engine(tier: dict):
     from vllm import LLM
     engine_id = new_engine_id()
-    tiers = [{"type": "MooncakeTier", "module_path": "sessionkv.tiers.mooncake",
-              "master": ports.master, "metadata_server": ports.metadata_url,
-              "local_hostname": lan, "namespace": f"faults-{uuid.uuid4().hex[:8]}",
-              "timeout_s": timeout_s, "retry_s": 0.5}]
-    extra = {"secondary_tiers": tiers}
-    if policy is not None:
-        extra["sessionkv"] = {"policy_file": str(policy)}
+    tier = {**tier, "namespace": f"faults-{uuid.uuid4().hex[:8]}", "timeout_s": 1.0,
+            "retry_s": 0.5}
+    extra = {"secondary_tiers": [tier]}
     llm = LLM(model=TINY, enforce_eager=True, block_size=BLOCK, max_model_len=1024, seed=0,
               dtype="float32", worker_extension_cls=POISON_EXT,
               kv_transfer_config=kv_transfer_config(engine_id, cpu_bytes=G2_CHUNKS * CHUNK_BYTES,
@@ -77,14 +74,15 @@ def fresh_g1(llm, seed=5):
     assert n > 0
 
 
-def run(llm, engine_id, master, store, refs=None) -> dict:
-    """The scenario (module docstring). ``master``/``store`` are
-    ``sessionkv.services.Service``s this function may stop and restart."""
+def run(llm, engine_id, victims) -> dict:
+    """The scenario (module docstring). ``victims``: (label, ``Service``) of
+    the backend processes to stop, kill and restart, in order."""
     phases: dict[str, dict] = {}
     wrong: list[str] = []
-    refs = refs if refs is not None else {}
+    refs: dict[str, tuple] = {}
+    fresh = iter("EFGH")
 
-    def phase(label, names, before=None):
+    def phase(label, names):
         steps, sources = [], {"g1": 0, "g2": 0, "g3": 0, "recomputed": 0}
         t0 = time.monotonic()
         for name in names:
@@ -103,52 +101,55 @@ def run(llm, engine_id, master, store, refs=None) -> dict:
 
     phase("cold", "ABCD")                              # references; everything to G3
     phase("normal", "ABCDABCD")
-    master.signal(signal.SIGSTOP)
-    try:
-        phase("master_stopped", "ABCD")
-        t0 = time.monotonic()              # reset drains the tier's jobs: bounded too
-        assert llm.reset_prefix_cache(reset_connector=True)
-        phases["master_stopped"]["reset_s"] = time.monotonic() - t0
-    finally:
-        master.signal(signal.SIGCONT)
-    time.sleep(1.0)                                    # past the breaker's retry
-    phase("master_continued", "ABCD")
-    master.signal(signal.SIGKILL)
-    master.proc.wait()
-    phase("master_killed", "ABCD")
-
-    def restart(service, label, name):
-        """Start ``service`` again; a new prompt goes down to G3 and, with G1
-        and G2 emptied and poisoned, must come back from it."""
+    for who, service in victims:
+        service.signal(signal.SIGSTOP)
+        try:
+            phase(f"{who}_stopped", "ABCD")
+            t0 = time.monotonic()          # reset drains the tier's jobs: bounded too
+            assert llm.reset_prefix_cache(reset_connector=True)
+            phases[f"{who}_stopped"]["reset_s"] = time.monotonic() - t0
+        finally:
+            service.signal(signal.SIGCONT)
+        time.sleep(1.0)                                # past the breaker's retry
+        phase(f"{who}_continued", "ABCD")
+        service.signal(signal.SIGKILL)
+        service.proc.wait()
+        phase(f"{who}_killed", "ABCD")
+        # Restarted: a new prompt goes down to G3 and, with G1 and G2 emptied
+        # and poisoned, must come back from it.
         service.proc = None
         service.start()
         time.sleep(1.0)
-        phase(f"{label}_cold", name)
+        name = next(fresh)
+        phase(f"{who}_restarted_cold", name)
         assert llm.reset_prefix_cache(reset_connector=True)
         poison_g2(engine_id, seed=len(phases))
-        phase(label, name)
-
-    restart(master, "master_restarted", "X")
-    store.signal(signal.SIGKILL)
-    store.proc.wait()
-    phase("store_killed", "ABCDX")
-    restart(store, "store_restarted", "Y")
+        phase(f"{who}_restarted", name)
     return {"phases": phases, "wrong": wrong}
 
 
-def scenario(log_dir: Path) -> dict:
-    """Own services and engine, the whole run, everything stopped after."""
+def scenario(log_dir: Path, backend: str) -> dict:
+    """Own backend processes and engine, the whole run, everything stopped after."""
     from sessionkv.server import remove_offload_region
-    from sessionkv.services import lan_address, start_mooncake
+    from sessionkv.services import lan_address, start_mooncake, start_redis
 
-    ports, master, store = start_mooncake(log_dir)
+    if backend == "mooncake":
+        ports, master, store = start_mooncake(log_dir)
+        services = [("master", master), ("store", store)]
+        tier = {"type": "MooncakeTier", "module_path": "sessionkv.tiers.mooncake",
+                "master": ports.master, "metadata_server": ports.metadata_url,
+                "local_hostname": lan_address()}
+    else:
+        url, server = start_redis(log_dir)
+        services = [("redis", server)]
+        tier = {"type": "RedisTier", "module_path": "sessionkv.tiers.redis", "url": url}
     try:
-        llm, engine_id = make_engine(ports, lan_address())
+        llm, engine_id = make_engine(tier)
         try:
-            return run(llm, engine_id, master, store)
+            return run(llm, engine_id, services)
         finally:
             llm.llm_engine.engine_core.shutdown()
             remove_offload_region(engine_id)
     finally:
-        store.stop()
-        master.stop()
+        for _, s in services:
+            s.stop()

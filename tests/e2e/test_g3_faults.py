@@ -1,21 +1,26 @@
-"""Faults injected into Mooncake mid-run (tests/e2e/g3_faults.py): every
-request completes with its cold reference's tokens and logprobs, no engine
-step waits for the backend, and sharing works again after recovery without
-restarting vLLM. The step figures are also written by bench/g3_faults.py."""
+"""Faults injected into each G3 backend mid-run (tests/e2e/g3_faults.py):
+every request completes with its cold reference's tokens and logprobs, no
+engine step waits for the backend, resets stay bounded, and sharing works
+again after recovery without restarting vLLM. bench/g3_faults.py writes the
+step figures."""
 
-from g3_faults import scenario
+import pytest
+
+from g3_faults import BACKENDS, scenario
 
 
-def test_faults_cost_misses_never_wrong_kv_nor_blocked_steps(tmp_path):
-    out = scenario(tmp_path)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_faults_cost_misses_never_wrong_kv_nor_blocked_steps(backend, tmp_path):
+    out = scenario(tmp_path, backend)
     ph = out["phases"]
     assert out["wrong"] == []
     assert ph["normal"]["blocks"]["g3"] >= 24              # sharing through G3 happened
-    assert ph["master_restarted"]["blocks"]["g3"] == 6     # recovered without a restart
-    assert ph["store_restarted"]["blocks"]["g3"] == 6
-    assert ph["store_killed"]["blocks"]["g3"] == 0
-    # A blocking lookup would hold a step for 30 s (stopped master) or 4 s
-    # (killed master); with deadlines no step waits for Mooncake at all.
-    for label in ("master_stopped", "master_killed", "store_killed"):
-        assert ph[label]["max_step_s"] < 1.0, (label, ph[label])
-    assert ph["master_stopped"]["reset_s"] < 5.0           # drain_jobs is bounded
+    for label, p in ph.items():
+        if label.endswith("_restarted"):
+            assert p["blocks"]["g3"] == 6, (label, p)      # recovered without a restart
+        if label.endswith(("_stopped", "_killed")):
+            # A blocking call would hold a step for 30 s (stopped Mooncake
+            # master) or seconds (killed one); with deadlines none waits.
+            assert p["max_step_s"] < 1.0, (label, p)
+        if label.endswith("_stopped"):
+            assert p["reset_s"] < 5.0, (label, p)          # drain_jobs is bounded
