@@ -186,14 +186,15 @@ def redis(log_dir: Path, port: int = 6379, maxmemory: str = "256mb") -> Service:
         lambda: port_open(port), log_dir)
 
 
-def start_mooncake(log_dir: Path) -> tuple[MooncakePorts, Service, Service]:
+def start_mooncake(log_dir: Path, store_size: str = "512MB",
+                   ) -> tuple[MooncakePorts, Service, Service]:
     """A master and one store process on free ports, started: (ports, master, store)."""
     from sessionkv.server import free_port
     ports = MooncakePorts(rpc=free_port(), metadata=free_port(), metrics=free_port(),
                           store=free_port())
     master = mooncake_master(log_dir, ports).start()
     try:
-        return ports, master, mooncake_store(log_dir, ports).start()
+        return ports, master, mooncake_store(log_dir, ports, size=store_size).start()
     except Exception:
         master.stop()
         raise

@@ -23,6 +23,7 @@ import numpy as np
 
 from engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id, poison_g2
 from sessionkv.report import RequestReport
+from sessionkv.tiers.g3 import Guard
 
 BLOCK = 32
 CHUNK_BYTES = 2 * 2 * 2 * 64 * BLOCK * 4
@@ -30,13 +31,14 @@ G2_CHUNKS = 12
 RNG = np.random.default_rng(41)
 PROMPTS = {n: RNG.integers(10, 4000, 200).tolist() for n in "ABCDEFGH"}
 BACKENDS = ("mooncake", "redis")
+RETRY_S = 0.5
 
 
 def make_engine(tier: dict):
     from vllm import LLM
     engine_id = new_engine_id()
     tier = {**tier, "namespace": f"faults-{uuid.uuid4().hex[:8]}", "timeout_s": 1.0,
-            "retry_s": 0.5}
+            "retry_s": RETRY_S}
     extra = {"secondary_tiers": [tier]}
     llm = LLM(model=TINY, enforce_eager=True, block_size=BLOCK, max_model_len=1024, seed=0,
               dtype="float32", worker_extension_cls=POISON_EXT,
@@ -119,7 +121,7 @@ def run(llm, engine_id, victims) -> dict:
         # and poisoned, must come back from it.
         service.proc = None
         service.start()
-        time.sleep(1.0)
+        time.sleep(RETRY_S * Guard.MAX_BACKOFF + 0.5)  # the breaker's longest delay
         name = next(fresh)
         phase(f"{who}_restarted_cold", name)
         assert llm.reset_prefix_cache(reset_connector=True)
