@@ -19,7 +19,6 @@ import json
 import sys
 import tempfile
 import time
-import types
 import uuid
 from pathlib import Path
 
@@ -28,20 +27,6 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 BATCH_BYTES = 64 << 20
 SIZES = (64 << 10, 1 << 20, 16 << 20)
-
-
-def fake_spec(chunk: int):
-    """The identity fields a tier needs (see tests/tiers/test_g3_contract.py)."""
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
-        OffloadingModelConfig, OffloadingParallelConfig)
-    cfg = OffloadingConfig(
-        groups=(OffloadingGroupConfig(32, ("layer.0",), 0),), worker_kv_bytes_per_block=chunk,
-        enable_kv_cache_events=False, extra_config={}, engine_id="bench",
-        model=OffloadingModelConfig(str(ROOT / ".cache" / "models" / "tiny"), "float32"),
-        cache=OffloadingCacheConfig(32, 1),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True))
-    return types.SimpleNamespace(config=cfg)
 
 
 def best(fn, nbytes: int, repeat: int) -> float:
@@ -87,21 +72,22 @@ def measure(backend: str, where, chunk: int, repeat: int) -> list[dict]:
     from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.tiering.base import TransferJob
 
-    from sessionkv.tiers.g3 import checksum
+    from sessionkv.tiers.g3 import checksum, standalone_spec
     init_none_hash(sha256)
     n = max(1, BATCH_BYTES // chunk)
     region = np.random.default_rng(0).integers(0, 256, (2 * n, chunk), dtype=np.uint8)
     view = memoryview(region)
     ns = f"bench-{uuid.uuid4().hex[:8]}"
+    spec = standalone_spec(str(ROOT / ".cache" / "models" / "tiny"), chunk)
     if backend == "mooncake":
         from sessionkv.services import lan_address
         from sessionkv.tiers.mooncake import MooncakeTier
-        tier = MooncakeTier(fake_spec(chunk), view, "mooncake", master=where.master,
+        tier = MooncakeTier(spec, view, "mooncake", master=where.master,
                             metadata_server=where.metadata_url, local_hostname=lan_address(),
                             namespace=ns, staging_chunks=n, timeout_s=30.0)
     else:
         from sessionkv.tiers.redis import RedisTier
-        tier = RedisTier(fake_spec(chunk), view, "redis", url=where, namespace=ns,
+        tier = RedisTier(spec, view, "redis", url=where, namespace=ns,
                          staging_chunks=n, timeout_s=30.0)
     try:
         src = [memoryview(region[i]) for i in range(n)]

@@ -33,7 +33,7 @@ def weights_digest(model: str, revision: str | None = None) -> str:
     h = hashlib.blake2b(digest_size=16)
     root = Path(model)
     if not root.is_dir():
-        h.update(f"id:{model}@{revision or ''}".encode())
+        h.update(f"id:{model}@{revision or 'default'}".encode())
         return h.hexdigest()
     for name in CONFIG_FILES:
         p = root / name

@@ -17,7 +17,8 @@ from sessionkv import control as wire
 from sessionkv.client import AsyncHintClient, ControlError, HintClient
 from sessionkv.events import KINDS
 from sessionkv.server import remove_offload_region
-from test_pin_retain import SECRET, cold, engine, in_g2, make_engine, reset_g1, run  # noqa: F401
+from test_pin_retain import (SECRET, cold, engine, flood_then_serve,  # noqa: F401
+                             in_g2, make_engine, reset_g1, run)
 
 
 def channel(llm):
@@ -49,14 +50,7 @@ def test_out_of_band_pin_on_an_idle_engine_holds_through_a_flood(engine, client)
     assert thread_cpu_ticks(tid) - idle0 <= 5
     out = client.pin("s", ttl_s=300)
     assert (out.status, out.blocks_affected) == ("accepted", 6)
-    run(llm, "F")
-    run(llm, "G")                              # 12 new chunks through a 12-chunk G2
-    assert (in_g2(llm, "S"), in_g2(llm, "T")) == (6, 0)
-    reset_g1(llm)
-    tok, lps, rep = run(llm, "S", session="s")
-    assert (tok, lps) == ref["S"] and rep.blocks.g2 == 6
-    tok, lps, rep = run(llm, "T", session="t")
-    assert tok == ref["T"][0] and rep.blocks.g2 == 0
+    flood_then_serve(llm, ref)
     # Ending the session releases its pin: the next flood may take it.
     assert client.end_session("s").status == "accepted"
     assert client.end_session("s").status == "missing"

@@ -105,6 +105,12 @@ def test_a_pinned_session_survives_a_flood_its_twin_does_not(engine):
     _, _, rep = run(llm, "S", session="s", hint=pin())
     assert [(o.status, o.blocks_affected) for o in rep.hints] == [("accepted", 6)]
     run(llm, "T", session="t")
+    flood_then_serve(llm, ref)
+
+
+def flood_then_serve(llm, ref):
+    """S pinned, T not, both in G2: a 12-chunk flood keeps S and takes T; S is
+    then served from G2 exactly (G1 poisoned), T recomputed."""
     run(llm, "F")
     run(llm, "G")                                # 12 new chunks through a 12-chunk G2
     assert (in_g2(llm, "S"), in_g2(llm, "T")) == (6, 0)

@@ -8,7 +8,6 @@ first, so a load that wrote nothing fails), ``get_finished_jobs``,
 """
 
 import time
-import types
 import uuid
 
 import numpy as np
@@ -16,16 +15,9 @@ import pytest
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
-from sessionkv.tiers.g3 import SUM_SUFFIX
+from sessionkv.tiers.g3 import SUM_SUFFIX, standalone_spec
 
 from conftest import MODELS
 
@@ -35,13 +27,7 @@ init_none_hash(sha256)          # what the engine does at start
 
 
 def spec(model=str(MODELS / "tiny"), block_size=32, dtype="float32"):
-    cfg = OffloadingConfig(
-        groups=(OffloadingGroupConfig(block_size, ("layer.0",), 0),),
-        worker_kv_bytes_per_block=CHUNK, enable_kv_cache_events=False, extra_config={},
-        engine_id="contract", model=OffloadingModelConfig(model, dtype),
-        cache=OffloadingCacheConfig(block_size, 1),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True))
-    return types.SimpleNamespace(config=cfg)
+    return standalone_spec(model, CHUNK, block_size, dtype)
 
 
 class Mooncake:
