@@ -15,6 +15,12 @@ never drops a chunk itself: every eviction runs through vLLM's LRU ``evict()``
 (the chosen chunks are the only unprotected ones), which keeps the heap, the
 free list and the counters right, and keeps ``evict`` atomic.
 
+Cost: biased chunks (pinned, or retained at a priority above 0) are kept out
+of LRU's evictable set (in ``_held``) while they are biased, so an ordinary
+eviction never walks past them: with most of G2 biased, a store costs what
+vLLM's LRU costs, not a pass over the whole heap. They rejoin LRU's evictable
+set, with their current recency, when the bias lapses or when they are chosen.
+
 vLLM builds policies as ``cls(cache_capacity=n)`` (``eviction_policy`` +
 ``cache_policy_module_path``); the limits live in the hint executor, which
 calls ``pin``/``retain`` here.
@@ -25,6 +31,7 @@ code holding the tier manager's lock; not thread-safe on its own.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable, Iterable
 
@@ -44,6 +51,29 @@ class SessionCachePolicy(LRUCachePolicy):
         # key -> (priority, expiry, owner)
         self._retains: dict[OffloadKey, tuple[int, float, str | None]] = {}
         self._clipped: list[OffloadKey] = []
+        # Biased chunks with ref_cnt 0, kept out of LRU's ``_evictable``.
+        self._held: set[OffloadKey] = set()
+        # (expiry, key) of every pin and retain set, lazily invalidated: lapses
+        # are found without a pass over all hints on every eviction.
+        self._expiries: list[tuple[float, OffloadKey]] = []
+
+    def _track(self, expiry: float, k: OffloadKey) -> None:
+        if expiry != float("inf"):
+            heapq.heappush(self._expiries, (expiry, k))
+
+    def _biased(self, k: OffloadKey) -> bool:
+        r = self._retains.get(k)
+        return k in self._pins or (r is not None and r[0] > 0)
+
+    def _sync(self, k: OffloadKey) -> None:
+        """Move ``k`` between LRU's evictable set and ``_held`` after its bias changed."""
+        if self._biased(k):
+            if k in self._evictable:
+                self._evictable.remove(k)      # its heap entries lapse lazily
+                self._held.add(k)
+        elif k in self._held:
+            self._held.remove(k)
+            super().mark_evictable(k)          # back in the heap at its current rank
 
     # ------------------------------------------------------------------ hints
 
@@ -55,12 +85,15 @@ class SessionCachePolicy(LRUCachePolicy):
             if k in self.chunks:
                 pinned_at = self._pins.get(k, (now, 0.0))[0]
                 self._pins[k] = (pinned_at, now + ttl_s)
+                self._track(now + ttl_s, k)
+                self._sync(k)
                 n += 1
         return n
 
     def unpin(self, keys: Iterable[OffloadKey]) -> None:
         for k in keys:
-            self._pins.pop(k, None)
+            if self._pins.pop(k, None) is not None:
+                self._sync(k)
 
     def retain(self, keys: Iterable[OffloadKey], priority: int, ttl_s: float | None,
                owner: str | None = None) -> int:
@@ -71,6 +104,8 @@ class SessionCachePolicy(LRUCachePolicy):
         for k in keys:
             if k in self.chunks:
                 self._retains[k] = (priority, expiry, owner)
+                self._track(expiry, k)
+                self._sync(k)
                 n += 1
         return n
 
@@ -79,6 +114,7 @@ class SessionCachePolicy(LRUCachePolicy):
         mine = [k for k, (_, _, o) in self._retains.items() if o == owner]
         for k in mine:
             del self._retains[k]
+            self._sync(k)
         return len(mine)
 
     def pinned(self) -> set[OffloadKey]:
@@ -92,48 +128,78 @@ class SessionCachePolicy(LRUCachePolicy):
 
     def _expire(self) -> None:
         now = self.clock()
-        for k in [k for k, (_, exp) in self._pins.items() if exp <= now]:
-            del self._pins[k]
-        for k in [k for k, (_, exp, _) in self._retains.items() if exp <= now]:
-            del self._retains[k]
+        heap = self._expiries
+        while heap and heap[0][0] <= now:
+            _, k = heapq.heappop(heap)
+            pin, ret = self._pins.get(k), self._retains.get(k)
+            changed = False
+            if pin is not None and pin[1] <= now:
+                del self._pins[k]
+                changed = True
+            if ret is not None and ret[1] <= now:
+                del self._retains[k]
+                changed = True
+            if changed:
+                self._sync(k)
+        if len(heap) > 2 * (len(self._pins) + len(self._retains)) + 64:
+            self._expiries = [(e, k) for k, (_, e) in self._pins.items()]
+            self._expiries += [(e, k) for k, (_, e, _) in self._retains.items()
+                               if e != float("inf")]
+            heapq.heapify(self._expiries)
 
     # ------------------------------------------------------- vLLM's contract
 
     def remove(self, key: OffloadKey) -> None:
         super().remove(key)
+        self._held.discard(key)
         self._pins.pop(key, None)
         self._retains.pop(key, None)
 
     def clear(self) -> None:
         super().clear()
+        self._held.clear()
+        self._expiries.clear()
         self._pins.clear()
         self._retains.clear()
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        if self._biased(key):
+            self._held.add(key)
+        else:
+            super().mark_evictable(key)
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        if key in self._held:
+            self._held.remove(key)
+        else:
+            super().mark_non_evictable(key)
 
     def evict(
         self, n: int, protected: set[OffloadKey]
     ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
         self._expire()
-        biased = {k for k, (p, _, _) in self._retains.items() if p > 0} | self._pins.keys()
-        if not biased:
-            return super().evict(n, protected)
-        # 1. plain LRU among the unbiased chunks
-        got = super().evict(n, protected | biased)
-        if got is not None:
+        # 1. plain LRU among the unbiased chunks (the only ones LRU sees)
+        got = super().evict(n, protected)
+        if got is not None or not self._held:
             return got
-        # 2./3. not enough: choose by order, then evict exactly those through LRU
-        free = [k for k in self._evictable if k not in protected]
+        # 2./3. not enough: every plain chunk goes, then retained ones by
+        # priority and recency, then the oldest pins; evict exactly those
+        # through LRU, the chosen biased ones rejoining its evictable set.
         rank = self._ranks.__getitem__
-        plain = sorted((k for k in free if k not in biased), key=rank)
-        retained = sorted((k for k in free if k in biased and k not in self._pins),
+        plain = [k for k in self._evictable if k not in protected]
+        held = [k for k in self._held if k not in protected]
+        retained = sorted((k for k in held if k not in self._pins),
                           key=lambda k: (self._retains[k][0], rank(k)))
-        pins = sorted((k for k in free if k in self._pins),
+        pins = sorted((k for k in held if k in self._pins),
                       key=lambda k: (self._pins[k][0], rank(k)))
-        chosen = (plain + retained + pins)[:n]
-        if len(chosen) < n:
+        chosen = (retained + pins)[:n - len(plain)]
+        if len(plain) + len(chosen) < n:
             return None
-        keep = self._evictable - set(chosen)
-        got = super().evict(n, protected | keep)
-        if got is None:         # cannot happen: exactly n chosen keys are unprotected
+        for k in chosen:
+            self._held.remove(k)
+            super().mark_evictable(k)
+        got = super().evict(n, protected)
+        if got is None:         # cannot happen: exactly n keys are unprotected
             return None
         for k, _ in got:
             if self._pins.pop(k, None) is not None:
