@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-from replay_trace import BLOCK_TOKENS, NEVER, Trace
+from replay_trace import BLOCK_TOKENS, Trace
 from sessionkv.config import Limits
 from sessionkv.connectors.hint_executor import HintExecutor
 from sessionkv.index.prefix_index import SessionPrefixIndex
@@ -49,8 +49,9 @@ G2_POLICIES = {
     "arc": ("arc", None),
     "session": ("SessionCachePolicy", "sessionkv.tiers.g2_policy"),
     "naive": ("SessionCachePolicy", "sessionkv.tiers.g2_policy"),
+    "session-oracle": ("SessionCachePolicy", "sessionkv.tiers.g2_policy"),   # diagnostic
 }
-ALL_POLICIES = ("lru", "arc", "session", "opt", "naive")
+ALL_POLICIES = ("lru", "arc", "session", "opt", "naive", "session-oracle")
 DEFAULT_KV_BYTES_PER_TOKEN = 131_072    # Llama-3-8B in bf16: 32 layers x 8 KV heads x 128 x 2 x 2 B
 
 
@@ -301,8 +302,10 @@ class Tally:
     g2_to_g3: int = 0
     store_failures: int = 0
     hints: Counter = field(default_factory=Counter)
+    per_request: list = field(default_factory=list)    # hit tokens of each request
 
     def add(self, s: Served, tokens: int, blocks: int) -> None:
+        self.per_request.append(s.hit_tokens)
         self.hit_tokens += s.hit_tokens
         self.hit_blocks += s.hit_blocks
         self.tokens += tokens
@@ -338,7 +341,31 @@ def result(spec: RunSpec, tally: Tally, wall_s: float) -> dict:
         hints=dict(sorted(tally.hints.items())),
         wall_s=round(wall_s, 3),
     )
+    row["_per_request"] = tally.per_request      # for gap_breakdown; not written to JSON
     return row
+
+
+def gap_breakdown(trace: Trace, run: dict, opt: dict) -> dict:
+    """Where ``run`` loses prompt tokens that ``opt`` hits, as fractions of the
+    trace's prompt tokens: first turns (only shared prefixes of other sessions
+    can hit) and continuation turns by the gap since the session's previous
+    turn. Requests where ``run`` hits more than ``opt`` count negative."""
+    last: dict[int, float] = {}
+    out: Counter = Counter()
+    total = max(1, trace.total_tokens)
+    for i, (ours, ref) in enumerate(zip(run["_per_request"], opt["_per_request"])):
+        s = trace.session[i]
+        if s in last:
+            gap = trace.t[i] - last[s]
+            kind = ("continuation, gap < 60 s" if gap < 60 else
+                    "continuation, gap 60-180 s" if gap < 180 else
+                    "continuation, gap 180-600 s" if gap < 600 else
+                    "continuation, gap >= 600 s")
+        else:
+            kind = "first turn (shared prefixes)"
+        last[s] = trace.t[i]
+        out[kind] += (ref - ours) / total
+    return dict(sorted(out.items()))
 
 
 _KEYS: dict[int, list[list[bytes]]] = {}
@@ -417,6 +444,7 @@ def run_opt(trace: Trace, spec: RunSpec, progress: Progress | None = None) -> di
             a += 1
         tally.hit_blocks += a
         tally.hit_tokens += sum(toks[:a])
+        tally.per_request.append(sum(toks[:a]))
         tally.tokens += trace.input_length[i]
         tally.blocks += len(ids)
         for depth, (b, nu) in enumerate(zip(ids, trace.next_use[i])):
