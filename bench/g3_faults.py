@@ -2,7 +2,7 @@
 tests/e2e/g3_faults.py): normal, then each backend process stopped (SIGSTOP),
 continued, killed and restarted.
 
-    scripts/netns .venv/bin/python bench/g3_faults.py --json OUT [--backend mooncake|redis]
+    scripts/netns .venv/bin/python bench/g3_faults.py --json OUT [--backend mooncake|redis|lmcache]
 
 scripts/netns gives it a private network namespace (
 ``unshare -n`` with a veth address in SESSIONKV_LAN_ADDRESS). Keys:
@@ -30,7 +30,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True)
-    ap.add_argument("--backend", choices=["mooncake", "redis"], action="append")
+    ap.add_argument("--backend", choices=["mooncake", "redis", "lmcache"], action="append")
     args = ap.parse_args()
     from g3_faults import BACKENDS, scenario
 

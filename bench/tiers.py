@@ -1,14 +1,16 @@
 """G3 tier throughput against the raw backend, the checksum and memcpy.
 
-    scripts/netns .venv/bin/python bench/tiers.py --json OUT [--backend mooncake|redis]
+    scripts/netns .venv/bin/python bench/tiers.py --json OUT [--backend mooncake|redis|lmcache]
 
 For each backend and chunk size (64 KiB, 1 MiB, 16 MiB; 64 MiB per batch),
 put and get, in one run on the same bytes: ``tier_MBps`` (a ``G3Tier`` job:
 existence check, checksum, data and checksum objects; loads through staging,
 verified, copied into the G2 slot), ``raw_MBps`` (the backend's own batch
-call: Mooncake ``batch_put_from``/``batch_get_into``, a Redis pipeline),
+call: Mooncake ``batch_put_from``/``batch_get_into``, a Redis pipeline, a
+pipelined lm:// exchange with LMCache's server),
 ``raw_checksum_MBps`` (the same plus the xxh3 checksum of every chunk), and
-``memcpy_MBps`` (a copy of the same bytes). Best of ``--repeat`` runs. Rows:
+``memcpy_MBps`` (a copy of the same bytes). Best of ``--repeat`` rounds, the
+variants taking turns in each round. Rows:
 ``{backend, block_bytes, op, tier_MBps, raw_MBps, raw_checksum_MBps, memcpy_MBps}``.
 """
 
@@ -29,12 +31,17 @@ BATCH_BYTES = 64 << 20
 SIZES = (64 << 10, 1 << 20, 16 << 20)
 
 
-def best(fn, nbytes: int, repeat: int) -> float:
-    out = 0.0
+def rates(variants: dict, nbytes: int, repeat: int) -> dict[str, float]:
+    """Best MB/s of each variant over ``repeat`` rounds; each round runs every
+    variant once, in turn (drift on a noisy machine hits them alike). A
+    variant is ``(run, cleanup)``; cleanup runs untimed after each run."""
+    out = dict.fromkeys(variants, 0.0)
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        out = max(out, nbytes / (time.perf_counter() - t0) / 1e6)
+        for name, (fn, cleanup) in variants.items():
+            t0 = time.perf_counter()
+            fn()
+            out[name] = max(out[name], nbytes / (time.perf_counter() - t0) / 1e6)
+            cleanup()
     return out
 
 
@@ -50,6 +57,12 @@ def raw_calls(backend: str, tier):
         def get(names, bufs):
             rcs = b._store.batch_get_into(names, [address_of(x) for x in bufs], [len(x) for x in bufs])
             assert all(rc == len(x) for rc, x in zip(rcs, bufs)), rcs
+    elif backend == "lmcache":
+        def put(names, bufs):
+            assert all(b.put_chunks(names, bufs))
+
+        def get(names, bufs):
+            assert b.get_chunks(names, bufs) == [len(x) for x in bufs]
     else:
         def put(names, bufs):
             pipe = b._redis.pipeline(transaction=False)
@@ -72,7 +85,7 @@ def measure(backend: str, where, chunk: int, repeat: int) -> list[dict]:
     from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.tiering.base import TransferJob
 
-    from sessionkv.tiers.g3 import checksum, standalone_spec
+    from sessionkv.tiers.g3 import SUM_SUFFIX, checksum, standalone_spec
     init_none_hash(sha256)
     n = max(1, BATCH_BYTES // chunk)
     region = np.random.default_rng(0).integers(0, 256, (2 * n, chunk), dtype=np.uint8)
@@ -85,6 +98,10 @@ def measure(backend: str, where, chunk: int, repeat: int) -> list[dict]:
         tier = MooncakeTier(spec, view, "mooncake", master=where.master,
                             metadata_server=where.metadata_url, local_hostname=lan_address(),
                             namespace=ns, staging_chunks=n, timeout_s=30.0)
+    elif backend == "lmcache":
+        from sessionkv.tiers.lmcache import LMCacheTier
+        tier = LMCacheTier(spec, view, "lmcache", url=where, namespace=ns,
+                           staging_chunks=n, timeout_s=30.0)
     else:
         from sessionkv.tiers.redis import RedisTier
         tier = RedisTier(spec, view, "redis", url=where, namespace=ns,
@@ -95,13 +112,16 @@ def measure(backend: str, where, chunk: int, repeat: int) -> list[dict]:
         put, get = raw_calls(backend, tier)
         jobs = iter(range(1, 1 << 30))
         total = n * chunk
+        created: list[str] = []     # objects a put made; removed untimed after it
 
-        created: list[str] = []
-
-        def fresh(tag):
-            names = [f"{ns}/raw-{tag}-{uuid.uuid4().hex}" for _ in range(n)]
+        def fresh():
+            names = [f"{ns}/raw-{uuid.uuid4().hex}" for _ in range(n)]
             created.extend(names)
             return names
+
+        def remove_created():
+            tier._backend.remove(created)
+            created.clear()
 
         def tier_job(keys, slots, load):
             j = TransferJob(next(jobs), keys, np.asarray(slots, np.int64), load,
@@ -111,43 +131,43 @@ def measure(backend: str, where, chunk: int, repeat: int) -> list[dict]:
             (r,) = [r for r in tier.get_finished_jobs() if r.job_id == j.job_id]
             assert r.success
 
-        keys_made: list[list[bytes]] = []
-
         def tier_put():
             keys = [uuid.uuid4().bytes * 2 + bytes(4) for _ in range(n)]
-            keys_made.append(keys)
+            created.extend(tier.name(k) + sfx for k in keys for sfx in ("", SUM_SUFFIX))
             tier_job(keys, range(n), False)
 
         def raw_checksum_put():
             for x in src:
                 checksum(x)
-            put(fresh("c"), src)
+            put(fresh(), src)
 
-        stored = fresh("g")
+        stored = [f"{ns}/raw-get-{i}" for i in range(n)]
         put(stored, src)
+        tier_keys = [uuid.uuid4().bytes * 2 + bytes(4) for _ in range(n)]
+        tier_job(tier_keys, range(n), False)
 
         def raw_checksum_get():
             get(stored, dst)
             for x in dst:
                 checksum(x)
 
-        rows = []
-        put_row = {"backend": backend, "block_bytes": chunk, "op": "put",
-                   "raw_MBps": best(lambda: put(fresh("r"), src), total, repeat),
-                   "raw_checksum_MBps": best(raw_checksum_put, total, repeat),
-                   "tier_MBps": best(tier_put, total, repeat)}
-        get_row = {"backend": backend, "block_bytes": chunk, "op": "get",
-                   "raw_MBps": best(lambda: get(stored, dst), total, repeat),
-                   "raw_checksum_MBps": best(raw_checksum_get, total, repeat),
-                   "tier_MBps": best(lambda: tier_job(keys_made[0], range(n, 2 * n), True),
-                                     total, repeat)}
-        memcpy = best(lambda: np.copyto(region[n:], region[:n]), total, repeat)
-        for row in (put_row, get_row):
-            row["memcpy_MBps"] = memcpy
-            rows.append(row)
+        def nothing():
+            return None
+
+        puts = rates({"raw_MBps": (lambda: put(fresh(), src), remove_created),
+                      "raw_checksum_MBps": (raw_checksum_put, remove_created),
+                      "tier_MBps": (tier_put, remove_created)}, total, repeat)
+        gets = rates({"raw_MBps": (lambda: get(stored, dst), nothing),
+                      "raw_checksum_MBps": (raw_checksum_get, nothing),
+                      "tier_MBps": (lambda: tier_job(tier_keys, range(n, 2 * n), True), nothing)},
+                     total, repeat)
+        memcpy = rates({"memcpy_MBps": (lambda: np.copyto(region[n:], region[:n]), nothing)},
+                       total, repeat)
+        rows = [{"backend": backend, "block_bytes": chunk, "op": op, **r, **memcpy}
+                for op, r in (("put", puts), ("get", gets))]
         # Leave the store as it was: the next chunk size needs the room.
-        created += [tier.name(k) + sfx for keys in keys_made for k in keys for sfx in ("", ".sum")]
-        tier._backend.remove(created)
+        tier._backend.remove(stored + [tier.name(k) + sfx for k in tier_keys
+                                       for sfx in ("", SUM_SUFFIX)])
         return rows
     finally:
         tier.shutdown()
@@ -157,18 +177,21 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "tests" / "e2e"))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True)
-    ap.add_argument("--backend", choices=["mooncake", "redis"], action="append")
+    ap.add_argument("--backend", choices=["mooncake", "redis", "lmcache"], action="append")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    from sessionkv.services import start_mooncake, start_redis
+    from sessionkv.services import start_lmcache, start_mooncake, start_redis
 
     rows = []
     with tempfile.TemporaryDirectory() as logs:
-        for backend in args.backend or ("mooncake", "redis"):
+        for backend in args.backend or ("mooncake", "redis", "lmcache"):
             if backend == "mooncake":
                 ports, master, store = start_mooncake(Path(logs), store_size="1GB")
                 stop = [store, master]
                 where = ports
+            elif backend == "lmcache":
+                where, server = start_lmcache(Path(logs))
+                stop = [server]
             else:
                 where, server = start_redis(Path(logs), maxmemory="1gb")
                 stop = [server]

@@ -5,12 +5,14 @@ spec in workers too), when the policy names a secret; the wire protocol is in
 ``sessionkv.control``.
 
 One daemon thread owns both ZMQ sockets. It sleeps in ``poll`` (no timeout)
-on the request socket, the event log's wake pipe and a stop pipe, so an idle
-engine stays idle. A vLLM engine with no requests runs no steps, so this
-thread applies hints itself, under the tier manager's lock, and only changes
-metadata there (pins, priorities, TTLs, session ends): it never evicts,
-allocates or calls ``lookup`` (DESIGN.md, "Threads"). The reply is sent after
-the hint took effect: a request sent after the reply sees it.
+on the request socket, the event log's wake pipe, the mover's wake pipe and a
+stop pipe, so an idle engine stays idle. A vLLM engine with no requests runs
+no steps, so this thread applies hints itself, under the tier manager's lock:
+metadata (pins, priorities, TTLs, session ends), and the start and finish of
+Demote/Prefetch/Share copies (``connectors.moves``: reservations through the
+primary tier, the copy itself on the G3 tier's threads); it never calls
+``lookup`` (DESIGN.md, "Threads"). The reply is sent after the hint took
+effect: a request sent after the reply sees it.
 
 Bounds: ZMQ queues at most ``QUEUE_FRAMES`` requests (then the sender
 blocks or drops, per its socket), requests over ``MAX_FRAME_BYTES`` get a
@@ -117,6 +119,9 @@ class ControlChannel:
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._events.wake_fd, zmq.POLLIN)
         poller.register(self._stop_r, zmq.POLLIN)
+        mover = self._manager.mover
+        if mover is not None:
+            poller.register(mover.wake_fd, zmq.POLLIN)
         while True:
             ready = dict(poller.poll())
             if self._stop_r in ready:
@@ -128,6 +133,8 @@ class ControlChannel:
                     except zmq.Again:
                         break
                     self._serve(frames)
+            if mover is not None and mover.wake_fd in ready:
+                self._manager.apply_moves()     # copies ended: finish them now
             if self._events.wake_fd in ready:
                 self._publish()
 

@@ -5,10 +5,12 @@ signature, or an unsigned Pin of the request's own session within the unsigned
 quota) -> rate limit per client -> resolution against the SessionPrefixIndex
 (``missing`` when nothing resident answers) -> bounds clipped to the limits ->
 the action. Pin and Retain act on G2 through ``SessionCachePolicy`` (pin quotas
-per session, global, and a separate unsigned pool, as fractions of G2); the
-other actions answer ``rejected: not implemented`` until they exist, never a
-false ``accepted``. Pins the policy later clips under pressure come back from
-``take_late_outcomes`` as ``clipped``.
+per session, global, and a separate unsigned pool, as fractions of G2). Demote,
+Prefetch and Share are copies between G2 and G3 (``connectors.moves.Mover``):
+they answer ``deferred`` and get their final outcome when the copy ended (on
+the event stream). A Prefetch naming exact keys fetches them from G3 even when
+this engine never saw them (the receiving side of a Share). Pins the policy
+later clips under pressure come back from ``take_late_outcomes`` as ``clipped``.
 
 Request-borne hints act when their request finishes (the turn's blocks are all
 in the index by then); the outcomes go back in that response. Control-channel
@@ -47,6 +49,8 @@ from sessionkv.hints import (
 )
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers.g2_policy import SessionCachePolicy
+
+from .moves import Mover
 
 KVCR_SIG_PARAM = "kv_hint_sig"
 MAX_LATE_OUTCOMES = 10_000
@@ -122,6 +126,7 @@ class HintExecutor:
         self._cap_unsigned = cap(limits.unsigned_pin_fraction)
         self._pins: dict[bytes, tuple[str, str, bool]] = {}   # chunk -> (owner, hint, signed)
         self._late: deque[HintOutcome] = deque(maxlen=MAX_LATE_OUTCOMES)
+        self.mover: Mover | None = None          # set when the engine has a G3 tier
         # Called with every late outcome as it is made (the event stream).
         self.on_late_outcome: Callable[[HintOutcome], None] | None = None
 
@@ -147,7 +152,10 @@ class HintExecutor:
         if not self._buckets.take(client or session_id or "anonymous"):
             return outcome(Status.REJECTED, "rate limit exceeded")
 
-        asked, keys, reason = self._resolve(hint)
+        if hint.action is Action.PREFETCH and isinstance(hint.target, KeysTarget):
+            asked, keys, reason = len(hint.target.keys), list(hint.target.keys), ""
+        else:
+            asked, keys, reason = self._resolve(hint)
         if not keys:
             return outcome(Status.MISSING, reason, asked)
         clipped = []
@@ -159,6 +167,14 @@ class HintExecutor:
         if ttl is not None and ttl > self._limits.max_ttl_s:
             clipped.append(f"ttl clipped to {self._limits.max_ttl_s:g} s")
             ttl = self._limits.max_ttl_s
+        if hint.action in (Action.DEMOTE, Action.PREFETCH, Action.SHARE):
+            if self.mover is None:
+                return outcome(Status.REJECTED, "Demote, Prefetch and Share need a G3 tier",
+                               asked)
+            if not isinstance(hint.target, KeysTarget) or hint.action is not Action.PREFETCH:
+                keys = self._index.chunk_keys(keys, self._bpc)
+            return self.mover.start(hint.action, hint.hint_id, keys, asked,
+                                    self._owner(hint, session_id), "; ".join(clipped))
         if hint.action not in (Action.PIN, Action.RETAIN):
             return outcome(Status.REJECTED, "not implemented", asked)
         if self._policy is None:

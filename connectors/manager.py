@@ -26,6 +26,7 @@ primary tier, transfers and outcomes from the manager.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Collection
 
 from vllm.logger import init_logger
@@ -46,9 +47,11 @@ from sessionkv.config import SessionKVConfig
 from sessionkv.events import Association, EventLog, Eviction, Outcome, Residency, Transfer
 from sessionkv.hints import HintOutcome, KvHint, Status
 from sessionkv.index.prefix_index import SessionPrefixIndex
+from sessionkv.tiers.g3 import G3Tier
 from sessionkv.types import Tier
 
 from .hint_executor import HintExecutor, read_request_hints
+from .moves import Mover
 
 logger = init_logger(__name__)
 G1, G2 = Tier.G1.name, Tier.G2.name
@@ -69,14 +72,26 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
         self._bpc = blocks_per_chunk
         self.event_log: EventLog | None = None     # vLLM's own list is ``events``
 
-    def _set_g2(self, chunk_keys: Collection[OffloadKey], copies: int) -> None:
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self._bpc
+
+    @property
+    def index(self) -> SessionPrefixIndex:
+        return self._index
+
+    def set_copies(self, tier: Tier, chunk_keys: Collection[OffloadKey], copies: int) -> None:
+        """Index the copies in ``tier`` of every block these chunks hold."""
         if not chunk_keys:
             return
         if self._bpc == 1:
             blocks = list(chunk_keys)
         else:
             blocks = [b for k in chunk_keys for b in self._index.chain_to(k, self._bpc)]
-        self._index.set_copies(Tier.G2, blocks, copies)
+        self._index.set_copies(tier, blocks, copies)
+
+    def _set_g2(self, chunk_keys: Collection[OffloadKey], copies: int) -> None:
+        self.set_copies(Tier.G2, chunk_keys, copies)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -140,6 +155,14 @@ class SessionTierManager(TieringOffloadingManager):
         self.index = index
         self.executor = executor
         self.config = config
+        # G3 copies seen by the tiers' I/O threads, indexed under the lock.
+        self._g3_seen: deque[tuple[bool, list[OffloadKey], list[bool]]] = deque()
+        g3 = [t for t in secondary_tiers if isinstance(t, G3Tier)]
+        for t in g3:
+            t.observer = lambda load, keys, ok: self._g3_seen.append((load, keys, ok))
+        # Demote/Prefetch/Share copy to and from the first G3 tier.
+        self.mover = Mover(primary_tier, g3[0], self.emit) if g3 else None
+        executor.mover = self.mover
         self._secret = config.policy.trust.secret
         # req_id -> (session, hints) until the request finishes
         self._request_hints: dict[str, tuple[str | None, RequestHints]] = {}
@@ -187,6 +210,34 @@ class SessionTierManager(TieringOffloadingManager):
             for s in self.index.expire(now):
                 self.executor.release(s)
                 self.emit(Association(session_id=s, op="end", reason="idle"))
+
+    def apply_moves(self) -> None:
+        """Index the G3 copies the tiers reported and finish the hint copies
+        that ended (``Mover.apply``). Under the lock: the scheduler calls it
+        at the start of each pass, the control channel when the mover wakes it."""
+        with self.lock:
+            while self._g3_seen:
+                load, keys, ok = self._g3_seen.popleft()
+                self.primary_tier.set_copies(Tier.G3, [k for k, o in zip(keys, ok) if o], 1)
+                if load:     # a load that failed: the object is not there for us
+                    self.primary_tier.set_copies(
+                        Tier.G3, [k for k, o in zip(keys, ok) if not o], 0)
+            if self.mover is not None:
+                self.mover.apply()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.mover is not None:
+            self.mover.close()
+
+    def reset_cache(self) -> None:
+        # Hint copies end before the primary tier forgets its chunks, so that
+        # their reservations are released against the chunks they hold.
+        with self.lock:
+            for tier in self.secondary_tiers:
+                tier.drain_jobs()
+            self.apply_moves()
+            super().reset_cache()
 
     # ---- scheduler thread -------------------------------------------------
 

@@ -225,6 +225,7 @@ class SessionTierConnector(OffloadingConnector):
         if not self._in_pass:
             self.manager.lock.acquire()
             self._in_pass = True
+            self.manager.apply_moves()      # hint copies that ended become visible
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

@@ -480,6 +480,16 @@ class SessionPrefixIndex:
             return self._result(self._paths([s]))
         return self._result(self._paths(st.frontiers))
 
+    def chunk_keys(self, keys: Sequence[bytes], blocks_per_chunk: int) -> list[bytes]:
+        """The keys among ``keys`` that end a chunk (G2 and G3 name chunks by
+        their last block): depth + 1 a multiple of ``blocks_per_chunk``.
+        Unknown keys are dropped."""
+        if blocks_per_chunk == 1:
+            return [k for k in keys if k in self._slot]
+        depth = self._depth
+        return [k for k in keys if (s := self._slot.get(k)) is not None
+                and (int(depth[s]) + 1) % blocks_per_chunk == 0]
+
     def resolve_keys(self, keys: Sequence[bytes]) -> Resolved:
         """Which of exactly these keys are resident, per tier."""
         slots = [s for s in map(self._slot.get, keys) if s is not None]

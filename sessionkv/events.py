@@ -75,7 +75,7 @@ class Transfer(Event, tag="transfer"):
 
 class Outcome(Event, tag="outcome"):
     outcome: HintOutcome
-    via: str                      # "request" | "control" | "policy"
+    via: str                      # "request" | "control" | "policy" | "transfer" (a final outcome)
     session_id: str | None = None
     client: str | None = None
 

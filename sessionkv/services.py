@@ -1,6 +1,7 @@
 """The shared services G3 needs, started on this machine with health checks:
 ``mooncake_master``, standalone Mooncake store processes (``mooncake_client``,
-which hold the storage, so objects outlive any engine), and ``redis-server``.
+which hold the storage, so objects outlive any engine), ``redis-server``, and
+LMCache's storage server (``lmcache_server``).
 
 Used by ``scripts/services start|stop|status`` and by the tests. Servers bind
 127.0.0.1 where they can; Mooncake's store processes listen on all
@@ -63,6 +64,7 @@ class Service:
     cmd: list[str]
     healthy: Callable[[], bool]
     log_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -80,7 +82,8 @@ class Service:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([exe, *self.cmd[1:]], stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, **self.env})
         self.pidfile.write_text(str(self.proc.pid))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -186,6 +189,36 @@ def redis(log_dir: Path, port: int = 6379, maxmemory: str = "256mb") -> Service:
         lambda: port_open(port), log_dir)
 
 
+# LMCache's server binds without SO_REUSEADDR: after a crash it could not bind
+# its port again until the old connections leave TIME_WAIT (a minute). This
+# runs its own main() with the option set.
+LMCACHE_SERVER = """
+import socket, sys
+class ReuseAddress(socket.socket):
+    def bind(self, address):
+        self.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        super().bind(address)
+socket.socket = ReuseAddress
+sys.argv[0] = "lmcache_server"
+from lmcache.v1.server.__main__ import main
+main()
+"""
+
+
+def lmcache_server(log_dir: Path, port: int = 65432) -> Service:
+    """LMCache's ``lm://`` storage server (its ``lmcache_server``) on
+    127.0.0.1, objects in its memory (it has no capacity limit: see
+    ``tiers/lmcache.py``). Healthy when it answers a HEALTH request. No usage
+    telemetry leaves the machine."""
+    def healthy() -> bool:
+        from sessionkv.tiers.lmcache import health
+        return port_open(port) and health(f"lm://127.0.0.1:{port}")
+    return Service("lmcache_server",
+                   [sys.executable, "-c", LMCACHE_SERVER, "127.0.0.1", str(port), "cpu"],
+                   healthy, log_dir,
+                   env={"LMCACHE_TRACK_USAGE": "false", "PYTHONHASHSEED": "0"})
+
+
 def start_mooncake(log_dir: Path, store_size: str = "512MB",
                    ) -> tuple[MooncakePorts, Service, Service]:
     """A master and one store process on free ports, started: (ports, master, store)."""
@@ -207,8 +240,16 @@ def start_redis(log_dir: Path, maxmemory: str = "256mb") -> tuple[str, Service]:
     return f"redis://127.0.0.1:{port}/0", redis(log_dir, port, maxmemory).start()
 
 
+def start_lmcache(log_dir: Path) -> tuple[str, Service]:
+    """An LMCache server on a free port, started: (its lm:// URL, the service)."""
+    from sessionkv.server import free_port
+    port = free_port()
+    return f"lm://127.0.0.1:{port}", lmcache_server(log_dir, port).start(timeout_s=60)
+
+
 def all_services(log_dir: Path) -> list[Service]:
-    return [mooncake_master(log_dir), mooncake_store(log_dir), redis(log_dir)]
+    return [mooncake_master(log_dir), mooncake_store(log_dir), redis(log_dir),
+            lmcache_server(log_dir)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,3 +44,12 @@ def redis_url(tmp_path_factory):
     url, server = start_redis(tmp_path_factory.mktemp("redis"))
     yield url
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def lmcache_url(tmp_path_factory):
+    """A real LMCache storage server (``lmcache_server ... cpu``) on a free port."""
+    from sessionkv.services import start_lmcache
+    url, server = start_lmcache(tmp_path_factory.mktemp("lmcache"))
+    yield url
+    server.stop()

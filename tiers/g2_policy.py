@@ -3,7 +3,8 @@
 Eviction order, for ``evict(n, protected)``:
 
 1. chunks neither pinned nor retained (or retained at priority 0): plain LRU,
-   so un-hinted traffic evicts exactly as vLLM's ``LRUCachePolicy``;
+   so un-hinted traffic evicts exactly as vLLM's ``LRUCachePolicy``; demoted
+   chunks (``demote``: a Demote hint copied them to G3) before all others;
 2. retained chunks, lowest priority first, least recently used first within a
    priority;
 3. pinned chunks only when nothing else is left: the oldest pins are clipped
@@ -56,6 +57,8 @@ class SessionCachePolicy(LRUCachePolicy):
         # (expiry, key) of every pin and retain set, lazily invalidated: lapses
         # are found without a pass over all hints on every eviction.
         self._expiries: list[tuple[float, OffloadKey]] = []
+        self._demoted = 0               # ranks of demoted chunks count down from here
+        self._demoted_keys: set[OffloadKey] = set()
 
     def _track(self, expiry: float, k: OffloadKey) -> None:
         if expiry != float("inf"):
@@ -117,6 +120,26 @@ class SessionCachePolicy(LRUCachePolicy):
             self._sync(k)
         return len(mine)
 
+    def demote(self, keys: Iterable[OffloadKey]) -> int:
+        """Make these chunks the first to go (a Demote hint: their G3 copy
+        exists), the last of ``keys`` first; their pins and retains end. They
+        stay first until a request uses them again (vLLM finishing the
+        request that stored them is no use). How many are in G2."""
+        n = 0
+        for k in keys:
+            if k not in self.chunks:
+                continue
+            self._demoted_keys.add(k)
+            self._pins.pop(k, None)
+            self._retains.pop(k, None)
+            self._sync(k)
+            self._demoted -= 1                 # below every rank LRU assigns
+            self._ranks[k] = self._demoted
+            if k in self._evictable:
+                self._push_evictable(k)
+            n += 1
+        return n
+
     def pinned(self) -> set[OffloadKey]:
         self._expire()
         return set(self._pins)
@@ -149,14 +172,30 @@ class SessionCachePolicy(LRUCachePolicy):
 
     # ------------------------------------------------------- vLLM's contract
 
+    def touch(self, keys: Iterable[OffloadKey], req_context) -> None:
+        keys = list(keys)
+        self._demoted_keys.difference_update(keys)
+        super().touch(keys, req_context)
+
+    def on_request_finished(self, key_groups, insertion_only_keys, reused_keys,
+                            req_context) -> None:
+        super().on_request_finished(key_groups, insertion_only_keys, reused_keys, req_context)
+        if self._demoted_keys:
+            # The request that stored demoted chunks may finish after the
+            # Demote (vLLM waits for its stores): it does not make them recent.
+            self._demoted_keys.difference_update(reused_keys)
+            self.demote([k for g in key_groups for k in g if k in self._demoted_keys])
+
     def remove(self, key: OffloadKey) -> None:
         super().remove(key)
+        self._demoted_keys.discard(key)
         self._held.discard(key)
         self._pins.pop(key, None)
         self._retains.pop(key, None)
 
     def clear(self) -> None:
         super().clear()
+        self._demoted_keys.clear()
         self._held.clear()
         self._expiries.clear()
         self._pins.clear()

@@ -15,8 +15,9 @@ The fingerprint (``tiers.fingerprint``) makes engines whose bytes are not
 interchangeable miss each other. The checksum object is written only after
 its data object was stored, and is what lookups ask for.
 
-Never wrong KV. A load copies into a staging buffer, verifies the bytes
-against the checksum object, and only then copies them into the G2 slot; a
+Never wrong KV. A load reads into a staging buffer (or into buffers of the
+backend's own, ``owned_reads``), verifies the bytes against the checksum
+object, and only then copies them into the G2 slot; a
 chunk whose checksum object is missing, or whose data is missing, short or
 different, fails its load and vLLM recomputes it. A chunk that failed is a
 miss in this engine for ``MISS_AFTER_FAILURE_S`` (vLLM would promote it again
@@ -28,7 +29,7 @@ there waits for the backend: lookups are asynchronous (vLLM's
 ``AsyncLookupManager``: ``RETRY`` until the answer is in), copies run on the
 tier's I/O threads. Every backend call has our own deadline (``timeout_s``
 plus the bytes at ``MIN_RATE``); a call past it is abandoned (it writes only
-into staging, which stays reserved until the call returns) and trips a
+into staging, which stays reserved until the call ends) and trips a
 breaker: for ``retry_s`` every call fails at once as a miss, then the next
 call probes the backend again. So a stopped backend costs each request at
 most one deadline, a dead one none, and the tier reconnects by itself when
@@ -48,10 +49,8 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
 import xxhash
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
@@ -66,6 +65,9 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .fingerprint import fingerprint, identity_fields, weights_digest
+from .g3_io import BackendDown, Guard, Staging
+
+__all__ = ["BackendDown", "G3Tier", "Guard", "ObjectBackend", "Staging", "checksum"]
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -76,7 +78,7 @@ SUM = struct.Struct("<QQ")          # xxh3-64 of the chunk, its length
 SUM_SUFFIX = ".sum"
 MISS_AFTER_FAILURE_S = 30.0
 MAX_FAILED = 65_536
-MIN_RATE = 100e6                    # bytes/s a healthy backend sustains, for deadlines
+READ_PART_BYTES = 8 << 20           # a load reads in parts of this size, pipelined
 
 
 def checksum(data) -> bytes:
@@ -99,6 +101,11 @@ class ObjectBackend(ABC):
     Calls may hang: the tier runs them on its own threads with deadlines, and
     may call them from several threads at once.
     """
+
+    #: ``get_small`` returns buffers of the backend's own for objects of any
+    #: size: loads then read data and checksum objects in one call and copy
+    #: verified bytes straight into G2, without staging.
+    owned_reads: ClassVar[bool] = False
 
     @abstractmethod
     def register(self, buf: memoryview) -> None: ...
@@ -131,97 +138,6 @@ class ObjectBackend(ABC):
         return
 
 
-class BackendDown(Exception):
-    """The backend did not answer in time, or the breaker is open."""
-
-
-class Guard:
-    """Backend calls with deadlines, and a breaker (see the module docstring).
-
-    The breaker stays open while an abandoned call is still running (some
-    clients busy-poll while a peer does not answer: one such call at a time),
-    and its retry delay doubles with each trip in a row, up to
-    ``MAX_BACKOFF`` times ``retry_s``; an answer in time resets it."""
-
-    MAX_BACKOFF = 8
-
-    def __init__(self, name: str, timeout_s: float, retry_s: float, threads: int = 8,
-                 clock: Callable[[], float] = time.monotonic):
-        self._name = name
-        self.timeout_s = timeout_s
-        self._retry_s = retry_s
-        self._clock = clock
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"sessionkv-{name}-call")
-        self._permits = threading.BoundedSemaphore(threads)  # held by a call until it returns
-        self._lock = threading.Lock()
-        self._down_until = 0.0
-        self._in_a_row = 0
-        self._abandoned = 0              # calls past their deadline, still running
-        self.trips = 0
-
-    @property
-    def down(self) -> bool:
-        return self._abandoned > 0 or self._clock() < self._down_until
-
-    def trip(self, why: str) -> None:
-        with self._lock:
-            delay = self._retry_s * min(2 ** self._in_a_row, self.MAX_BACKOFF)
-            if self._clock() >= self._down_until:
-                logger.warning("sessionkv: G3 %s %s: misses for %.1f s, then retrying",
-                               self._name, why, delay)
-            self._down_until = self._clock() + delay
-            self._in_a_row += 1
-            self.trips += 1
-
-    def call(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0,
-             on_abandoned: Callable[[Any], None] | None = None) -> Any:
-        """``fn(*args)`` within its deadline, or ``BackendDown``. A call past
-        its deadline keeps running; ``on_abandoned(result)`` runs when it
-        returns (never when it raised)."""
-        if self.down:
-            raise BackendDown(f"{self._name} is down")
-        if not self._permits.acquire(blocking=False):
-            self.trip("has every call thread busy")
-            raise BackendDown(f"{self._name}: every call thread is busy")
-        state = {"abandoned": False}
-
-        def run():
-            try:
-                result = fn(*args)
-            finally:
-                self._permits.release()
-                with self._lock:
-                    late = state["abandoned"]
-                    if late:
-                        self._abandoned -= 1
-            if late and on_abandoned is not None:
-                on_abandoned(result)
-            return result
-
-        fut = self._pool.submit(run)
-        try:
-            result = fut.result(self.timeout_s + nbytes / MIN_RATE)
-        except FutureTimeout:
-            with self._lock:
-                if not fut.done():
-                    state["abandoned"] = True
-                    self._abandoned += 1
-            if not state["abandoned"] and fut.exception() is None:   # made it after all
-                return fut.result()
-            self.trip(f"call {getattr(fn, '__name__', fn)} timed out")
-            raise BackendDown(f"{self._name}: no answer in time") from None
-        except BackendDown:
-            raise
-        except Exception as e:
-            self.trip(f"call failed: {e!r}")
-            raise BackendDown(f"{self._name}: {e!r}") from e
-        self._in_a_row = 0
-        return result
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
 class _Lookups(AsyncLookupManager):
     """vLLM's asynchronous lookups, asking the backend for checksum objects."""
 
@@ -233,44 +149,6 @@ class _Lookups(AsyncLookupManager):
         return self._tier.listed(keys)
 
 
-class Staging:
-    """Registered host buffers that loads copy into before verification.
-    ``take`` blocks (an I/O thread) until enough slots are free."""
-
-    def __init__(self, slots: int, chunk: int):
-        self.buffer = np.empty((slots, chunk), np.uint8)
-        self._view = memoryview(self.buffer).cast("B")
-        self._chunk = chunk
-        self._free = list(range(slots))
-        self._cond = threading.Condition()
-
-    @property
-    def view(self) -> memoryview:
-        return self._view
-
-    @property
-    def slots(self) -> int:
-        return len(self.buffer)
-
-    def take(self, n: int, timeout_s: float) -> list[int] | None:
-        with self._cond:
-            if not self._cond.wait_for(lambda: len(self._free) >= n, timeout_s):
-                return None
-            got, self._free = self._free[:n], self._free[n:]
-            return got
-
-    def give(self, slots: list[int]) -> None:
-        with self._cond:
-            self._free.extend(slots)
-            self._cond.notify_all()
-
-    def slot(self, i: int) -> memoryview:
-        return self._view[i * self._chunk:(i + 1) * self._chunk]
-
-    def release(self) -> None:
-        self._view.release()
-
-
 class G3Tier(SecondaryTierManager):
     """A vLLM secondary tier over an ``ObjectBackend`` (see the module docstring).
 
@@ -279,6 +157,9 @@ class G3Tier(SecondaryTierManager):
 
     medium: ClassVar[Medium] = Medium.STORAGE
     backend_class: ClassVar[type[ObjectBackend] | None] = None
+    #: Told of every copy as it ends, on an I/O thread: ``(load, keys, ok per
+    #: key)``; must not block (the tier manager keeps the index's G3 copies).
+    observer: Callable[[bool, list[OffloadKey], list[bool]], None] | None = None
 
     def __init__(
         self,
@@ -327,6 +208,9 @@ class G3Tier(SecondaryTierManager):
         self.guard = Guard(tier_type, float(timeout_s), float(retry_s))
         self._pool = ThreadPoolExecutor(max_workers=int(io_threads),
                                         thread_name_prefix=f"sessionkv-{tier_type}")
+        # Each load has its checksum read and one part read in flight here.
+        self._readahead = ThreadPoolExecutor(max_workers=2 * int(io_threads),
+                                             thread_name_prefix=f"sessionkv-{tier_type}-read")
         self._pending: set[Future] = set()
         self._done: list[JobResult] = []
         self._failed: dict[str, float] = {}     # name -> until when it is a miss
@@ -403,6 +287,7 @@ class G3Tier(SecondaryTierManager):
     def shutdown(self) -> None:
         self._lookups.shutdown()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._readahead.shutdown(wait=True, cancel_futures=True)
         self.guard.shutdown()
         self._backend.close()
         self._staging.release()
@@ -437,27 +322,53 @@ class G3Tier(SecondaryTierManager):
     def _run(self, fn, job_id: int, keys: list[OffloadKey], names: list[str],
              offsets: list[int]) -> None:
         start = time.monotonic()
-        down = False
-        try:
-            ok = fn(names, offsets)
-        except BackendDown as e:    # the breaker covers it: no per-chunk memory
-            logger.debug("sessionkv: G3 job %d: %s", job_id, e)
-            ok, down = [False] * len(keys), True
-        except Exception:           # a backend bug fails the job, never the engine
-            logger.exception("sessionkv: G3 job %d failed", job_id)
-            ok = [False] * len(keys)
+        ok = self._copy(fn, f"job {job_id}", keys, names, offsets)
         good = [k for k, o in zip(keys, ok) if o]
-        failed_loads: list[OffloadKey] = []
-        if len(good) < len(keys) and fn == self._load:
-            failed_loads = [k for k, o in zip(keys, ok) if not o]
-            if not down:
-                self._remember_failed([n for n, o in zip(names, ok) if not o])
+        failed_loads = [k for k, o in zip(keys, ok) if not o] if fn == self._load else []
         result = JobResult(job_id=job_id, success=len(good) == len(keys),
                            successful_keys=good if len(good) < len(keys) else None,
                            transfer_time=time.monotonic() - start,
                            transfer_bytes=len(good) * self._chunk)
         with self._lock:
             self._done.append((result, failed_loads))
+
+    def _copy(self, fn, what: str, keys: list[OffloadKey], names: list[str],
+              offsets: list[int]) -> list[bool]:
+        """One store or load; ok per key, never raises. A load that failed
+        with the backend up is remembered (a miss for a while)."""
+        down = False
+        try:
+            ok = fn(names, offsets)
+        except BackendDown as e:    # the breaker covers it: no per-chunk memory
+            logger.debug("sessionkv: G3 %s: %s", what, e)
+            ok, down = [False] * len(keys), True
+        except Exception:           # a backend bug fails the copy, never the engine
+            logger.exception("sessionkv: G3 %s failed", what)
+            ok = [False] * len(keys)
+        if fn == self._load and not down and not all(ok):
+            self._remember_failed([n for n, o in zip(names, ok) if not o])
+        if self.observer is not None:
+            self.observer(fn == self._load, keys, ok)
+        return ok
+
+    # ---- copies outside vLLM's job table (hints) ------------------------------------
+
+    def move(self, load: bool, keys: list[OffloadKey], chunk_ids: Sequence[int],
+             done: Callable[[list[bool]], None]) -> None:
+        """Copy chunks between their G2 slots (``chunk_ids``, reserved by the
+        caller) and this tier on the I/O threads, outside vLLM's job table
+        (Demote, Prefetch, Share): a load when ``load``, else a store.
+        ``done(ok per key)`` runs on an I/O thread when the copy ended, and
+        must not wait for the tier manager's lock. ``drain_jobs`` covers these
+        copies too."""
+        keys = list(keys)
+        names = [self.name(k) for k in keys]
+        offsets = [int(c) * self._chunk for c in chunk_ids]
+        fn = self._load if load else self._store
+        fut = self._pool.submit(lambda: done(self._copy(fn, "move", keys, names, offsets)))
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._finished)
 
     def _remember_failed(self, names: list[str]) -> None:
         until = time.monotonic() + MISS_AFTER_FAILURE_S
@@ -500,29 +411,89 @@ class G3Tier(SecondaryTierManager):
             pass
 
     def _load(self, names: list[str], offsets: list[int]) -> list[bool]:
-        ok: list[bool] = []
-        step = self._staging.slots
-        for i in range(0, len(names), step):
-            ok += self._load_some(names[i:i + step], offsets[i:i + step])
+        if self._backend.owned_reads:
+            return self._load_owned(names, offsets)
+        return self._load_staged(names, offsets)
+
+    def _load_owned(self, names: list[str], offsets: list[int]) -> list[bool]:
+        """Data and checksum objects in one ``get_small`` call, verified bytes
+        copied straight into G2: the backend's buffers are its own, so a
+        call past its deadline writes nothing of ours."""
+        got = self.guard.call(self._backend.get_small,
+                              names + [n + SUM_SUFFIX for n in names],
+                              nbytes=len(names) * self._chunk)
+        ok, broken = [], []
+        for name, off, value, w in zip(names, offsets, got, got[len(names):]):
+            good = (value is not None and len(value) == self._chunk and w is not None
+                    and w == checksum(value))
+            if value is not None and not good:   # there, but short, long or different
+                broken.append(name)
+            if good:
+                self._region[off:off + self._chunk] = value
+            ok.append(good)
+        self._unlist(broken)
         return ok
 
-    def _load_some(self, names: list[str], offsets: list[int]) -> list[bool]:
+    def _load_staged(self, names: list[str], offsets: list[int]) -> list[bool]:
+        """Reads in parts of at most half the staging and ``READ_PART_BYTES``:
+        part k+1 is read (and the checksum objects with the first part) while
+        part k is verified and copied into G2, so the copy does not add to
+        the read."""
+        step = max(1, min(self._staging.slots // 2, READ_PART_BYTES // self._chunk))
+        want_f = self._readahead.submit(self.guard.call, self._backend.get_small,
+                                        [n + SUM_SUFFIX for n in names])
+        ahead: Future | None = self._readahead.submit(self._read, names[:step])
+        ok: list[bool] = []
+        try:
+            want = want_f.result()
+            for i in range(0, len(names), step):
+                slots, got = ahead.result()
+                j = i + step
+                ahead = self._readahead.submit(self._read, names[j:j + step]) \
+                    if j < len(names) else None
+                ok += self._verify(names[i:j], offsets[i:j], want[i:j], slots, got)
+        finally:
+            if ahead is not None:    # failed midway: the read in flight gives back its slots
+                ahead.add_done_callback(self._give_back)
+        return ok
+
+    def _read(self, names: list[str]) -> tuple[list[int] | None, list[int]]:
+        """Objects into staging: (staging slots, sizes), or no slots when
+        staging stayed full. Raises ``BackendDown``; a call abandoned past its
+        deadline keeps its slots until it ends."""
         slots = self._staging.take(len(names), self.guard.timeout_s)
         if slots is None:
-            return [False] * len(names)
-        bufs = [self._staging.slot(s) for s in slots]
-        give_back = True
+            return None, []
         try:
-            want = self.guard.call(self._backend.get_small, [n + SUM_SUFFIX for n in names])
-            try:
-                got = self.guard.call(self._backend.get_chunks, names, bufs,
-                                      nbytes=len(names) * self._chunk,
-                                      on_abandoned=lambda _: self._staging.give(slots))
-            except BackendDown:
-                give_back = False    # the late call still writes into them
-                raise
-            ok, broken = [], []
-            for name, off, w, size, buf in zip(names, offsets, want, got, bufs):
+            got = self.guard.call(self._backend.get_chunks, names,
+                                  [self._staging.slot(s) for s in slots],
+                                  nbytes=len(names) * self._chunk,
+                                  on_abandoned=lambda _: self._staging.give(slots))
+        except BackendDown as e:
+            if not e.abandoned:
+                self._staging.give(slots)
+            raise
+        except BaseException:
+            self._staging.give(slots)
+            raise
+        return slots, got
+
+    def _give_back(self, fut: Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            slots, _ = fut.result()
+            if slots is not None:
+                self._staging.give(slots)
+
+    def _verify(self, names: list[str], offsets: list[int], want: list[bytes | None],
+                slots: list[int] | None, got: list[int]) -> list[bool]:
+        """Copies each staged chunk whose bytes match its checksum object
+        into its G2 slot; unlists the ones that are there but wrong."""
+        if slots is None:
+            return [False] * len(names)
+        ok, broken = [], []
+        try:
+            for name, off, w, size, s in zip(names, offsets, want, got, slots):
+                buf = self._staging.slot(s)
                 good = size == len(buf) and w is not None and w == checksum(buf)
                 if size >= 0 and not good:       # there, but short, long or different
                     broken.append(name)
@@ -530,13 +501,15 @@ class G3Tier(SecondaryTierManager):
                     self._region[off:off + self._chunk] = buf
                 ok.append(good)
         finally:
-            if give_back:
-                self._staging.give(slots)
+            self._staging.give(slots)
+        self._unlist(broken)
+        return ok
+
+    def _unlist(self, broken: list[str]) -> None:
         if broken:
             logger.warning("sessionkv: %d G3 objects unreadable or failing their checksum "
                            "(%s...): recomputing, and unlisting them", len(broken), broken[0])
             self._forget([n for b in broken for n in (b + SUM_SUFFIX, b)])
-        return ok
 
 
 def spec_identity(spec: "OffloadingSpec", chunk_bytes: int) -> dict:

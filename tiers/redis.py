@@ -7,7 +7,8 @@ In ``kv_connector_extra_config``::
 
 Every batch is one pipelined round trip (the ``redis`` client with
 ``hiredis``); chunks are sent straight from the G2 region (the client writes
-memoryviews without copying) and read back with one copy into staging.
+memoryviews without copying); a load reads data and checksum objects in one
+pipeline and copies the verified bytes straight into G2 (``owned_reads``).
 
 Capacity: run Redis with ``maxmemory`` and ``maxmemory-policy volatile-lru``
 (``scripts/services`` does). Under ``volatile-lru`` only keys with a TTL can
@@ -28,6 +29,8 @@ SOCKET_TIMEOUT_S = 30.0
 
 class RedisBackend(ObjectBackend):
     """``ObjectBackend`` over a Redis server (one connection pool, thread-safe)."""
+
+    owned_reads = True      # replies are new bytes objects: loads need no staging
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", ttl_s: int = 3600,
                  max_connections: int = 16):

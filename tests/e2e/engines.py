@@ -60,3 +60,46 @@ def serve(llm, prompt, params, session=None, kv_hints=None):
     comp = out.outputs[0]
     logprobs = [{t: lp.logprob for t, lp in step.items()} for step in comp.logprobs or ()]
     return list(comp.token_ids), logprobs, RequestReport.from_params(out.kv_transfer_params)
+
+
+def final_outcome(client, hint_id, after, timeout_s=30.0):
+    """The final outcome of a deferred control hint and the G2<->G3 transfer
+    it made, read from the event stream (the engine may stay idle)."""
+    import time
+
+    from sessionkv.events import Outcome, Transfer
+    deadline = time.monotonic() + timeout_s
+    transfer = None
+    while time.monotonic() < deadline:
+        for ev in client.events(after=after).events:
+            if isinstance(ev, Transfer) and transfer is None and "G1" not in (ev.src, ev.dst):
+                transfer = ev
+            if isinstance(ev, Outcome) and ev.via == "transfer" \
+                    and ev.outcome.hint_id == hint_id:
+                return ev.outcome, transfer
+        time.sleep(0.05)
+    raise AssertionError(f"no final outcome for {hint_id}")
+
+
+def control_hint(client, verb, session, **kw):
+    """A control hint: (its first outcome, its final one, its transfer)."""
+    after = client.events(after=0, limit=1).next_seq - 1
+    first = getattr(client, verb)(session, **kw)
+    if first.status != "deferred":
+        return first, first, None
+    return (first, *final_outcome(client, first.hint_id, after))
+
+
+def engine_process(tmp_path, spec: dict) -> dict:
+    """Run ``g3_engine.py`` (its own process: vLLM keeps one worker-side KV
+    connector per process, so engines sharing KV cannot share a process) on
+    ``spec``; its output."""
+    import json
+    import subprocess
+    import sys
+    spec_path, out = tmp_path / "spec.json", tmp_path / "out.json"
+    spec_path.write_text(json.dumps(spec))
+    p = subprocess.run([sys.executable, str(Path(__file__).parent / "g3_engine.py"),
+                        str(spec_path), str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    return json.loads(out.read_text())

@@ -4,11 +4,15 @@ SessionTierConnector with the given G3 tiers, then exit.
     python g3_engine.py SPEC_JSON OUT_JSON
 
 SPEC: {"model", "block_size", "tiers", "prompts": [[token ids]...], "poison": bool,
-"policy": YAML text of the tier policy (optional)}.
+"policy": YAML text of the tier policy (optional), "prefetch": {"keys": [hex],
+"secret": hex, "wait": bool} (optional)}.
 With ``poison``, G1 and G2 are filled with garbage before the first request,
-so chunks loaded from G3 must overwrite them. OUT: one {"tokens", "logprobs",
-"report", "objects"} per prompt, ``objects`` naming the G3 data objects of its
-full blocks.
+so chunks loaded from G3 must overwrite them. With ``prefetch`` (the policy
+names the secret), a Prefetch of those chunk keys goes over the control
+channel first, and with ``wait`` its final outcome is awaited. OUT: {"runs":
+one {"tokens", "logprobs", "report", "objects"} per prompt, ``objects``
+naming the G3 data objects of its full blocks; "prefetch": [first, final]
+outcomes}.
 """
 
 import json
@@ -22,7 +26,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
-    from engines import POISON_EXT, kv_transfer_config, new_engine_id, poison_g2, serve
+    from engines import (POISON_EXT, control_hint, kv_transfer_config, new_engine_id,
+                         poison_g2, serve)
     from test_index_e2e import keys_of
     from sessionkv.server import remove_offload_region
 
@@ -43,14 +48,25 @@ def main(spec_path: str, out_path: str) -> None:
             assert n > 0
             poison_g2(engine_id, seed=7)
         params = SamplingParams(temperature=0, max_tokens=6, logprobs=2)
-        tier = llm.llm_engine.engine_core.engine_core.scheduler.connector.manager.secondary_tiers[0]
-        out = []
+        connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        tier = connector.manager.secondary_tiers[0]
+        out, prefetched = [], []
+        if spec.get("prefetch"):
+            from sessionkv.client import HintClient
+            p = spec["prefetch"]
+            with HintClient(connector.control.endpoint, bytes.fromhex(p["secret"])) as c:
+                keys = [bytes.fromhex(k) for k in p["keys"]]
+                if p["wait"]:
+                    first, last, _ = control_hint(c, "prefetch", "b", keys=keys)
+                else:
+                    first = last = c.prefetch("b", keys=keys)
+                prefetched = [[o.status, o.blocks_affected] for o in (first, last)]
         for prompt in spec["prompts"]:
             tok, lps, rep = serve(llm, prompt, params, session="g3")
             out.append({"tokens": tok, "logprobs": [{str(k): v for k, v in s.items()} for s in lps],
                         "report": rep.to_params()["sessionkv"],
                         "objects": [tier.name(k) for k in keys_of(llm, prompt)]})
-        json.dump(out, open(out_path, "w"))
+        json.dump({"runs": out, "prefetch": prefetched}, open(out_path, "w"))
     finally:
         llm.llm_engine.engine_core.shutdown()
         remove_offload_region(engine_id)

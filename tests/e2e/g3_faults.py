@@ -3,7 +3,7 @@ on it) and bench/g3_faults.py (which writes its figures as JSON).
 
 One engine in this process (tiny model, 12-chunk G2, a G3 tier with a 1 s
 deadline) and its own backend processes (Mooncake: master and store process;
-Redis: the server). Prompts of 6 full blocks; G1 is reset and poisoned before
+Redis: the server; LMCache: its lm:// server). Prompts of 6 full blocks; G1 is reset and poisoned before
 every request, and G2 holds only two prompts, so most turns come from G3.
 Phases: cold, normal, then for each backend process: stopped (SIGSTOP, and a
 reset while stopped), continued, killed, restarted (a new prompt must come
@@ -30,7 +30,7 @@ CHUNK_BYTES = 2 * 2 * 2 * 64 * BLOCK * 4
 G2_CHUNKS = 12
 RNG = np.random.default_rng(41)
 PROMPTS = {n: RNG.integers(10, 4000, 200).tolist() for n in "ABCDEFGH"}
-BACKENDS = ("mooncake", "redis")
+BACKENDS = ("mooncake", "redis", "lmcache")
 RETRY_S = 0.5
 
 
@@ -133,7 +133,7 @@ def run(llm, engine_id, victims) -> dict:
 def scenario(log_dir: Path, backend: str) -> dict:
     """Own backend processes and engine, the whole run, everything stopped after."""
     from sessionkv.server import remove_offload_region
-    from sessionkv.services import lan_address, start_mooncake, start_redis
+    from sessionkv.services import lan_address, start_lmcache, start_mooncake, start_redis
 
     if backend == "mooncake":
         ports, master, store = start_mooncake(log_dir)
@@ -141,10 +141,14 @@ def scenario(log_dir: Path, backend: str) -> dict:
         tier = {"type": "MooncakeTier", "module_path": "sessionkv.tiers.mooncake",
                 "master": ports.master, "metadata_server": ports.metadata_url,
                 "local_hostname": lan_address()}
-    else:
+    elif backend == "redis":
         url, server = start_redis(log_dir)
         services = [("redis", server)]
         tier = {"type": "RedisTier", "module_path": "sessionkv.tiers.redis", "url": url}
+    else:
+        url, server = start_lmcache(log_dir)
+        services = [("lmcache", server)]
+        tier = {"type": "LMCacheTier", "module_path": "sessionkv.tiers.lmcache", "url": url}
     try:
         llm, engine_id = make_engine(tier)
         try:

@@ -1,26 +1,21 @@
 """Cross-engine sharing through G3 on real vLLM (tiny model), on each backend:
-Mooncake Store and Redis.
+Mooncake Store, Redis and LMCache's lm:// server.
 
 Each engine is its own process (``g3_engine.py``); the backend (Mooncake's
-standalone store process, the Redis server) holds the objects after an
-engine exits. Engines that read from G3
+standalone store process, the Redis server, the LMCache server) holds the
+objects after an engine exits. Engines that read from G3
 start with G1 and G2 full of garbage, so only a correct load gives the cold
 reference's tokens and logprobs.
 """
 
-import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from engines import MODELS, TINY
+from engines import MODELS, TINY, engine_process
 from sessionkv.services import lan_address
 
-HERE = Path(__file__).parent
 RNG = np.random.default_rng(11)
 # 200 tokens: 6 full blocks and a partial one (see test_pin_retain).
 P = RNG.integers(10, 4000, 200).tolist()
@@ -36,7 +31,7 @@ class Mooncake:
                 "local_hostname": lan_address(), "namespace": namespace}
 
     @staticmethod
-    def names(ports, prefix):
+    def names(ports, prefix, expected):
         """Every object under a prefix (the master's key list)."""
         import urllib.request
         url = f"http://127.0.0.1:{ports.metrics}/get_all_keys"
@@ -69,7 +64,7 @@ class Redis:
                 "namespace": namespace}
 
     @staticmethod
-    def names(url, prefix):
+    def names(url, prefix, expected):
         import redis
         return [k.decode() for k in redis.Redis.from_url(url).scan_iter(match=prefix + "*")]
 
@@ -83,9 +78,42 @@ class Redis:
             assert r.set(name, rng.integers(0, 256, size, dtype=np.uint8).tobytes(), ex=3600)
 
 
-@pytest.fixture(scope="module", params=["mooncake", "redis"])
+class LMCache:
+    service = "lmcache_url"
+
+    @staticmethod
+    def tier(url, namespace):
+        return {"type": "LMCacheTier", "module_path": "sessionkv.tiers.lmcache", "url": url,
+                "namespace": namespace}
+
+    @staticmethod
+    def names(url, prefix, expected):
+        """The server cannot list its objects: those of ``expected`` it holds."""
+        from sessionkv.tiers.lmcache import LMCacheBackend
+        b = LMCacheBackend(url)
+        try:
+            return [n for n, e in zip(expected, b.exists(expected)) if e]
+        finally:
+            b.close()
+
+    @staticmethod
+    def overwrite(url, names, rng):
+        from sessionkv.tiers.lmcache import LMCacheBackend
+        b = LMCacheBackend(url)
+        try:
+            for name, old in zip(names, b.get_small(names)):
+                assert old
+                assert b.put_small([name], [rng.integers(0, 256, len(old), np.uint8).tobytes()])
+        finally:
+            b.close()
+
+
+KINDS = {"mooncake": Mooncake, "redis": Redis, "lmcache": LMCache}
+
+
+@pytest.fixture(scope="module", params=sorted(KINDS))
 def backend(request):
-    kind = {"mooncake": Mooncake, "redis": Redis}[request.param]
+    kind = KINDS[request.param]
     return kind, request.getfixturevalue(kind.service)
 
 
@@ -97,13 +125,9 @@ def tiers(backend):
 
 
 def engine(tmp_path, tiers, prompts, model=TINY, poison=False, block_size=32, policy=None):
-    spec, out = tmp_path / "spec.json", tmp_path / "out.json"
-    spec.write_text(json.dumps({"model": model, "block_size": block_size, "tiers": tiers,
-                                "prompts": prompts, "poison": poison, "policy": policy}))
-    p = subprocess.run([sys.executable, str(HERE / "g3_engine.py"), str(spec), str(out)],
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
-    return json.loads(out.read_text())
+    return engine_process(tmp_path, {"model": model, "block_size": block_size, "tiers": tiers,
+                                     "prompts": prompts, "poison": poison,
+                                     "policy": policy})["runs"]
 
 
 def same(a, b):
@@ -153,8 +177,11 @@ def test_another_model_with_the_same_tokenizer_misses(first, tiers, tmp_path):
 def test_without_write_through_nothing_goes_down(first, tiers, backend, tmp_path):
     kind, where = backend
     mine = first["objects"][0].rsplit("/", 1)[0] + "/"      # namespace/fingerprint/
-    assert len(kind.names(where, mine)) == 12                 # 6 chunks + 6 checksums
-    quiet = [{**tiers[0], "namespace": tiers[0]["namespace"] + "-quiet"}]
+    objects = [n + sfx for n in first["objects"] for sfx in ("", ".sum")]
+    assert len(kind.names(where, mine, objects)) == 12        # 6 chunks + 6 checksums
+    ns = tiers[0]["namespace"]
+    quiet = [{**tiers[0], "namespace": ns + "-quiet"}]
     (run,) = engine(tmp_path, quiet, [P, P], policy="g3: {write_through: false}\n")[:1]
     assert same(run, first)
-    assert kind.names(where, quiet[0]["namespace"] + "/") == []
+    unwanted = [n.replace(ns + "/", ns + "-quiet/", 1) for n in objects]
+    assert kind.names(where, ns + "-quiet/", unwanted) == []

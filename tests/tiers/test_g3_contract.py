@@ -1,5 +1,5 @@
-"""The contract every G3 tier passes (Mooncake today; Redis and LMCache join
-by adding a backend to ``BACKENDS``), on the real backend service.
+"""The contract every G3 tier passes (Mooncake, Redis, LMCache: a backend joins
+by adding itself to ``BACKENDS``), on the real backend service.
 
 A tier is driven the way vLLM's tiering manager drives it: ``submit_store``
 from G2 slots, ``lookup``, ``submit_load`` into other G2 slots (poisoned
@@ -72,7 +72,26 @@ class Redis:
         return RedisTier(spec_, view, "redis", url=url, namespace=namespace, **kw)
 
 
-BACKENDS = {"mooncake": Mooncake, "redis": Redis}
+class LMCache:
+    """LMCache's lm:// server: the session's server; for faults, its own."""
+
+    @staticmethod
+    def shared(request):
+        return request.getfixturevalue("lmcache_url")
+
+    @staticmethod
+    def own(log_dir):
+        from sessionkv.services import start_lmcache
+        url, server = start_lmcache(log_dir)
+        return url, server, [server]
+
+    @staticmethod
+    def tier(url, spec_, view, namespace, **kw):
+        from sessionkv.tiers.lmcache import LMCacheTier
+        return LMCacheTier(spec_, view, "lmcache", url=url, namespace=namespace, **kw)
+
+
+BACKENDS = {"mooncake": Mooncake, "redis": Redis, "lmcache": LMCache}
 
 
 @pytest.fixture(params=sorted(BACKENDS))
@@ -84,9 +103,10 @@ def make(request):
     namespace = f"contract-{uuid.uuid4().hex[:8]}"
     made = []
 
-    def build(spec_=None, namespace_=namespace):
+    def build(spec_=None, namespace_=namespace, **kw):
         region = np.zeros((N_CHUNKS, CHUNK), np.uint8)
-        tier = backend.tier(where, spec_ or spec(), memoryview(region), namespace_, timeout_s=5.0)
+        tier = backend.tier(where, spec_ or spec(), memoryview(region), namespace_,
+                            timeout_s=5.0, **kw)
         made.append(tier)
         return tier, region
 
@@ -168,6 +188,40 @@ def test_a_second_engine_with_the_same_identity_reads_the_objects(make):
     assert look(b, KEYS[0]) is LookupResult.HIT
     assert run(b, KEYS[:1], [5], True).success
     assert np.array_equal(region_b[5], region_a[0])
+
+
+def test_a_load_read_in_parts_copies_each_chunk_to_its_slot(make):
+    # Staging of 4 chunks: the load reads 2 at a time, one part ahead.
+    tier, region = make(staging_chunks=4)
+    fill(region, range(7), seed=12)
+    assert run(tier, KEYS[:7], range(7), False).success
+    fill(region, range(8, 16), seed=98)                    # poison the destination
+    keys = KEYS[:3] + [KEYS[7]] + KEYS[3:7]                # KEYS[7] was never stored
+    res = run(tier, keys, range(8, 16), True)
+    assert not res.success and list(res.successful_keys) == KEYS[:7]
+    assert np.array_equal(region[8:11], region[0:3])
+    assert np.array_equal(region[12:16], region[3:7])
+    assert tier._staging.free == 4                         # every staging slot came back
+
+
+def test_moves_outside_the_job_table_copy_and_report_through_done(make):
+    tier, region = make()
+    seen = []
+    tier.observer = lambda load, keys, ok: seen.append((load, list(keys), list(ok)))
+    fill(region, range(3), seed=13)
+    done = []
+    tier.move(False, KEYS[:3], [0, 1, 2], done.append)
+    tier.drain_jobs()                                      # drain covers moves
+    assert done == [[True, True, True]]
+    assert [look(tier, k) for k in KEYS[:3]] == [LookupResult.HIT] * 3
+    fill(region, range(8, 12), seed=97)                    # poison the destination
+    tier.move(True, [KEYS[0], KEYS[6], KEYS[2]], [8, 9, 10], done.append)
+    tier.drain_jobs()
+    assert done[1] == [True, False, True]
+    assert np.array_equal(region[8], region[0]) and np.array_equal(region[10], region[2])
+    assert tier.get_finished_jobs() == []                  # not vLLM's jobs
+    assert seen == [(False, KEYS[:3], [True] * 3),
+                    (True, [KEYS[0], KEYS[6], KEYS[2]], [True, False, True])]
 
 
 def test_storing_what_is_there_succeeds_and_keeps_the_first_bytes(make):
@@ -274,3 +328,7 @@ def test_a_hung_backend_costs_deadlines_then_recovers(faulty):
     fill(region, [8, 9], seed=99)
     res = run(tier, KEYS[1:2], [9], True)
     assert res.success and np.array_equal(region[9], region[1])
+    deadline = time.monotonic() + 10
+    while tier._staging.free < tier._staging.slots:             # abandoned reads gave back
+        assert time.monotonic() < deadline, tier._staging.free
+        time.sleep(0.1)

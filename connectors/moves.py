@@ -1,0 +1,220 @@
+"""Hint-driven copies between G2 and G3: Demote, Prefetch, Share.
+
+These run outside vLLM's job table, so they work on an idle engine (DESIGN.md,
+"Threads"), in three phases:
+
+1. ``start`` (under the tier manager's lock): reserve through the primary tier
+   (``prepare_read`` pins the G2 chunks a store copies from; ``prepare_write``
+   allocates not-yet-ready G2 slots a load copies into), then hand the copy to
+   the G3 tier (``G3Tier.move``). The hint's outcome is ``deferred``.
+2. The copy runs on the tier's I/O threads, which only queue the result and
+   write one byte to ``wake_fd`` (they never take the lock: a reset holds it
+   while it waits for them).
+3. ``apply`` (under the lock; the control channel's thread when woken, and the
+   scheduler at the start of every pass): ``complete_read`` / ``complete_write``
+   per chunk, so prefetched chunks become loadable only once their bytes are
+   all in G2 (a request looking them up meanwhile sees ``HIT_PENDING`` and
+   waits), then the final outcome and a transfer event.
+
+Actions:
+
+- **Demote**: copy the target's G2 chunks to G3 (objects already there are
+  kept), then make those G2 copies the first to go (``SessionCachePolicy.demote``).
+- **Share**: the same copy without the eviction bias: the objects are published
+  for other engines, which fetch them with a Prefetch naming the keys.
+- **Prefetch**: copy the target's chunks that are not in G2 from G3 into G2;
+  a no-op (``accepted``) when everything is resident. At most ``max_moves``
+  copies run at once; further ones wait (``deferred``) and start in ``apply``.
+
+Final outcomes: ``accepted`` (every chunk moved), ``clipped`` (some did),
+``missing`` (a Prefetch found none in G3), ``rejected`` (the backend failed).
+
+Threading: every method but the completion callback runs under the tier
+manager's lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
+
+from sessionkv.events import Outcome, Transfer
+from sessionkv.hints import Action, HintOutcome, Status
+from sessionkv.tiers.g3 import G3Tier
+from sessionkv.types import Tier
+
+MAX_MOVES = 4
+G2, G3 = Tier.G2.name, Tier.G3.name
+
+
+@dataclass
+class Move:
+    """One hint's copy: its chunks (G2/G3 keys) and where it stands."""
+
+    action: Action
+    hint_id: str
+    keys: list[OffloadKey]
+    asked: int
+    session: str | None
+    ctx: ReqContext
+    ok: list[bool] | None = None         # set by the I/O thread when the copy ended
+    present: int = 0                     # chunks that needed no copy
+    clipped: str = ""                    # the executor's clipping, if any
+
+    @property
+    def name(self) -> str:
+        return f"kv.{self.action.value}"
+
+    @property
+    def is_load(self) -> bool:
+        return self.action is Action.PREFETCH
+
+
+class Mover:
+    """Demote, Prefetch and Share copies (see the module docstring)."""
+
+    def __init__(self, primary, tier: G3Tier, emit: Callable[[object], None],
+                 max_moves: int = MAX_MOVES):
+        self._primary = primary             # SessionPrimaryTier (G2)
+        self._tier = tier
+        self._emit = emit
+        self._max = max_moves
+        self._ids = itertools.count(1)
+        self._running: list[Move] = []
+        self._waiting: deque[Move] = deque()
+        self._finished: deque[Move] = deque()       # appended by I/O threads
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    @property
+    def wake_fd(self) -> int:
+        """Readable when copies ended; ``apply`` drains it."""
+        return self._wake_r
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._running or self._waiting or self._finished)
+
+    # ---- under the lock ------------------------------------------------------------
+
+    def start(self, action: Action, hint_id: str, keys: list[OffloadKey], asked: int,
+              session: str | None, clipped: str = "") -> HintOutcome:
+        """Begin one hint's copy of ``keys`` (chunk keys); its first outcome.
+        ``clipped``: why the executor already cut the target (the final
+        outcome is then ``clipped`` at best)."""
+        move = Move(action, hint_id, list(keys), asked, session,
+                    ReqContext(req_id=f"sessionkv-{action.value}-{next(self._ids)}"),
+                    clipped=clipped)
+        if len(self._running) >= self._max:
+            self._waiting.append(move)
+            return self._outcome(move, Status.DEFERRED, "waiting for transfer capacity")
+        return self._begin(move)
+
+    def _begin(self, move: Move) -> HintOutcome:
+        resident = [self._primary.lookup(k, move.ctx) for k in move.keys]
+        if move.is_load:
+            want = [k for k, r in zip(move.keys, resident) if r is LookupResult.MISS]
+            move.present = len(move.keys) - len(want)
+            if not want:
+                return self._outcome(move, Status.ACCEPTED, "already in G2",
+                                     self._blocks(move.present))
+            out = self._primary.prepare_write(want, move.ctx)
+            if out is None or not out.keys_to_store:
+                return self._outcome(move, Status.REJECTED, "no room in G2")
+            move.keys = list(out.keys_to_store)
+            chunk_ids = out.store_spec.chunk_ids
+            reason = f"copying {len(move.keys)} chunks from G3"
+        else:
+            index = self._primary.index
+            in_g3 = [k for k, r in zip(move.keys, resident) if r is not LookupResult.HIT
+                     and (index.copies(k) or {}).get(Tier.G3, 0) > 0]
+            move.present = len(in_g3)
+            move.keys = [k for k, r in zip(move.keys, resident) if r is LookupResult.HIT]
+            if not move.keys:
+                if move.present:
+                    return self._outcome(move, Status.ACCEPTED, "already in G3",
+                                         self._blocks(move.present))
+                return self._outcome(move, Status.MISSING, "none of the target is in G2")
+            chunk_ids = self._primary.prepare_read(move.keys, move.ctx).chunk_ids
+            reason = f"copying {len(move.keys)} chunks to G3"
+        self._running.append(move)
+        self._tier.move(move.is_load, move.keys, chunk_ids,
+                        lambda ok, m=move: self._copied(m, ok))
+        return self._outcome(move, Status.DEFERRED, reason)
+
+    def apply(self) -> None:
+        """Finish the copies that ended; start waiting ones (see the module docstring)."""
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while self._finished:
+            move = self._finished.popleft()
+            self._running.remove(move)
+            self._finish(move)
+        while self._waiting and len(self._running) < self._max:
+            first = self._begin(self._waiting.popleft())
+            if first.status is not Status.DEFERRED:      # decided at once: final
+                self._emit(Outcome(outcome=first, via="transfer"))
+
+    def _finish(self, move: Move) -> None:
+        ok = move.ok or [False] * len(move.keys)
+        good = [k for k, o in zip(move.keys, ok) if o]
+        bad = [k for k, o in zip(move.keys, ok) if not o]
+        if move.is_load:
+            if good:
+                self._primary.complete_write(good, move.ctx, True)
+            if bad:
+                self._primary.complete_write(bad, move.ctx, False)
+        else:
+            self._primary.complete_read(move.keys, move.ctx)
+            demote = getattr(self._primary.policy, "demote", None)
+            if move.action is Action.DEMOTE and good and demote is not None:
+                demote(good)
+        src, dst = (G3, G2) if move.is_load else (G2, G3)
+        self._emit(Transfer(src=src, dst=dst, keys=good, ok=not bad, req_id=move.ctx.req_id))
+        done = self._blocks(len(good) + move.present)
+        if not bad:
+            final = self._outcome(move, Status.ACCEPTED, "", done)
+        elif good:
+            final = self._outcome(move, Status.CLIPPED,
+                                  f"{len(bad)} of {len(move.keys)} chunks not copied", done)
+        elif move.is_load:
+            final = self._outcome(move, Status.MISSING, "not readable from G3", done)
+        else:
+            final = self._outcome(move, Status.REJECTED, "G3 store failed", done)
+        self._emit(Outcome(outcome=final, via="transfer", session_id=move.session))
+
+    def _blocks(self, chunks: int) -> int:
+        return chunks * self._primary.blocks_per_chunk
+
+    def _outcome(self, move: Move, status: Status, reason: str, affected: int = 0) -> HintOutcome:
+        if move.clipped and status in (Status.ACCEPTED, Status.CLIPPED, Status.DEFERRED):
+            if status is Status.ACCEPTED:
+                status = Status.CLIPPED
+            reason = "; ".join(r for r in (move.clipped, reason) if r)
+        return HintOutcome(move.hint_id, move.name, status, move.asked, affected, reason)
+
+    # ---- I/O threads --------------------------------------------------------------
+
+    def _copied(self, move: Move, ok: list[bool]) -> None:
+        move.ok = ok
+        self._finished.append(move)
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:          # the pipe is full: a wake-up is pending anyway
+            pass
+
+    def close(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass

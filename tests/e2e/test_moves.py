@@ -1,0 +1,155 @@
+"""Demote, Prefetch and Share on real vLLM (tiny model, 12-chunk G2, G3 on
+Redis with ``write_through: false``), each compared with the same run
+without the hint. Engine A runs in this process and gets its hints over the
+control channel while idle (no step runs between ``serve`` calls); engine B,
+which receives a Share, is its own process (``g3_engine.py``). G1 is
+poisoned before every measured turn, and G2 before a copy into it, so a hint
+that answers without moving bytes fails; outputs equal cold references in
+tokens and logprobs.
+"""
+
+import uuid
+
+import pytest
+from vllm import LLM
+
+from engines import (POISON_EXT, TINY, control_hint, engine_process, kv_transfer_config,
+                     new_engine_id, poison_g2)
+from sessionkv.client import HintClient
+from sessionkv.server import remove_offload_region
+from test_pin_retain import CHUNK_BYTES, G2_CHUNKS, P, SECRET, cold, in_g2, reset_g1, run
+
+POLICY = "g2: {eviction: session}\ng3: {write_through: false}\n"
+
+
+@pytest.fixture(scope="module")
+def tier(redis_url):
+    return {"type": "RedisTier", "module_path": "sessionkv.tiers.redis", "url": redis_url,
+            "namespace": f"moves-{uuid.uuid4().hex[:8]}"}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, tier):
+    d = tmp_path_factory.mktemp("moves")
+    (d / "secret").write_bytes(SECRET)
+    (d / "tiers.yaml").write_text(POLICY + f"trust: {{secret_file: {d / 'secret'}}}\n")
+    engine_id = new_engine_id()
+    llm = LLM(model=TINY, enforce_eager=True, block_size=32, max_model_len=1024, seed=0,
+              dtype="float32", worker_extension_cls=POISON_EXT,
+              kv_transfer_config=kv_transfer_config(
+                  engine_id, cpu_bytes=G2_CHUNKS * CHUNK_BYTES, secondary_tiers=[tier],
+                  sessionkv={"policy_file": str(d / "tiers.yaml")}))
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+    remove_offload_region(engine_id)
+
+
+def engine_id(llm):
+    return llm.llm_engine.vllm_config.kv_transfer_config.engine_id
+
+
+def client(llm):
+    control = llm.llm_engine.engine_core.engine_core.scheduler.connector.control
+    return HintClient(control.endpoint, SECRET)
+
+
+def hint(c, verb, session, **kw):
+    return control_hint(c, verb, session, **kw)
+
+
+def engine_b(tmp_path, tier, name, keys, wait):
+    """Engine B in its own process: G1 and G2 poisoned, a Prefetch of A's
+    chunk keys over its control channel (its final outcome awaited or not),
+    then prompt ``name``."""
+    (tmp_path / "secret").write_bytes(SECRET)
+    policy = POLICY + f"trust: {{secret_file: {tmp_path / 'secret'}}}\n"
+    return engine_process(tmp_path, {
+        "model": TINY, "block_size": 32, "tiers": [tier], "prompts": [P[name]], "poison": True,
+        "policy": policy, "prefetch": {"keys": [k.hex() for k in keys],
+                                       "secret": SECRET.hex(), "wait": wait}})
+
+
+def test_demote_copies_to_g3_and_lets_the_g2_copy_go_first(engine):
+    a = engine
+    ref = cold(a, "S", "T")
+    for demoted in (False, True):            # the same run without, then with the hint
+        assert a.reset_prefix_cache(reset_connector=True)
+        run(a, "T", session="t")             # T older than S; both in G2
+        run(a, "S", session="s")
+        if demoted:
+            with client(a) as c:
+                first, last, moved = hint(c, "demote", "s")
+            assert (first.status, last.status, last.blocks_affected) == \
+                ("deferred", "accepted", 6)
+            assert moved.src == "G2" and moved.dst == "G3" and len(moved.keys) == 6
+        run(a, "F")                          # 6 new chunks: 6 must leave a full G2
+        kept = (in_g2(a, "S"), in_g2(a, "T"))
+        reset_g1(a)
+        tok, lps, rep = run(a, "S", session="s")
+        assert tok == ref["S"][0] and lps == ref["S"][1]
+        if demoted:      # S went first although T is older; S's next turn reads G3
+            assert kept == (0, 6) and (rep.blocks.g3, rep.blocks.g2) == (6, 0)
+        else:            # LRU: T goes; S stays in G2, nothing in G3
+            assert kept == (6, 0) and (rep.blocks.g2, rep.blocks.g3) == (6, 0)
+
+
+def test_prefetch_promotes_from_g3_on_an_idle_engine(engine):
+    a = engine
+    ref = cold(a, "L")
+    run(a, "L", session="l")
+    with client(a) as c:
+        assert hint(c, "share", "l", destination="self")[1].status == "accepted"
+        for prefetched in (False, True):
+            run(a, "F")
+            run(a, "G")                      # 12 new chunks: L is only in G3 now
+            assert in_g2(a, "L") == 0
+            if prefetched:
+                poison_g2(engine_id(a))
+                first, last, moved = hint(c, "prefetch", "l")
+                assert (first.status, last.status, last.blocks_affected) == \
+                    ("deferred", "accepted", 6)
+                assert moved.src == "G3" and moved.dst == "G2" and len(moved.keys) == 6
+                assert in_g2(a, "L") == 6                # loadable before any step
+            reset_g1(a)
+            tok, lps, rep = run(a, "L", session="l")
+            assert tok == ref["L"][0] and lps == ref["L"][1]
+            if prefetched:   # no promotion at request time: G2 served it
+                assert (rep.blocks.g2, rep.blocks.g3) == (6, 0)
+            else:
+                assert (rep.blocks.g2, rep.blocks.g3) == (0, 6)
+        again = hint(c, "prefetch", "l")[0]              # resident: a no-op
+        assert (again.status, again.reason) == ("accepted", "already in G2")
+
+
+def test_share_b_serves_a_prefix_it_never_computed(engine, tier, tmp_path):
+    a = engine
+    ref = cold(a, "H")
+    run(a, "H", session="h")
+    with client(a) as c:
+        first, last, moved = hint(c, "share", "h", destination="b")
+    assert (first.status, last.status) == ("deferred", "accepted") and len(moved.keys) == 6
+    # B has never seen H: the keys come from A's transfer event.
+    out = engine_b(tmp_path, tier, "H", moved.keys, wait=True)
+    assert out["prefetch"] == [["deferred", 0], ["accepted", 6]]
+    (run_b,) = out["runs"]
+    assert run_b["tokens"] == ref["H"][0]
+    assert [{int(t): v for t, v in s.items()} for s in run_b["logprobs"]] == ref["H"][1]
+    assert run_b["report"]["blocks"]["g2"] == 6 and run_b["report"]["tokens"]["recomputed"] == 8
+
+
+@pytest.mark.parametrize("name", ["X", "Y"])
+def test_a_request_racing_a_prefetch_never_reads_half_a_copy(engine, tier, tmp_path, name):
+    a = engine
+    ref = cold(a, name)
+    run(a, name, session=name)
+    with client(a) as c:
+        _, last, moved = hint(c, "share", name, destination="b")
+    assert last.status == "accepted"
+    # B serves at once, while its copy runs: it waits for it or recomputes.
+    out = engine_b(tmp_path, tier, name, moved.keys, wait=False)
+    assert out["prefetch"][0][0] == "deferred"
+    (run_b,) = out["runs"]
+    assert run_b["tokens"] == ref[name][0]
+    assert [{int(t): v for t, v in s.items()} for s in run_b["logprobs"]] == ref[name][1]
+    blocks = run_b["report"]["blocks"]
+    assert blocks["g2"] + blocks["recomputed"] == 7, blocks

@@ -1,0 +1,164 @@
+"""What G3 backend calls run under: deadlines and a breaker (``Guard``), and
+the staging buffers loads read into (``Staging``). See ``tiers/g3.py`` for
+the rules they implement.
+
+Threading: ``Guard.call`` from any thread (it blocks its caller, never the
+scheduler: the tier calls it from its I/O threads and the lookup thread);
+``Staging`` from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import numpy as np
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+MIN_RATE = 100e6                    # bytes/s a healthy backend sustains, for deadlines
+
+
+class BackendDown(Exception):
+    """The backend did not answer in time, or the breaker is open.
+    ``abandoned``: the call is still running (it may still write into the
+    buffers it was given)."""
+
+    def __init__(self, why: str, abandoned: bool = False):
+        super().__init__(why)
+        self.abandoned = abandoned
+
+
+class Guard:
+    """Backend calls with deadlines, and a breaker (see the module docstring).
+
+    The breaker stays open while an abandoned call is still running (some
+    clients busy-poll while a peer does not answer: one such call at a time),
+    and its retry delay doubles with each trip in a row, up to
+    ``MAX_BACKOFF`` times ``retry_s``; an answer in time resets it."""
+
+    MAX_BACKOFF = 8
+
+    def __init__(self, name: str, timeout_s: float, retry_s: float, threads: int = 8,
+                 clock: Callable[[], float] = time.monotonic):
+        self._name = name
+        self.timeout_s = timeout_s
+        self._retry_s = retry_s
+        self._clock = clock
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"sessionkv-{name}-call")
+        self._permits = threading.BoundedSemaphore(threads)  # held by a call until it returns
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._in_a_row = 0
+        self._abandoned = 0              # calls past their deadline, still running
+        self.trips = 0
+
+    @property
+    def down(self) -> bool:
+        return self._abandoned > 0 or self._clock() < self._down_until
+
+    def trip(self, why: str) -> None:
+        with self._lock:
+            delay = self._retry_s * min(2 ** self._in_a_row, self.MAX_BACKOFF)
+            if self._clock() >= self._down_until:
+                logger.warning("sessionkv: G3 %s %s: misses for %.1f s, then retrying",
+                               self._name, why, delay)
+            self._down_until = self._clock() + delay
+            self._in_a_row += 1
+            self.trips += 1
+
+    def call(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0,
+             on_abandoned: Callable[[Any], None] | None = None) -> Any:
+        """``fn(*args)`` within its deadline, or ``BackendDown``. A call past
+        its deadline keeps running; ``on_abandoned(result)`` runs when it
+        ends (``None`` when it raised)."""
+        if self.down:
+            raise BackendDown(f"{self._name} is down")
+        if not self._permits.acquire(blocking=False):
+            self.trip("has every call thread busy")
+            raise BackendDown(f"{self._name}: every call thread is busy")
+        state = {"abandoned": False}
+
+        def run():
+            result = None
+            try:
+                result = fn(*args)
+                return result
+            finally:
+                self._permits.release()
+                with self._lock:
+                    late = state["abandoned"]
+                    if late:
+                        self._abandoned -= 1
+                if late and on_abandoned is not None:
+                    on_abandoned(result)
+
+        fut = self._pool.submit(run)
+        try:
+            result = fut.result(self.timeout_s + nbytes / MIN_RATE)
+        except FutureTimeout:
+            with self._lock:
+                if not fut.done():
+                    state["abandoned"] = True
+                    self._abandoned += 1
+            if not state["abandoned"] and fut.exception() is None:   # made it after all
+                return fut.result()
+            self.trip(f"call {getattr(fn, '__name__', fn)} timed out")
+            raise BackendDown(f"{self._name}: no answer in time", abandoned=True) from None
+        except BackendDown:
+            raise
+        except Exception as e:
+            self.trip(f"call failed: {e!r}")
+            raise BackendDown(f"{self._name}: {e!r}") from e
+        self._in_a_row = 0
+        return result
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Staging:
+    """Registered host buffers that loads copy into before verification.
+    ``take`` blocks (an I/O thread) until enough slots are free."""
+
+    def __init__(self, slots: int, chunk: int):
+        self.buffer = np.empty((slots, chunk), np.uint8)
+        self._view = memoryview(self.buffer).cast("B")
+        self._chunk = chunk
+        self._free = list(range(slots))
+        self._cond = threading.Condition()
+
+    @property
+    def view(self) -> memoryview:
+        return self._view
+
+    @property
+    def slots(self) -> int:
+        return len(self.buffer)
+
+    @property
+    def free(self) -> int:
+        with self._cond:
+            return len(self._free)
+
+    def take(self, n: int, timeout_s: float) -> list[int] | None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self._free) >= n, timeout_s):
+                return None
+            got, self._free = self._free[:n], self._free[n:]
+            return got
+
+    def give(self, slots: list[int]) -> None:
+        with self._cond:
+            self._free.extend(slots)
+            self._cond.notify_all()
+
+    def slot(self, i: int) -> memoryview:
+        return self._view[i * self._chunk:(i + 1) * self._chunk]
+
+    def release(self) -> None:
+        self._view.release()

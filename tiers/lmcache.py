@@ -1,0 +1,214 @@
+"""G3 on LMCache's storage server (``lm://``).
+
+In ``kv_connector_extra_config``::
+
+    "secondary_tiers": [{"type": "LMCacheTier", "module_path": "sessionkv.tiers.lmcache",
+                         "url": "lm://127.0.0.1:65432"}]
+
+The server is LMCache's own (``lmcache_server HOST PORT cpu``, which
+``scripts/services`` runs); this client speaks its wire format
+(``lmcache.v1.protocol`` of lmcache 0.5.6: fixed-size headers of 32-bit
+fields and a 150-byte key). It does not import ``lmcache``: importing it
+before vLLM's worker starts in the same process breaks vLLM's kernel
+registration (it scans every module), and with multiprocessing off the worker
+runs in the process that builds the tiers. The real server parsing every
+header is the format's test (``tests/tiers/test_g3_contract.py``).
+
+LMCache hashes its own token chunks, so this is storage for our keys, not
+interoperability with LMCache's connector: each object name maps to one
+``CacheEngineKey`` string (model ``sessionkv``, chunk hash = BLAKE2b-256 of
+the name, so any name fits the key field).
+
+Why our own client: LMCache's ``LMCServerConnector`` sends one request at a
+time through an asyncio loop and needs an LMCache engine's allocator; here a
+batch is one pipelined exchange per connection (all requests written, then
+the replies read in order: the server answers a connection's requests in
+order), chunks are sent straight from G2 and received straight into the
+caller's buffers. A PUT has no reply: a batch of puts ends with a HEALTH
+request, whose reply says the server has taken every put before it.
+
+What the server lacks, and what we do instead: it has no delete (``remove``
+overwrites with an empty object, and every read treats an empty object as
+absent, so ``exists`` reads the object: callers ask about checksum objects,
+16 bytes); it has no capacity limit or eviction (it keeps every object in one
+dict until it exits), so size its host for the working set. LMCache's other
+remote backends (``redis://``, ``mooncakestore://``) would put its asyncio
+client in front of stores we already reach natively (``tiers/redis.py``,
+``tiers/mooncake.py``); ``resp://`` deadlocks on ``destroy()`` (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import socket
+import struct
+from collections.abc import Sequence
+from urllib.parse import urlparse
+
+from .g3 import G3Tier, ObjectBackend
+
+# Abandoned calls (past the tier's deadline) still end: the socket times out.
+SOCKET_TIMEOUT_S = 30.0
+MODEL = "sessionkv"
+QUICKACK = getattr(socket, "TCP_QUICKACK", 12)     # Linux
+
+# lmcache.v1.protocol: ClientCommand, ServerReturnCode.SUCCESS, MemoryFormat.BINARY,
+# DTYPE_TO_INT[torch.uint8], and the two header layouts.
+PUT, GET, HEALTH = 1, 2, 5
+SUCCESS = 200
+BINARY, UINT8 = 4, 6
+REQUEST = struct.Struct("iiiiiiiii150s")    # command length fmt dtype location shape*4 key
+REPLY = struct.Struct("iiiiiiiii")          # code length fmt dtype shape*4 location
+
+
+def parse_url(url: str) -> tuple[str, int]:
+    """``lm://HOST:PORT`` -> (host, port), or ``ValueError``."""
+    u = urlparse(url)
+    if u.scheme != "lm" or not u.hostname or not u.port:
+        raise ValueError(f"LMCacheTier: url must be lm://HOST:PORT, got {url!r}")
+    return u.hostname, u.port
+
+
+def header(command: int, name: str, length: int = 0) -> bytes:
+    """A request header. The key is a ``CacheEngineKey`` string,
+    ``model@world_size@worker_id@chunk_hash_hex@dtype``."""
+    digest = hashlib.blake2b(name.encode(), digest_size=32).hexdigest()
+    key = f"{MODEL}@1@0@{digest}@uint8".encode().ljust(150)     # space-padded, as LMCache does
+    return REQUEST.pack(command, length, BINARY, UINT8, 0, length, 0, 0, 0, key)
+
+
+def read_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from the socket, or ``ConnectionError``."""
+    got = 0
+    while got < len(view):
+        # The server writes a reply's header and its bytes separately with
+        # Nagle on: a delayed ACK from us would hold the bytes back 40 ms.
+        # Linux leaves quick-ACK mode by itself, so set it for every read.
+        sock.setsockopt(socket.IPPROTO_TCP, QUICKACK, 1)
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("lmcache server closed the connection")
+        got += n
+
+
+def read_reply(sock: socket.socket) -> tuple[int, int]:
+    """(code, length) of the next reply header."""
+    buf = bytearray(REPLY.size)
+    read_into(sock, memoryview(buf))
+    code, length = REPLY.unpack(buf)[:2]
+    return code, length
+
+
+class LMCacheBackend(ObjectBackend):
+    """``ObjectBackend`` over LMCache's ``lm://`` server; a pool of
+    connections, one caller per connection at a time (thread-safe)."""
+
+    def __init__(self, url: str = "lm://127.0.0.1:65432", max_connections: int = 8):
+        self._addr = parse_url(url)
+        # Idle connections; None stands for one not opened yet.
+        self._idle: queue.LifoQueue = queue.LifoQueue()
+        for _ in range(max_connections):
+            self._idle.put(None)
+
+    def _exchange(self, fn):
+        """``fn(sock)`` on a pooled connection. Any error closes that
+        connection (its stream position is unknown) and propagates."""
+        sock = self._idle.get()
+        try:
+            if sock is None:
+                sock = socket.create_connection(self._addr, timeout=SOCKET_TIMEOUT_S)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            result = fn(sock)
+        except BaseException:
+            if sock is not None:
+                sock.close()
+            self._idle.put(None)
+            raise
+        self._idle.put(sock)
+        return result
+
+    def _get(self, names: Sequence[str], into) -> list:
+        """Pipelined GETs; ``into(i, sock, length)`` reads item i's bytes (-1:
+        none) off the socket and returns its result."""
+        def go(sock):
+            sock.sendall(b"".join(header(GET, n) for n in names))
+            out = []
+            for i in range(len(names)):
+                code, length = read_reply(sock)
+                out.append(into(i, sock, length if code == SUCCESS else -1))
+            return out
+        return self._exchange(go) if names else []
+
+    def _put(self, names: Sequence[str], values: Sequence) -> list[bool]:
+        def go(sock):
+            for n, v in zip(names, values):
+                sock.sendall(header(PUT, n, len(v)))
+                if len(v):
+                    sock.sendall(v)
+            sock.sendall(header(HEALTH, MODEL))
+            return read_reply(sock)[0] == SUCCESS
+        if not names:
+            return []
+        return [self._exchange(go)] * len(names)
+
+    # ---- ObjectBackend ------------------------------------------------------------
+
+    def register(self, buf: memoryview) -> None:
+        return              # no registration: chunks go through the socket
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        return [v is not None for v in self.get_small(names)]
+
+    def put_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
+        return self._put(names, bufs)
+
+    def get_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:
+        def into(i, sock, length):
+            if length == len(bufs[i]):
+                read_into(sock, bufs[i])
+            elif length > 0:
+                read_into(sock, memoryview(bytearray(length)))   # the wrong size: skip it
+            return length if length > 0 else -1
+        return self._get(names, into)
+
+    def put_small(self, names: Sequence[str], values: Sequence[bytes]) -> list[bool]:
+        return self._put(names, values)
+
+    def get_small(self, names: Sequence[str]) -> list[bytes | None]:
+        def into(i, sock, length):
+            if length <= 0:
+                return None
+            buf = bytearray(length)
+            read_into(sock, memoryview(buf))
+            return bytes(buf)
+        return self._get(names, into)
+
+    def remove(self, names: Sequence[str]) -> list[bool]:
+        return self._put(names, [b""] * len(names))
+
+    def close(self) -> None:
+        while True:
+            try:
+                sock = self._idle.get_nowait()
+            except queue.Empty:
+                return
+            if sock is not None:
+                sock.close()
+
+
+def health(url: str, timeout_s: float = 1.0) -> bool:
+    """Whether an LMCache server answers a HEALTH request at ``url``."""
+    try:
+        with socket.create_connection(parse_url(url), timeout=timeout_s) as sock:
+            sock.sendall(header(HEALTH, MODEL))
+            return read_reply(sock)[0] == SUCCESS
+    except (OSError, struct.error, ValueError):
+        return False
+
+
+class LMCacheTier(G3Tier):
+    """G3 tier on LMCache's ``lm://`` server (see the module docstring). Tier
+    config keys: ``url``, ``max_connections``, and ``G3Tier``'s own."""
+
+    backend_class = LMCacheBackend
