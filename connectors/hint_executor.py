@@ -180,18 +180,27 @@ class HintExecutor:
         if self._policy is None:
             return outcome(Status.REJECTED, "Pin and Retain need g2.eviction: session", asked)
         chunks = [k for k in keys if self._policy.get(k) is not None]
-        if not chunks:
+        # A Pin also holds the target's objects in G3 (the backend's own pins).
+        g3 = (self.mover.in_g3(self._index.chunk_keys(keys, self._bpc))
+              if hint.action is Action.PIN and self.mover is not None else [])
+        if not chunks and not g3:
             return outcome(Status.MISSING, "none of the target is in G2", asked)
+        if hint.action is Action.PIN and ttl is None:
+            ttl = self._limits.max_ttl_s
         if hint.action is Action.RETAIN:
             self._policy.retain(chunks, hint.bounds.priority, ttl, self._owner(hint, session_id))
             done = chunks
         else:
-            done, why = self._pin(hint, session_id, chunks,
-                                  self._limits.max_ttl_s if ttl is None else ttl)
+            done, why = self._pin(hint, session_id, chunks, ttl)
             if why:
                 clipped.append(why)
+        affected = self._blocks_in(done, keys)
+        if g3:
+            return self.mover.start(Action.PIN, hint.hint_id, g3, asked,
+                                    self._owner(hint, session_id), "; ".join(clipped),
+                                    ttl_s=ttl, g2_blocks=affected)
         status = Status.CLIPPED if clipped else Status.ACCEPTED
-        return outcome(status, "; ".join(clipped), asked, self._blocks_in(done, keys))
+        return outcome(status, "; ".join(clipped), asked, affected)
 
     def _blocks_in(self, chunks: list[bytes], keys: list[bytes]) -> int:
         """How many of ``keys`` (blocks) the G2 ``chunks`` (keyed by their last block) hold."""

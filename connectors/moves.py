@@ -65,6 +65,10 @@ class Move:
     ok: list[bool] | None = None         # set by the I/O thread when the copy ended
     present: int = 0                     # chunks that needed no copy
     clipped: str = ""                    # the executor's clipping, if any
+    ttl_s: float = 0.0                   # a Pin's
+    g2_blocks: int = 0                   # a Pin's blocks pinned in G2 already
+    lost: int = 0                        # a Pin's G3 chunks it cannot reach
+    reserved: bool = False               # prepare_read done: complete_read at the end
 
     @property
     def name(self) -> str:
@@ -103,14 +107,21 @@ class Mover:
 
     # ---- under the lock ------------------------------------------------------------
 
+    def in_g3(self, keys: list[OffloadKey]) -> list[OffloadKey]:
+        """The chunks among ``keys`` that the index knows in G3."""
+        index = self._primary.index
+        return [k for k in keys if (index.copies(k) or {}).get(Tier.G3, 0) > 0]
+
     def start(self, action: Action, hint_id: str, keys: list[OffloadKey], asked: int,
-              session: str | None, clipped: str = "") -> HintOutcome:
-        """Begin one hint's copy of ``keys`` (chunk keys); its first outcome.
-        ``clipped``: why the executor already cut the target (the final
-        outcome is then ``clipped`` at best)."""
+              session: str | None, clipped: str = "", ttl_s: float = 0.0,
+              g2_blocks: int = 0) -> HintOutcome:
+        """Begin one hint's copy of ``keys`` (chunk keys), or for a Pin the
+        G3 side of it (``keys`` in G3; ``g2_blocks`` pinned in G2 already);
+        its first outcome. ``clipped``: why the executor already cut the
+        target (the final outcome is then ``clipped`` at best)."""
         move = Move(action, hint_id, list(keys), asked, session,
                     ReqContext(req_id=f"sessionkv-{action.value}-{next(self._ids)}"),
-                    clipped=clipped)
+                    clipped=clipped, ttl_s=ttl_s, g2_blocks=g2_blocks)
         if len(self._running) >= self._max:
             self._waiting.append(move)
             return self._outcome(move, Status.DEFERRED, "waiting for transfer capacity")
@@ -118,6 +129,20 @@ class Mover:
 
     def _begin(self, move: Move) -> HintOutcome:
         resident = [self._primary.lookup(k, move.ctx) for k in move.keys]
+        if move.action is Action.PIN:
+            chunk_ids = None
+            if self._tier.pin_needs_bytes:       # rewritten from G2: only chunks there
+                ready = [k for k, r in zip(move.keys, resident) if r is LookupResult.HIT]
+                move.lost, move.keys = len(move.keys) - len(ready), ready
+                if not ready:
+                    return self._pin_outcome(move, [])
+                chunk_ids = self._primary.prepare_read(ready, move.ctx).chunk_ids
+                move.reserved = True
+            self._running.append(move)
+            self._tier.pin(move.keys, move.ttl_s, chunk_ids,
+                           lambda ok, m=move: self._copied(m, ok))
+            return self._outcome(move, Status.DEFERRED, f"pinning {len(move.keys)} chunks in G3",
+                                 move.g2_blocks)
         if move.is_load:
             want = [k for k, r in zip(move.keys, resident) if r is LookupResult.MISS]
             move.present = len(move.keys) - len(want)
@@ -142,6 +167,7 @@ class Mover:
                                          self._blocks(move.present))
                 return self._outcome(move, Status.MISSING, "none of the target is in G2")
             chunk_ids = self._primary.prepare_read(move.keys, move.ctx).chunk_ids
+            move.reserved = True
             reason = f"copying {len(move.keys)} chunks to G3"
         self._running.append(move)
         self._tier.move(move.is_load, move.keys, chunk_ids,
@@ -168,13 +194,18 @@ class Mover:
         ok = move.ok or [False] * len(move.keys)
         good = [k for k, o in zip(move.keys, ok) if o]
         bad = [k for k, o in zip(move.keys, ok) if not o]
+        if move.reserved:
+            self._primary.complete_read(move.keys, move.ctx)
+        if move.action is Action.PIN:
+            final = self._pin_outcome(move, good)
+            self._emit(Outcome(outcome=final, via="transfer", session_id=move.session))
+            return
         if move.is_load:
             if good:
                 self._primary.complete_write(good, move.ctx, True)
             if bad:
                 self._primary.complete_write(bad, move.ctx, False)
         else:
-            self._primary.complete_read(move.keys, move.ctx)
             demote = getattr(self._primary.policy, "demote", None)
             if move.action is Action.DEMOTE and good and demote is not None:
                 demote(good)
@@ -191,6 +222,19 @@ class Mover:
         else:
             final = self._outcome(move, Status.REJECTED, "G3 store failed", done)
         self._emit(Outcome(outcome=final, via="transfer", session_id=move.session))
+
+    def _pin_outcome(self, move: Move, pinned: list[OffloadKey]) -> HintOutcome:
+        """A Pin's outcome once its G3 side is known."""
+        missed = len(move.keys) - len(pinned) + move.lost
+        affected = max(move.g2_blocks, self._blocks(len(pinned)))
+        if not missed:
+            return self._outcome(move, Status.ACCEPTED, "", affected)
+        why = f"{missed} of {len(move.keys) + move.lost} chunks not pinned in G3"
+        if move.lost:
+            why += f" ({move.lost} only in G3: pinning there rewrites them from G2)"
+        if affected:
+            return self._outcome(move, Status.CLIPPED, why, affected)
+        return self._outcome(move, Status.REJECTED if move.keys else Status.MISSING, why)
 
     def _blocks(self, chunks: int) -> int:
         return chunks * self._primary.blocks_per_chunk

@@ -65,7 +65,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .fingerprint import fingerprint, identity_fields, weights_digest
-from .g3_io import BackendDown, Guard, Staging
+from .g3_io import BackendDown, Guard, Lapses, Staging
 
 __all__ = ["BackendDown", "G3Tier", "Guard", "ObjectBackend", "Staging", "checksum"]
 
@@ -133,6 +133,22 @@ class ObjectBackend(ABC):
     @abstractmethod
     def remove(self, names: Sequence[str]) -> list[bool]:
         """Delete objects; True where the object is gone (or never was)."""
+
+    #: A Pin hint's G3 side. ``pin_needs_bytes``: the backend pins by
+    #: rewriting the objects (``pin`` gets their bytes); ``pin_lapses``: the
+    #: backend ends the pin by itself, else the tier calls ``unpin`` at expiry.
+    pin_needs_bytes: ClassVar[bool] = False
+    pin_lapses: ClassVar[bool] = True
+
+    def pin(self, names: Sequence[str], ttl_s: float, values: Sequence | None) -> list[bool]:
+        """Keep objects from the backend's eviction for ``ttl_s``; True where
+        an object is now pinned. ``values``: their bytes, when
+        ``pin_needs_bytes``. By default a backend cannot pin."""
+        return [False] * len(names)
+
+    def unpin(self, names: Sequence[str]) -> None:
+        """Make pinned objects evictable again (``pin_lapses`` false)."""
+        return
 
     def close(self) -> None:
         return
@@ -216,6 +232,7 @@ class G3Tier(SecondaryTierManager):
         self._failed: dict[str, float] = {}     # name -> until when it is a miss
         self._lock = threading.Lock()
         self._lookups = _Lookups(self)
+        self._lapses = Lapses(self._unpin)
 
     # ---- names ----------------------------------------------------------------
 
@@ -288,6 +305,7 @@ class G3Tier(SecondaryTierManager):
         self._lookups.shutdown()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._readahead.shutdown(wait=True, cancel_futures=True)
+        self._lapses.close()
         self.guard.shutdown()
         self._backend.close()
         self._staging.release()
@@ -351,7 +369,61 @@ class G3Tier(SecondaryTierManager):
             self.observer(fn == self._load, keys, ok)
         return ok
 
-    # ---- copies outside vLLM's job table (hints) ------------------------------------
+    # ---- copies and pins outside vLLM's job table (hints) ---------------------------
+
+    @property
+    def pin_needs_bytes(self) -> bool:
+        """Whether ``pin`` needs the chunks' G2 slots (the backend rewrites them)."""
+        return self._backend.pin_needs_bytes
+
+    def pin(self, keys: list[OffloadKey], ttl_s: float, chunk_ids: Sequence[int] | None,
+            done: Callable[[list[bool]], None]) -> None:
+        """Keep chunks' objects (data and checksum) from the backend's eviction
+        for ``ttl_s``, on the I/O threads: by the backend's own mechanism
+        (``ObjectBackend.pin``), ended by the backend or here when it lapses.
+        ``chunk_ids``: the chunks' G2 slots, reserved by the caller, when
+        ``pin_needs_bytes``. ``done`` as for ``move``."""
+        keys = list(keys)
+        names = [self.name(k) for k in keys]
+        offsets = None if chunk_ids is None else [int(c) * self._chunk for c in chunk_ids]
+
+        def run():
+            try:
+                ok = self._pin(names, offsets, ttl_s)
+            except BackendDown as e:
+                logger.debug("sessionkv: G3 pin: %s", e)
+                ok = [False] * len(keys)
+            except Exception:
+                logger.exception("sessionkv: G3 pin failed")
+                ok = [False] * len(keys)
+            done(ok)
+        fut = self._pool.submit(run)
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._finished)
+
+    def _pin(self, names: list[str], offsets: list[int] | None, ttl_s: float) -> list[bool]:
+        b, g = self._backend, self.guard
+        sums = [n + SUM_SUFFIX for n in names]
+        if b.pin_needs_bytes:
+            if offsets is None:
+                raise ValueError(f"{self.tier_type}: pinning rewrites objects: G2 slots needed")
+            chunks = self._chunks(offsets)
+            # Rewritten from G2 like a store: a late call may read a reused slot.
+            data = g.call(b.pin, names, ttl_s, chunks, nbytes=len(names) * self._chunk,
+                          on_abandoned=lambda _: self._forget(names))
+            listed = g.call(b.pin, sums, ttl_s, [checksum(c) for c in chunks])
+        else:
+            both = g.call(b.pin, names + sums, ttl_s, None)
+            data, listed = both[:len(names)], both[len(names):]
+        ok = [d and s for d, s in zip(data, listed)]
+        if not b.pin_lapses:
+            pinned = [n for n, o in zip(names, ok) if o]
+            self._lapses.add(pinned + [n + SUM_SUFFIX for n in pinned], time.monotonic() + ttl_s)
+        return ok
+
+    def _unpin(self, names: list[str]) -> None:
+        self.guard.call(self._backend.unpin, names)
 
     def move(self, load: bool, keys: list[OffloadKey], chunk_ids: Sequence[int],
              done: Callable[[list[bool]], None]) -> None:

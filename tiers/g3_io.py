@@ -9,6 +9,7 @@ scheduler: the tier calls it from its I/O threads and the lookup thread);
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from collections.abc import Callable
@@ -162,3 +163,58 @@ class Staging:
 
     def release(self) -> None:
         self._view.release()
+
+
+class Lapses:
+    """Names whose pins end at given times, and one daemon thread that hands
+    the lapsed ones to ``on_lapse`` (for backends whose pins do not end by
+    themselves). A name pinned again keeps its latest expiry."""
+
+    def __init__(self, on_lapse: Callable[[list[str]], None],
+                 clock: Callable[[], float] = time.monotonic):
+        self._on_lapse = on_lapse
+        self._clock = clock
+        self._until: dict[str, float] = {}
+        self._heap: list[tuple[float, int, list[str]]] = []
+        self._seq = 0
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def add(self, names: list[str], until: float) -> None:
+        if not names:
+            return
+        with self._cond:
+            for n in names:
+                self._until[n] = max(until, self._until.get(n, until))
+            self._seq += 1
+            heapq.heappush(self._heap, (until, self._seq, list(names)))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="sessionkv-g3-lapses")
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (not self._heap or self._heap[0][0] > self._clock()):
+                    self._cond.wait(None if not self._heap else self._heap[0][0] - self._clock())
+                if self._closed:
+                    return
+                _, _, names = heapq.heappop(self._heap)
+                now = self._clock()
+                due = [n for n in names if self._until.get(n, now + 1) <= now]
+                for n in due:
+                    del self._until[n]
+            if due:
+                try:
+                    self._on_lapse(due)
+                except Exception:       # the backend is down: the objects keep the pin
+                    logger.warning("sessionkv: G3 pins of %d objects could not be ended "
+                                   "(%s...)", len(due), due[0])
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()

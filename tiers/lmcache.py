@@ -187,6 +187,9 @@ class LMCacheBackend(ObjectBackend):
     def remove(self, names: Sequence[str]) -> list[bool]:
         return self._put(names, [b""] * len(names))
 
+    def pin(self, names: Sequence[str], ttl_s: float, values: Sequence | None) -> list[bool]:
+        return self.exists(names)      # the server never evicts: what is there stays
+
     def close(self) -> None:
         while True:
             try:

@@ -104,6 +104,25 @@ class MooncakeBackend(ObjectBackend):
         return [rc == 0 or rc == OBJECT_NOT_FOUND
                 for rc in self._store.batch_remove(list(names), True)]
 
+    # Mooncake pins when an object is put or upserted (a soft pin with its own
+    # TTL; the master must run with --allow_evict_soft_pinned_objects=false).
+    # Never hard pins: they do not expire.
+    pin_needs_bytes = True
+
+    def pin(self, names: Sequence[str], ttl_s: float, values: Sequence | None) -> list[bool]:
+        if not names:
+            return []
+        from mooncake.store import ReplicateConfig, SoftPinAction
+        cfg = ReplicateConfig()
+        cfg.soft_pin_action = SoftPinAction.ENABLE
+        cfg.soft_pin_ttl_ms = max(1, int(ttl_s * 1000))
+        if all(isinstance(v, memoryview) for v in values):      # G2 slots: zero-copy
+            rcs = self._store.batch_upsert_from(list(names), [address_of(v) for v in values],
+                                                [len(v) for v in values], cfg)
+            return [rc == 0 for rc in rcs]
+        ok = self._store.upsert_batch(list(names), [bytes(v) for v in values], cfg) == 0
+        return [ok] * len(names)
+
     def close(self) -> None:
         self._store.close()
 

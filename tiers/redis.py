@@ -13,8 +13,7 @@ pipeline and copies the verified bytes straight into G2 (``owned_reads``).
 Capacity: run Redis with ``maxmemory`` and ``maxmemory-policy volatile-lru``
 (``scripts/services`` does). Under ``volatile-lru`` only keys with a TTL can
 be evicted, so every object is written with ``ttl_s``; a Pin ``PERSIST``s
-its keys and the TTL comes back when the pin lapses (the Demote/Prefetch/
-Share issue). A full Redis refuses writes (OOM): a failed store, never an
+its keys and the TTL comes back when the pin lapses. A full Redis refuses writes (OOM): a failed store, never an
 error in the engine.
 """
 
@@ -88,6 +87,20 @@ class RedisBackend(ObjectBackend):
         if not names:
             return []
         return [isinstance(r, int) for r in self._pipeline(lambda p: [p.delete(n) for n in names])]
+
+    # Under volatile-lru only keys with a TTL are evicted: a pin removes it,
+    # and the tier gives it back when the pin lapses.
+    pin_lapses = False
+
+    def pin(self, names: Sequence[str], ttl_s: float, values: Sequence | None) -> list[bool]:
+        if not names:
+            return []
+        res = self._pipeline(lambda p: [c for n in names for c in (p.persist(n), p.exists(n))])
+        return [r == 1 for r in res[1::2]]
+
+    def unpin(self, names: Sequence[str]) -> None:
+        if names:
+            self._pipeline(lambda p: [p.expire(n, self._ttl) for n in names])
 
     def close(self) -> None:
         self._redis.close()

@@ -8,6 +8,7 @@ that answers without moving bytes fails; outputs equal cold references in
 tokens and logprobs.
 """
 
+import time
 import uuid
 
 import pytest
@@ -19,7 +20,8 @@ from sessionkv.client import HintClient
 from sessionkv.server import remove_offload_region
 from test_pin_retain import CHUNK_BYTES, G2_CHUNKS, P, SECRET, cold, in_g2, reset_g1, run
 
-POLICY = "g2: {eviction: session}\ng3: {write_through: false}\n"
+POLICY = ("g2: {eviction: session}\ng3: {write_through: false}\n"
+          "limits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n")
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +155,22 @@ def test_a_request_racing_a_prefetch_never_reads_half_a_copy(engine, tier, tmp_p
     assert [{int(t): v for t, v in s.items()} for s in run_b["logprobs"]] == ref[name][1]
     blocks = run_b["report"]["blocks"]
     assert blocks["g2"] + blocks["recomputed"] == 7, blocks
+
+
+def test_pin_holds_the_session_in_g3_too(engine, tier):
+    import redis
+    a = engine
+    run(a, "T", session="pinned")
+    with client(a) as c:
+        _, last, moved = hint(c, "share", "pinned", destination="self")
+        assert last.status == "accepted"
+        first, last, _ = hint(c, "pin", "pinned", ttl_s=1.5)
+    assert (first.status, last.status, last.blocks_affected) == ("deferred", "accepted", 6), last
+    g3 = a.llm_engine.engine_core.engine_core.scheduler.connector.manager.secondary_tiers[0]
+    names = [g3.name(k) + sfx for k in moved.keys for sfx in ("", ".sum")]
+    r = redis.Redis.from_url(tier["url"])
+    assert [r.ttl(n) for n in names] == [-1] * 12           # not evictable while pinned
+    deadline = time.monotonic() + 10
+    while not all(r.ttl(n) > 0 for n in names):               # evictable again after
+        assert time.monotonic() < deadline
+        time.sleep(0.1)

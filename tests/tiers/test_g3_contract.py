@@ -224,6 +224,74 @@ def test_moves_outside_the_job_table_copy_and_report_through_done(make):
                     (True, [KEYS[0], KEYS[6], KEYS[2]], [True, False, True])]
 
 
+def test_pins_hold_the_objects_and_leave_them_readable(make):
+    tier, region = make()
+    fill(region, range(3), seed=14)
+    assert run(tier, KEYS[:3], range(3), False).success
+    done = []
+    slots = [0, 1, 2] if tier.pin_needs_bytes else None   # rewritten from G2 where needed
+    tier.pin(KEYS[:3], 60.0, slots, done.append)
+    tier.drain_jobs()
+    assert done == [[True, True, True]]
+    fill(region, range(8, 11), seed=96)
+    assert run(tier, KEYS[:3], range(8, 11), True).success
+    assert np.array_equal(region[8:11], region[0:3])
+
+
+def test_redis_pins_persist_then_the_ttl_comes_back(request):
+    import redis
+    url = request.getfixturevalue("redis_url")
+    region = np.zeros((N_CHUNKS, CHUNK), np.uint8)
+    tier = Redis.tier(url, spec(), memoryview(region), f"pin-{uuid.uuid4().hex[:8]}", ttl_s=60)
+    try:
+        fill(region, [0, 1], seed=15)
+        assert run(tier, KEYS[:2], [0, 1], False).success
+        names = [tier.name(k) + sfx for k in KEYS[:2] for sfx in ("", SUM_SUFFIX)]
+        r = redis.Redis.from_url(url)
+        assert all(0 < r.ttl(n) <= 60 for n in names)      # evictable under volatile-lru
+        done = []
+        tier.pin(KEYS[:1], 1.0, None, done.append)
+        tier.drain_jobs()
+        assert done == [[True]]
+        assert [r.ttl(n) for n in names[:2]] == [-1, -1]     # PERSISTed: not evictable
+        assert all(r.ttl(n) > 0 for n in names[2:])          # the unpinned one keeps its TTL
+        deadline = time.monotonic() + 10
+        while not all(r.ttl(n) > 0 for n in names[:2]):      # the pin lapsed
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        tier.shutdown()
+
+
+def test_mooncake_soft_pins_survive_eviction(tmp_path):
+    from sessionkv.services import start_mooncake
+    ports, master, store = start_mooncake(tmp_path, store_size="16MB")
+    region = np.zeros((N_CHUNKS, CHUNK), np.uint8)
+    tier = Mooncake.tier(ports, spec(), memoryview(region), "pins")
+    try:
+        fill(region, range(4), seed=16)
+        assert run(tier, KEYS[:4], range(4), False).success
+        done = []
+        tier.pin(KEYS[:2], 300.0, [0, 1], done.append)
+        tier.drain_jobs()
+        assert done == [[True, True]]
+        # Fill the store several times over: the master evicts, never the pinned.
+        filler = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
+        backend = tier._backend
+        for i in range(64):
+            backend.put_small([f"pins/filler-{i}"], [filler.tobytes()])
+            time.sleep(0.02)
+        time.sleep(2)
+        names = [tier.name(k) for k in KEYS[:4]]
+        there = backend.exists(names + [n + SUM_SUFFIX for n in names])
+        assert there[:2] == [True, True] and there[4:6] == [True, True]
+        assert not all(there[2:4] + there[6:8]), "nothing was evicted: the test proves nothing"
+    finally:
+        tier.shutdown()
+        store.stop()
+        master.stop()
+
+
 def test_storing_what_is_there_succeeds_and_keeps_the_first_bytes(make):
     tier, region = make()
     fill(region, [0, 1], seed=3)
