@@ -42,16 +42,12 @@ backend calls on the guard's threads.
 
 from __future__ import annotations
 
-import ctypes
-import struct
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import xxhash
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
     LookupResult,
@@ -65,93 +61,20 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .fingerprint import fingerprint, identity_fields, weights_digest
+from .g3_backend import SUM_SUFFIX, ObjectBackend, address_of, checksum
 from .g3_io import BackendDown, Guard, Lapses, Staging
 
-__all__ = ["BackendDown", "G3Tier", "Guard", "ObjectBackend", "Staging", "checksum"]
+__all__ = ["SUM_SUFFIX", "BackendDown", "G3Tier", "Guard", "ObjectBackend", "Staging",
+           "address_of", "checksum"]
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 logger = init_logger(__name__)
-SUM = struct.Struct("<QQ")          # xxh3-64 of the chunk, its length
-SUM_SUFFIX = ".sum"
 MISS_AFTER_FAILURE_S = 30.0
 MAX_FAILED = 65_536
 READ_PART_BYTES = 8 << 20           # a load reads in parts of this size, pipelined
-
-
-def checksum(data) -> bytes:
-    """The checksum object of one chunk's bytes."""
-    return SUM.pack(xxhash.xxh3_64_intdigest(data), len(data))
-
-
-def address_of(view: memoryview) -> int:
-    """The address of a writable, contiguous buffer (for zero-copy backends)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
-
-
-class ObjectBackend(ABC):
-    """Named whole objects in a shared store, copied from and into host buffers.
-
-    ``register`` comes first for every buffer the tier copies from or into
-    (zero-copy backends pin or register it). Every batch call returns one
-    result per item, in order, and does not raise for one item's failure
-    (``False`` / ``None``); raising means the backend as a whole failed.
-    Calls may hang: the tier runs them on its own threads with deadlines, and
-    may call them from several threads at once.
-    """
-
-    #: ``get_small`` returns buffers of the backend's own for objects of any
-    #: size: loads then read data and checksum objects in one call and copy
-    #: verified bytes straight into G2, without staging.
-    owned_reads: ClassVar[bool] = False
-
-    @abstractmethod
-    def register(self, buf: memoryview) -> None: ...
-
-    @abstractmethod
-    def exists(self, names: Sequence[str]) -> list[bool]: ...
-
-    @abstractmethod
-    def put_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
-        """Store each buffer as the named object (zero-copy where the backend
-        can). An existing object of that name may be kept."""
-
-    @abstractmethod
-    def get_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:
-        """Copy each named object into its buffer: per item the object's size
-        when it was read (equal to ``len(buf)`` when the whole object
-        arrived), or -1 when it could not be read (missing, backend error)."""
-
-    @abstractmethod
-    def put_small(self, names: Sequence[str], values: Sequence[bytes]) -> list[bool]: ...
-
-    @abstractmethod
-    def get_small(self, names: Sequence[str]) -> list[bytes | None]: ...
-
-    @abstractmethod
-    def remove(self, names: Sequence[str]) -> list[bool]:
-        """Delete objects; True where the object is gone (or never was)."""
-
-    #: A Pin hint's G3 side. ``pin_needs_bytes``: the backend pins by
-    #: rewriting the objects (``pin`` gets their bytes); ``pin_lapses``: the
-    #: backend ends the pin by itself, else the tier calls ``unpin`` at expiry.
-    pin_needs_bytes: ClassVar[bool] = False
-    pin_lapses: ClassVar[bool] = True
-
-    def pin(self, names: Sequence[str], ttl_s: float, values: Sequence | None) -> list[bool]:
-        """Keep objects from the backend's eviction for ``ttl_s``; True where
-        an object is now pinned. ``values``: their bytes, when
-        ``pin_needs_bytes``. By default a backend cannot pin."""
-        return [False] * len(names)
-
-    def unpin(self, names: Sequence[str]) -> None:
-        """Make pinned objects evictable again (``pin_lapses`` false)."""
-        return
-
-    def close(self) -> None:
-        return
 
 
 class _Lookups(AsyncLookupManager):
