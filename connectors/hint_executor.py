@@ -167,6 +167,12 @@ class HintExecutor:
         if ttl is not None and ttl > self._limits.max_ttl_s:
             clipped.append(f"ttl clipped to {self._limits.max_ttl_s:g} s")
             ttl = self._limits.max_ttl_s
+        if isinstance(hint.target, HashesTarget):
+            # KVCR's kv.fetch names blocks by 64-bit hashes that only the
+            # source engine can map to chunk keys: not reachable from here yet.
+            return outcome(Status.REJECTED, "kv.fetch by 64-bit block hashes is not supported: "
+                           "send kv.share to the source, then kv.prefetch of its chunk keys here",
+                           asked)
         if hint.action in (Action.DEMOTE, Action.PREFETCH, Action.SHARE):
             if self.mover is None:
                 return outcome(Status.REJECTED, "Demote, Prefetch and Share need a G3 tier",
