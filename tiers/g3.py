@@ -408,7 +408,27 @@ class G3Tier(SecondaryTierManager):
     def _load(self, names: list[str], offsets: list[int]) -> list[bool]:
         if self._backend.owned_reads:
             return self._load_owned(names, offsets)
+        if self._backend.bounded_reads:
+            return self._load_direct(names, offsets)
         return self._load_staged(names, offsets)
+
+    def _load_direct(self, names: list[str], offsets: list[int]) -> list[bool]:
+        """Straight into the G2 slots vLLM reserved, then verified there: the
+        backend's reads end by their deadline (``bounded_reads``), so none
+        writes after this returns. A slot that fails is reported failed and
+        never becomes loadable."""
+        want = self.guard.call(self._backend.get_small, [n + SUM_SUFFIX for n in names])
+        slots = self._chunks(offsets)
+        got = self.guard.call_bounded(self._backend.get_chunks_by, names, slots,
+                                      nbytes=len(names) * self._chunk)
+        ok, broken = [], []
+        for name, w, size, slot in zip(names, want, got, slots):
+            good = size == len(slot) and w is not None and w == checksum(slot)
+            if size >= 0 and not good:           # there, but short, long or different
+                broken.append(name)
+            ok.append(good)
+        self._unlist(broken)
+        return ok
 
     def _load_owned(self, names: list[str], offsets: list[int]) -> list[bool]:
         """Data and checksum objects in one ``get_small`` call, verified bytes

@@ -118,6 +118,24 @@ class Guard:
         self._in_a_row = 0
         return result
 
+    def deadline(self, nbytes: int = 0) -> float:
+        """The monotonic time a call moving ``nbytes`` must end by."""
+        return self._clock() + self.timeout_s + nbytes / MIN_RATE
+
+    def call_bounded(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0) -> Any:
+        """``fn(*args, deadline)`` in this thread, for calls that end by the
+        deadline they are given: never abandoned, so they may write into
+        buffers the caller reuses after. Failures trip the breaker as in ``call``."""
+        if self.down:
+            raise BackendDown(f"{self._name} is down")
+        try:
+            result = fn(*args, self.deadline(nbytes))
+        except Exception as e:
+            self.trip(f"call failed: {e!r}")
+            raise BackendDown(f"{self._name}: {e!r}") from e
+        self._in_a_row = 0
+        return result
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 

@@ -23,8 +23,9 @@ Why our own client: LMCache's ``LMCServerConnector`` sends one request at a
 time through an asyncio loop and needs an LMCache engine's allocator; here a
 batch is one pipelined exchange per connection (all requests written, then
 the replies read in order: the server answers a connection's requests in
-order), chunks are sent straight from G2 and received straight into the
-caller's buffers. A PUT has no reply: a batch of puts ends with a HEALTH
+order), chunks are sent straight from G2 and received straight into G2:
+every read of a load waits only until the load's deadline, so no read lands
+after the tier gave up (``bounded_reads``: no staging copy). A PUT has no reply: a batch of puts ends with a HEALTH
 request, whose reply says the server has taken every put before it.
 
 What the server lacks, and what we do instead: it has no delete (``remove``
@@ -43,6 +44,7 @@ import hashlib
 import queue
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from urllib.parse import urlparse
 
@@ -78,10 +80,16 @@ def header(command: int, name: str, length: int = 0) -> bytes:
     return REQUEST.pack(command, length, BINARY, UINT8, 0, length, 0, 0, 0, key)
 
 
-def read_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from the socket, or ``ConnectionError``."""
+def read_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view`` from the socket, or ``ConnectionError``; with
+    ``deadline``, ``TimeoutError`` rather than read after it."""
     got = 0
     while got < len(view):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("lmcache read past its deadline")
+            sock.settimeout(left)
         # The server writes a reply's header and its bytes separately with
         # Nagle on: a delayed ACK from us would hold the bytes back 40 ms.
         # Linux leaves quick-ACK mode by itself, so set it for every read.
@@ -92,10 +100,10 @@ def read_into(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def read_reply(sock: socket.socket) -> tuple[int, int]:
+def read_reply(sock: socket.socket, deadline: float | None = None) -> tuple[int, int]:
     """(code, length) of the next reply header."""
     buf = bytearray(REPLY.size)
-    read_into(sock, memoryview(buf))
+    read_into(sock, memoryview(buf), deadline)
     code, length = REPLY.unpack(buf)[:2]
     return code, length
 
@@ -119,6 +127,7 @@ class LMCacheBackend(ObjectBackend):
             if sock is None:
                 sock = socket.create_connection(self._addr, timeout=SOCKET_TIMEOUT_S)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(SOCKET_TIMEOUT_S)
             result = fn(sock)
         except BaseException:
             if sock is not None:
@@ -128,14 +137,17 @@ class LMCacheBackend(ObjectBackend):
         self._idle.put(sock)
         return result
 
-    def _get(self, names: Sequence[str], into) -> list:
+    def _get(self, names: Sequence[str], into, deadline: float | None = None) -> list:
         """Pipelined GETs; ``into(i, sock, length)`` reads item i's bytes (-1:
-        none) off the socket and returns its result."""
+        none) off the socket and returns its result. With ``deadline``, every
+        read waits only until then (``TimeoutError`` after it)."""
         def go(sock):
+            if deadline is not None:
+                sock.settimeout(max(deadline - time.monotonic(), 1e-3))
             sock.sendall(b"".join(header(GET, n) for n in names))
             out = []
             for i in range(len(names)):
-                code, length = read_reply(sock)
+                code, length = read_reply(sock, deadline)
                 out.append(into(i, sock, length if code == SUCCESS else -1))
             return out
         return self._exchange(go) if names else []
@@ -164,13 +176,23 @@ class LMCacheBackend(ObjectBackend):
         return self._put(names, bufs)
 
     def get_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:
+        return self._get_chunks(names, bufs, None)
+
+    # Our own socket reads stop at a deadline: loads go straight into G2.
+    bounded_reads = True
+
+    def get_chunks_by(self, names: Sequence[str], bufs: Sequence[memoryview],
+                      deadline: float) -> list[int]:
+        return self._get_chunks(names, bufs, deadline)
+
+    def _get_chunks(self, names, bufs, deadline: float | None) -> list[int]:
         def into(i, sock, length):
             if length == len(bufs[i]):
-                read_into(sock, bufs[i])
-            elif length > 0:
-                read_into(sock, memoryview(bytearray(length)))   # the wrong size: skip it
+                read_into(sock, bufs[i], deadline)
+            elif length > 0:        # the wrong size: read past it
+                read_into(sock, memoryview(bytearray(length)), deadline)
             return length if length > 0 else -1
-        return self._get(names, into)
+        return self._get(names, into, deadline)
 
     def put_small(self, names: Sequence[str], values: Sequence[bytes]) -> list[bool]:
         return self._put(names, values)
