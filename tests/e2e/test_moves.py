@@ -174,3 +174,24 @@ def test_pin_holds_the_session_in_g3_too(engine, tier):
     while not all(r.ttl(n) > 0 for n in names):               # evictable again after
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+def test_prefetches_past_the_transfer_capacity_wait_then_finish(engine):
+    from engines import final_outcome
+    from sessionkv.hints import envelope, hint_action
+    a = engine
+    run(a, "S", session="cap")
+    with client(a) as c:
+        _, last, moved = hint(c, "share", "cap", destination="self")
+        assert last.status == "accepted"
+        run(a, "F")
+        run(a, "G")                                   # S's chunks only in G3 now
+        after = c.events(after=0, limit=1).next_seq - 1
+        # One request, six prefetches of one chunk each: four copies at once.
+        firsts = c.hints(envelope(*[hint_action("prefetch", keys=[k]) for k in moved.keys]))
+        assert [(o.status, o.reason) for o in firsts] == \
+            [("deferred", "copying 1 chunks from G3")] * 4 + \
+            [("deferred", "waiting for transfer capacity")] * 2
+        finals = [final_outcome(c, o.hint_id, after)[0] for o in firsts]
+    assert [(o.status, o.blocks_affected) for o in finals] == [("accepted", 1)] * 6
+    assert in_g2(a, "S") == 6
