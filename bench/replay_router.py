@@ -18,6 +18,7 @@ ordinary LRU and go first).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
 
@@ -104,29 +105,44 @@ class GapModel:
     EDGES = np.geomspace(1.0, 20_000.0, 73)      # seconds; 4 bins per doubling
 
     def __init__(self, prior_median_s: float = 120.0, prior_sigma: float = 1.0,
-                 prior_weight: float = 10.0):
+                 prior_weight: float = 10.0, prior_never: float = 0.0):
         mid = np.sqrt(self.EDGES[:-1] * self.EDGES[1:])
         w = np.exp(-0.5 * ((np.log(mid) - np.log(prior_median_s)) / prior_sigma) ** 2)
         self.counts = prior_weight * w / w.sum()
+        self.never = prior_never       # mass that never came back
         self.seen = 0
-        self._table: np.ndarray | None = None
+        self._table: list[float] | None = None
+        self._dirty = True
+        self._edges = self.EDGES.tolist()
 
     def _bin(self, seconds: float) -> int:
-        k = int(np.searchsorted(self.EDGES, max(seconds, 1.0), side="right")) - 1
+        k = bisect.bisect_right(self._edges, seconds) - 1
         return min(max(k, 0), len(self.counts) - 1)
 
     def add(self, gap_s: float) -> None:
         """One more observed gap between two turns of a session."""
         self.counts[self._bin(gap_s)] += 1.0
         self.seen += 1
-        self._table = None
+        self._dirty = True
+
+    def add_never(self) -> None:
+        """One more wait that ended without a return (given up on)."""
+        self.never += 1.0
+        self._dirty = True
+
+    def refresh(self) -> None:
+        """Recompute the density table from what was added since the last
+        refresh (the router calls this once per tick: it is O(bins^2))."""
+        if self._dirty or self._table is None:
+            self._table = self._densities().tolist()
+            self._dirty = False
 
     def _densities(self) -> np.ndarray:
         c = self.counts
         width = np.diff(self.EDGES)
         # S[j]: mass of gaps longer than EDGES[j]; inside a bin, returns are
         # spread uniformly, so the mass still held decays linearly.
-        S = c.sum() - np.concatenate([[0.0], np.cumsum(c)])
+        S = c.sum() + self.never - np.concatenate([[0.0], np.cumsum(c)])
         held = width * (S[:-1] + S[1:]) / 2.0
         out = np.zeros(len(c))
         for j in range(len(c)):
@@ -140,7 +156,7 @@ class GapModel:
     def density(self, idle_s: float) -> float:
         """Expected returns per held-second of a session idle for ``idle_s``."""
         if self._table is None:
-            self._table = self._densities()
+            self.refresh()
         return float(self._table[self._bin(idle_s)])
 
 
@@ -158,92 +174,127 @@ class SessionRouter(Router):
     Every retained block gets a priority from its hit density: how often the
     router expects it to be reused per second it is held, so that
     ``SessionCachePolicy``, which evicts lower priorities first, keeps the
-    blocks that will save the most prefill per block of G2.
+    blocks that will save the most prefill per block of G2. Densities come
+    from ``GapModel``s the router learns online from what it has seen.
 
     - A continuing session's own blocks (its prefix up to its last full
       block) are Retained, owned by the session, at the density of its next
-      turn: from the gap distribution learned so far (``GapModel``) and its
-      idle time. A tick re-sends the Retains whose priority changed.
+      turn given its idle time. A tick re-sends the Retains whose priority
+      changed.
     - Shared prefixes (leading blocks more than one session has sent) are
       Retained by key, owned by the router, so that no session's end releases
-      them, at the highest density that claims them: their own (distinct
-      sessions arriving through them per second, decaying with idle time) or
-      any live session's through them. The router re-sends them every tick
-      with a TTL of two ticks, so stale ones lapse to plain LRU.
-    - Ended sessions are ended: their own blocks become plain LRU and go first.
+      them, at the highest density that claims them: their own (the next new
+      session through them, by how many sessions came so far and how long
+      since the last) or any live session's through them.
+    - Ended sessions are ended: their own blocks become plain LRU and go
+      first, except their head (the first ``ENDED_HEAD_FRACTION`` of their
+      blocks), which later sessions sometimes branch from (a regenerated or
+      edited first message, another question on the same document): the
+      router Retains it for ``WATCH_S`` at the density such heads have had so
+      far, far below a live session's, so it only outlives plain blocks.
     """
 
     LIMITS = Limits()
     TICK_S = 30.0
-    SHARED_TTL_S = 2 * TICK_S
-    SHARED_MIN_DENSITY = 1e-5      # below this a shared block is let go
+    WATCH_S = 600.0                # router-owned Retains' TTL (the executor's maximum)
+    SHARED_CLASSES = (2, 3, 5, 9)  # sessions so far through a shared block -> its model
+    ENDED_HEAD_FRACTION = 0.25
 
     def __init__(self, trace: Trace, workers: list[Worker], clock: SimClock):
         super().__init__(trace, workers, clock)
         self._first: dict[int, tuple[int, float]] = {}   # block -> (first session, time)
-        # shared block -> [sessions through it, first use, last use, workers holding it]
+        # shared block -> [sessions through it, last new session's arrival,
+        # workers it went to, (priority, time) last sent]
         self._shared: dict[int, list] = {}
         self._last_t: dict[int, float] = {}
         self.gaps = GapModel()
+        self.shared_gaps = [GapModel(300.0, 1.5, 5.0, 5.0) for _ in self.SHARED_CLASSES]
         # live session -> (worker, last full block's key, priority sent, shared head)
         self._live: dict[int, tuple[int, bytes, int, tuple[int, ...]]] = {}
         self._next_tick = self.TICK_S
+        # Ended sessions' heads: block -> end of its watch; how many blocks were
+        # watched and how many a later session reused (prior: 1 in 100).
+        self._heads: dict[int, float] = {}
+        self._heads_watched = 100
+        self._heads_reused = 1
 
     def _priority(self, s: int, now: float) -> int:
         return density_priority(self.gaps.density(now - self._last_t[s]))
 
-    def _shared_density(self, b: int, now: float) -> float:
-        """Distinct sessions per second that came through shared block ``b``,
-        held at most as high as one reuse per idle time since its last use."""
-        sessions, first, last, _ = self._shared[b]
-        rate = (len(sessions) - 1) / max(last - first, 1.0)
-        return 1.0 / (1.0 / rate + (now - last))
+    def _shared_model(self, n: int) -> GapModel:
+        return self.shared_gaps[max(0, bisect.bisect_right(self.SHARED_CLASSES, n) - 1)]
 
     def _retain_session(self, s: int, w: int, boundary: bytes, p: int,
                         head: tuple[int, ...]) -> None:
         """Retain the session's prefix up to ``boundary`` (its last full block)
         at priority ``p``. Up to the boundary only: the turn's partial last
         block changes id when it fills, and earlier turns' partial blocks are
-        dead leaves of the session, so neither is ever reused."""
+        dead leaves of the session, so neither is ever reused. The shared
+        head it covers is claimed back by the router right after."""
         sid = f"s{s}"
         self.send(w, make_hint(Action.RETAIN, sid, session_id=sid, boundary=boundary,
                                priority=p), sid)
         self._live[s] = (w, boundary, p, head)
 
-    def _retain_shared(self, blocks, now: float) -> None:
+    def _retain_shared(self, blocks, now: float, force: bool) -> None:
         """Router-owned Retains of shared ``blocks`` on every worker holding
-        them, each at the highest density claiming it (one hint per worker
-        and priority: the router's own rate limit applies)."""
+        them, each at the highest density claiming it; unchanged ones only
+        when ``force`` or half their TTL has passed (one hint per worker and
+        priority: the router's rate limit applies)."""
         claim: dict[int, int] = {}
-        for w, _, p, head in self._live.values():
+        for _, _, p, head in self._live.values():
             for b in head:
                 if claim.get(b, 0) < p:
                     claim[b] = p
         groups: dict[tuple[int, int], list[bytes]] = {}
         for b in blocks:
-            d = self._shared_density(b, now)
+            st = self._shared[b]
+            d = self._shared_model(len(st[0])).density(now - st[1])
             p = max(density_priority(d), claim.get(b, 0))
-            if d < self.SHARED_MIN_DENSITY and b not in claim:
+            sent_p, sent_t = st[3]
+            if not force and p == sent_p and now - sent_t < self.WATCH_S / 2:
                 continue
-            for w in self._shared[b][3]:
+            st[3] = (p, now)
+            for w in st[2]:
                 groups.setdefault((w, p), []).append(key_of(b))
         for (w, p), keys in groups.items():
             self.send(w, make_hint(Action.RETAIN, "router", keys=keys, priority=p,
-                                   ttl_s=self.SHARED_TTL_S), "router")
+                                   ttl_s=self.WATCH_S), "router")
+
+    def _retain_head(self, w: int, blocks: list[int], now: float) -> None:
+        """Watch an ended session's private head and Retain it, router-owned,
+        at the density ended heads have had (reuses per block-second)."""
+        if not blocks:
+            return
+        until = now + self.WATCH_S
+        for b in blocks:
+            self._heads[b] = until
+        self._heads_watched += len(blocks)
+        d = self._heads_reused / (self._heads_watched * self.WATCH_S)
+        self.send(w, make_hint(Action.RETAIN, "router", keys=[key_of(b) for b in blocks],
+                               priority=density_priority(d), ttl_s=self.WATCH_S), "router")
 
     def before(self, i: int, now: float) -> None:
         if now < self._next_tick:
             return
         self._next_tick = now + self.TICK_S
+        for m in [self.gaps, *self.shared_gaps]:
+            m.refresh()
+        self._heads = {b: t for b, t in self._heads.items() if t > now}
+        heads: set[int] = set()
         for s, (w, boundary, sent, head) in list(self._live.items()):
             p = self._priority(s, now)
             if p != sent:
                 self._retain_session(s, w, boundary, p, head)
-        # After the sessions' Retains, which claim their shared heads too.
-        stale = [b for b, st in self._shared.items() if now - st[2] > 1 / self.SHARED_MIN_DENSITY]
-        for b in stale:
+                heads.update(head)
+        # A shared block no new session came through for WATCH_S: given up
+        # on (a "never" for its model); its Retain lapses to plain LRU.
+        for b in [b for b, st in self._shared.items() if now - st[1] > self.WATCH_S]:
+            self._shared_model(len(self._shared[b][0])).add_never()
             del self._shared[b]
-        self._retain_shared(list(self._shared), now)
+        # Heads whose session Retain was just re-sent are claimed back first.
+        self._retain_shared([b for b in heads if b in self._shared], now, force=True)
+        self._retain_shared(list(self._shared), now, force=False)
 
     def after(self, i: int, w: int, now: float) -> None:
         super().after(i, w, now)
@@ -262,11 +313,18 @@ class SessionRouter(Router):
             if st is None:
                 if first[0] == s:
                     break
-                st = self._shared[b] = [{first[0]}, first[1], now, set()]
-            st[0].add(s)
-            st[2] = now
-            st[3].add(w)
+                st = self._shared[b] = [{first[0]}, first[1], set(), (0, 0.0)]
+                if self._heads.pop(b, 0.0) > now:
+                    self._heads_reused += 1
+            if s not in st[0]:
+                if len(st[0]) > 1:
+                    self._shared_model(len(st[0])).add(now - st[1])
+                st[0].add(s)
+                st[1] = now
+            st[2].add(w)
             m += 1
+        for b in ids[m + 1:]:
+            self._first.setdefault(b, (s, now))
         head = tuple(ids[:m])
         full = min(len(ids), tr.input_length[i] // BLOCK_TOKENS)
         if tr.continues[i] and full:
@@ -276,8 +334,10 @@ class SessionRouter(Router):
             if not tr.continues[i]:
                 self._last_t.pop(s, None)
                 self.end(s, now)
+                self._retain_head(w, ids[m:max(m, math.ceil(full * self.ENDED_HEAD_FRACTION))],
+                                  now)
         if m:
-            self._retain_shared(head, now)
+            self._retain_shared(head, now, force=True)
 
 
 class OracleGapRouter(SessionRouter):
