@@ -74,7 +74,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 MISS_AFTER_FAILURE_S = 30.0
 MAX_FAILED = 65_536
-READ_PART_BYTES = 8 << 20           # a load reads in parts of this size, pipelined
+READ_PART_BYTES = 32 << 20          # a load reads in parts of this size, pipelined
 
 
 class _Lookups(AsyncLookupManager):
