@@ -149,9 +149,7 @@ class GapModel:
             if S[j] > 1e-9:
                 hits = np.cumsum(c[j:])
                 out[j] = float((hits / np.maximum(np.cumsum(held[j:]), 1e-12)).max())
-            elif j:
-                out[j] = out[j - 1]
-        return out
+        return out      # 0 where nothing is left to come back
 
     def density(self, idle_s: float) -> float:
         """Expected returns per held-second of a session idle for ``idle_s``."""

@@ -368,19 +368,17 @@ def gap_breakdown(trace: Trace, run: dict, opt: dict) -> dict:
     return dict(sorted(out.items()))
 
 
-_KEYS: dict[int, list[list[bytes]]] = {}
+_KEYS: list = [None, None]     # [the trace, its keys]: the trace is held, so never a stale id
 
 
 def trace_keys(trace: Trace) -> list[list[bytes]]:
     """Every request's OffloadKeys, built once per trace and shared by all runs."""
-    got = _KEYS.get(id(trace))
-    if got is None:
+    if _KEYS[0] is not trace:
         cache: dict[int, bytes] = {}
-        got = [[cache[b] if b in cache else cache.setdefault(b, key_of(b)) for b in ids]
-               for ids in trace.blocks]
-        _KEYS.clear()
-        _KEYS[id(trace)] = got
-    return got
+        _KEYS[1] = [[cache[b] if b in cache else cache.setdefault(b, key_of(b)) for b in ids]
+                    for ids in trace.blocks]
+        _KEYS[0] = trace
+    return _KEYS[1]
 
 
 Progress = Callable[[int], None]

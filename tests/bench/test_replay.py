@@ -168,3 +168,57 @@ def test_session_policy_retains_continuing_sessions_over_ended_ones():
     assert per[-1] == 2 * B
     assert r["hints"]["retain:accepted"] >= 1
     assert r["hints"]["end_session"] == 5
+
+
+# ---- the session hint policy ------------------------------------------------
+
+def test_gap_model_density_is_returns_per_second_held():
+    # Every gap is 100 s: a session that has just finished is reused once per
+    # ~100 s held; one idle for 50 s once per ~50 s; one idle past every gap
+    # seen is never expected back.
+    from replay_router import GapModel
+    g = GapModel(prior_weight=0.0)
+    for _ in range(50):
+        g.add(100.0)
+    g.refresh()
+    assert g.density(0.0) == pytest.approx(1 / 100, rel=0.1)
+    assert g.density(50.0) == pytest.approx(1 / 50, rel=0.15)
+    assert g.density(500.0) == 0.0
+    # Half never come back: half the hits for the same holding time, or less.
+    g.add_never()
+    for _ in range(49):
+        g.add_never()
+    g.refresh()
+    assert g.density(0.0) < 0.55 / 100
+
+
+def test_session_policy_gives_up_partial_last_blocks_first():
+    # G2 of 5 blocks, no G1. A and B each send 2 full blocks and a partial
+    # one, and continue; single-block sessions follow. The session policy
+    # retains A and B only up to their last full block (a partial block
+    # changes id when it fills), so the partial blocks and the one-off
+    # sessions are what goes: both next turns hit their 2 full blocks. Naive
+    # pins the partial blocks too, runs out of room and clips A's oldest pins.
+    rows = [req(0, [1, 2, 3], 2 * B + B // 2), req(1, [10, 11, 12], 2 * B + B // 2),
+            req(2, [20]), req(3, [21]), req(4, [1, 2, 4]), req(5, [10, 11, 13])]
+    tr = trace(*rows)
+    per, r = hits(tr, "session", 5)
+    assert per == [0, 0, 0, 0, 2 * B, 2 * B]
+    naive, _ = hits(tr, "naive", 5)
+    assert naive == [0, 0, 0, 0, B, 2 * B]
+
+
+def test_a_shared_prefix_outlives_the_sessions_that_sent_it():
+    # A and B (single turns, both ended) share blocks 1, 2. The router
+    # retains the shared prefix itself, so neither session's end releases it
+    # and a flood of one-off requests through a 4-block G2 evicts around it:
+    # C hits both blocks. LRU lets the flood push them out.
+    rows = [req(0, [1, 2, 3]), req(1, [1, 2, 4])]
+    rows += [req(2 + i, [20 + i]) for i in range(4)]
+    rows += [req(7, [1, 2, 9])]
+    tr = trace(*rows)
+    per, r = hits(tr, "session", 4)
+    assert per[-1] == 2 * B
+    assert r["hints"]["end_session"] == 7
+    lru, _ = hits(tr, "lru", 4)
+    assert lru[-1] == 0
