@@ -41,6 +41,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
 
 from sessionkv.events import Outcome, Transfer
@@ -48,6 +49,7 @@ from sessionkv.hints import Action, HintOutcome, Status
 from sessionkv.tiers.g3 import G3Tier
 from sessionkv.types import Tier
 
+logger = init_logger(__name__)
 MAX_MOVES = 4
 G2, G3 = Tier.G2.name, Tier.G3.name
 
@@ -184,11 +186,21 @@ class Mover:
         while self._finished:
             move = self._finished.popleft()
             self._running.remove(move)
-            self._finish(move)
+            try:
+                self._finish(move)
+            except Exception:       # a bug costs this hint, never the engine or the thread
+                logger.exception("sessionkv: finishing %s %s failed", move.name, move.hint_id)
+                self._emit(Outcome(outcome=self._outcome(move, Status.REJECTED, "internal error"),
+                                   via="transfer", session_id=move.session))
         while self._waiting and len(self._running) < self._max:
-            first = self._begin(self._waiting.popleft())
+            move = self._waiting.popleft()
+            try:
+                first = self._begin(move)
+            except Exception:
+                logger.exception("sessionkv: starting %s %s failed", move.name, move.hint_id)
+                first = self._outcome(move, Status.REJECTED, "internal error")
             if first.status is not Status.DEFERRED:      # decided at once: final
-                self._emit(Outcome(outcome=first, via="transfer"))
+                self._emit(Outcome(outcome=first, via="transfer", session_id=move.session))
 
     def _finish(self, move: Move) -> None:
         ok = move.ok or [False] * len(move.keys)
