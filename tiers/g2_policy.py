@@ -51,6 +51,7 @@ class SessionCachePolicy(LRUCachePolicy):
         self._pins: dict[OffloadKey, tuple[float, float]] = {}    # key -> (pinned_at, expiry)
         # key -> (priority, expiry, owner)
         self._retains: dict[OffloadKey, tuple[int, float, str | None]] = {}
+        self._owned: dict[str, set[OffloadKey]] = {}     # owner -> the keys it retains
         self._clipped: list[OffloadKey] = []
         # Biased chunks with ref_cnt 0, kept out of LRU's ``_evictable``.
         self._held: set[OffloadKey] = set()
@@ -106,7 +107,10 @@ class SessionCachePolicy(LRUCachePolicy):
         n = 0
         for k in keys:
             if k in self.chunks:
+                self._drop_retain(k)
                 self._retains[k] = (priority, expiry, owner)
+                if owner is not None:
+                    self._owned.setdefault(owner, set()).add(k)
                 self._track(expiry, k)
                 self._sync(k)
                 n += 1
@@ -114,11 +118,25 @@ class SessionCachePolicy(LRUCachePolicy):
 
     def release_retains(self, owner: str) -> int:
         """Drop the retains ``owner`` set last (its session ended); how many."""
-        mine = [k for k, (_, _, o) in self._retains.items() if o == owner]
+        mine = self._owned.pop(owner, set())
         for k in mine:
             del self._retains[k]
             self._sync(k)
         return len(mine)
+
+    def _drop_retain(self, k: OffloadKey) -> bool:
+        """Forget ``k``'s retain (and its owner's claim); whether it had one."""
+        ret = self._retains.pop(k, None)
+        if ret is None:
+            return False
+        owner = ret[2]
+        if owner is not None:
+            mine = self._owned.get(owner)
+            if mine is not None:
+                mine.discard(k)
+                if not mine:
+                    del self._owned[owner]
+        return True
 
     def demote(self, keys: Iterable[OffloadKey]) -> int:
         """Make these chunks the first to go (a Demote hint: their G3 copy
@@ -131,7 +149,7 @@ class SessionCachePolicy(LRUCachePolicy):
                 continue
             self._demoted_keys.add(k)
             self._pins.pop(k, None)
-            self._retains.pop(k, None)
+            self._drop_retain(k)
             self._sync(k)
             self._demoted -= 1                 # below every rank LRU assigns
             self._ranks[k] = self._demoted
@@ -160,7 +178,7 @@ class SessionCachePolicy(LRUCachePolicy):
                 del self._pins[k]
                 changed = True
             if ret is not None and ret[1] <= now:
-                del self._retains[k]
+                self._drop_retain(k)
                 changed = True
             if changed:
                 self._sync(k)
@@ -191,7 +209,7 @@ class SessionCachePolicy(LRUCachePolicy):
         self._demoted_keys.discard(key)
         self._held.discard(key)
         self._pins.pop(key, None)
-        self._retains.pop(key, None)
+        self._drop_retain(key)
 
     def clear(self) -> None:
         super().clear()
@@ -200,6 +218,7 @@ class SessionCachePolicy(LRUCachePolicy):
         self._expiries.clear()
         self._pins.clear()
         self._retains.clear()
+        self._owned.clear()
 
     def mark_evictable(self, key: OffloadKey) -> None:
         if self._biased(key):
@@ -243,5 +262,5 @@ class SessionCachePolicy(LRUCachePolicy):
         for k, _ in got:
             if self._pins.pop(k, None) is not None:
                 self._clipped.append(k)
-            self._retains.pop(k, None)
+            self._drop_retain(k)
         return got

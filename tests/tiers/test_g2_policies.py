@@ -162,3 +162,18 @@ def test_impossible_eviction_with_hints_changes_nothing(policy):
     assert policy.pinned() == {key(0)} and policy.take_clipped() == []
     assert set(evicted(policy, 7, protected=[key(7)])) == {key(i) for i in range(7)}
     assert policy.take_clipped() == [key(0)]
+
+
+def test_release_drops_only_what_the_owner_retains_last(policy):
+    policy.retain([key(0), key(1), key(2)], priority=5, ttl_s=None, owner="a")
+    policy.retain([key(3), key(4)], priority=5, ttl_s=None, owner="b")
+    policy.retain([key(2)], priority=7, ttl_s=None, owner="b")     # b retains it last
+    policy.retain([key(5)], priority=2, ttl_s=1, owner="a")
+    policy.clock.t += 2                                                # key(5)'s lapses
+    assert evicted(policy, 3) == [key(5), key(6), key(7)]             # plain ones go first
+    policy.remove(key(1))
+    assert policy.release_retains("a") == 1                           # key(0) alone
+    assert policy.release_retains("a") == 0
+    assert evicted(policy, 1) == [key(0)]                              # plain again
+    assert policy.release_retains("b") == 3
+    assert evicted(policy, 3) == [key(2), key(3), key(4)]
