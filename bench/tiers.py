@@ -11,13 +11,15 @@ pipelined lm:// exchange with LMCache's server),
 ``raw_checksum_MBps`` (the same plus the xxh3 checksum of every chunk), and
 ``memcpy_MBps`` (a copy of the same bytes). Best of ``--repeat`` rounds, the
 variants taking turns in each round. Rows:
-``{backend, block_bytes, op, tier_MBps, raw_MBps, raw_checksum_MBps, memcpy_MBps}``.
+``{backend, block_bytes, op, tier_MBps, raw_MBps, raw_checksum_MBps, memcpy_MBps,
+tier_over_raw_checksum}``, the last the median of the per-round ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -34,14 +36,21 @@ SIZES = (64 << 10, 1 << 20, 16 << 20)
 def rates(variants: dict, nbytes: int, repeat: int) -> dict[str, float]:
     """Best MB/s of each variant over ``repeat`` rounds; each round runs every
     variant once, in turn (drift on a noisy machine hits them alike). A
-    variant is ``(run, cleanup)``; cleanup runs untimed after each run."""
-    out = dict.fromkeys(variants, 0.0)
+    variant is ``(run, cleanup)``; cleanup runs untimed after each run. With
+    a tier and a raw+checksum variant, also ``tier_over_raw_checksum``: the
+    median over rounds of their ratio within the round (pairs measured side
+    by side vary less than the best of each)."""
+    per = {name: [] for name in variants}
     for _ in range(repeat):
         for name, (fn, cleanup) in variants.items():
             t0 = time.perf_counter()
             fn()
-            out[name] = max(out[name], nbytes / (time.perf_counter() - t0) / 1e6)
+            per[name].append(nbytes / (time.perf_counter() - t0) / 1e6)
             cleanup()
+    out = {name: max(r) for name, r in per.items()}
+    if "tier_MBps" in per and "raw_checksum_MBps" in per:
+        out["tier_over_raw_checksum"] = statistics.median(
+            t / c for t, c in zip(per["tier_MBps"], per["raw_checksum_MBps"]))
     return out
 
 
@@ -202,7 +211,8 @@ def main() -> None:
                     print(" ".join(f"{x['backend']:8s} {x['block_bytes'] >> 10:6d} KiB {x['op']}: "
                                    f"tier {x['tier_MBps']:8.0f} raw {x['raw_MBps']:8.0f} "
                                    f"raw+sum {x['raw_checksum_MBps']:8.0f} "
-                                   f"memcpy {x['memcpy_MBps']:8.0f} MB/s\n" for x in r), end="")
+                                   f"memcpy {x['memcpy_MBps']:8.0f} MB/s, tier/raw+sum "
+                                   f"{x['tier_over_raw_checksum']:.2f}\n" for x in r), end="")
             finally:
                 for s in stop:
                     s.stop()
