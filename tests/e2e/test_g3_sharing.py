@@ -111,7 +111,9 @@ class LMCache:
 KINDS = {"mooncake": Mooncake, "redis": Redis, "lmcache": LMCache}
 
 
-@pytest.fixture(scope="module", params=sorted(KINDS))
+# LMCache is left out of the e2e runs for now (see g3_faults.BACKENDS); its
+# class stays, with the contract suite covering the tier.
+@pytest.fixture(scope="module", params=["mooncake", "redis"])
 def backend(request):
     kind = KINDS[request.param]
     return kind, request.getfixturevalue(kind.service)
