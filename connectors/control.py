@@ -38,7 +38,7 @@ from vllm.logger import init_logger
 
 from sessionkv import control as wire
 from sessionkv.events import encode as encode_event
-from sessionkv.hints import MAX_ID_LEN, HintOutcome, Status, parse_envelope
+from sessionkv.hints import MAX_ID_LEN, MAX_KEYS, HintOutcome, Status, parse_envelope
 
 from .hint_executor import TokenBuckets
 from .manager import SessionTierManager
@@ -207,6 +207,10 @@ class ControlChannel:
         elif req.op == "events":
             limit = max(0, min(req.limit, wire.MAX_EVENTS_PER_REPLY))
             reply.events, reply.oldest, reply.next_seq = self._events.since(req.after, limit)
+        elif req.op == "resolve":
+            if not 0 < len(req.block_hashes) <= MAX_KEYS:
+                return wire.refused(req.counter, f"resolve needs 1..{MAX_KEYS} block_hashes")
+            reply.keys = self._manager.resolve_hashes(req.block_hashes)
         else:
             return wire.refused(req.counter, f"unknown op {req.op[:64]!r}; ops: {', '.join(wire.OPS)}")
         return reply

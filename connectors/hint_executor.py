@@ -50,6 +50,7 @@ from sessionkv.hints import (
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers.g2_policy import SessionCachePolicy
 
+from .fetch import Fetcher
 from .moves import Mover
 
 KVCR_SIG_PARAM = "kv_hint_sig"
@@ -127,6 +128,7 @@ class HintExecutor:
         self._pins: dict[bytes, tuple[str, str, bool]] = {}   # chunk -> (owner, hint, signed)
         self._late: deque[HintOutcome] = deque(maxlen=MAX_LATE_OUTCOMES)
         self.mover: Mover | None = None          # set when the engine has a G3 tier
+        self.fetcher: Fetcher | None = None      # ...and a control secret (kv.fetch)
         # Called with every late outcome as it is made (the event stream).
         self.on_late_outcome: Callable[[HintOutcome], None] | None = None
 
@@ -152,6 +154,16 @@ class HintExecutor:
         if not self._buckets.take(client or session_id or "anonymous"):
             return outcome(Status.REJECTED, "rate limit exceeded")
 
+        if isinstance(hint.target, HashesTarget):
+            # KVCR's kv.fetch: only the source can map its 64-bit hashes to keys.
+            asked = len(hint.target.block_hashes)
+            limit = min(self._limits.max_blocks_per_hint, hint.bounds.max_blocks or asked)
+            if self.fetcher is None:
+                return outcome(Status.REJECTED, "kv.fetch needs a G3 tier and a control "
+                               "secret the source trusts", asked)
+            if asked > limit:
+                return outcome(Status.REJECTED, f"kv.fetch of more than {limit} blocks", asked)
+            return self.fetcher.start(hint)
         if hint.action is Action.PREFETCH and isinstance(hint.target, KeysTarget):
             asked, keys, reason = len(hint.target.keys), list(hint.target.keys), ""
         else:
@@ -167,12 +179,6 @@ class HintExecutor:
         if ttl is not None and ttl > self._limits.max_ttl_s:
             clipped.append(f"ttl clipped to {self._limits.max_ttl_s:g} s")
             ttl = self._limits.max_ttl_s
-        if isinstance(hint.target, HashesTarget):
-            # KVCR's kv.fetch names blocks by 64-bit hashes that only the
-            # source engine can map to chunk keys: not reachable from here yet.
-            return outcome(Status.REJECTED, "kv.fetch by 64-bit block hashes is not supported: "
-                           "send kv.share to the source, then kv.prefetch of its chunk keys here",
-                           asked)
         if hint.action in (Action.DEMOTE, Action.PREFETCH, Action.SHARE):
             if self.mover is None:
                 return outcome(Status.REJECTED, "Demote, Prefetch and Share need a G3 tier",
@@ -291,9 +297,6 @@ class HintExecutor:
     def _resolve(self, hint: KvHint) -> tuple[int, list[bytes], str]:
         """(blocks the hint asks for, resident block keys root first, reason when none)."""
         t = hint.target
-        if isinstance(t, HashesTarget):
-            # Blocks to fetch into this engine: named by 64-bit hashes only.
-            return len(t.block_hashes), [h.to_bytes(8, "big") for h in t.block_hashes], ""
         if isinstance(t, KeysTarget):
             keys = self._index.resolve_keys(list(t.keys)).keys
             return len(t.keys), keys, "none of the keys is resident"

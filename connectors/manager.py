@@ -45,11 +45,12 @@ from vllm.v1.kv_offload.tiering.manager import (
 
 from sessionkv.config import SessionKVConfig
 from sessionkv.events import Association, EventLog, Eviction, Outcome, Residency, Transfer
-from sessionkv.hints import HintOutcome, KvHint, Status
+from sessionkv.hints import Action, HintOutcome, KvHint, Status
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers.g3 import G3Tier
 from sessionkv.types import Tier
 
+from .fetch import Fetcher
 from .hint_executor import HintExecutor, read_request_hints
 from .moves import Mover
 
@@ -164,6 +165,10 @@ class SessionTierManager(TieringOffloadingManager):
         self.mover = Mover(primary_tier, g3[0], self.emit) if g3 else None
         executor.mover = self.mover
         self._secret = config.policy.trust.secret
+        # kv.fetch asks the source engine's control channel, with our secret.
+        self.fetcher = (Fetcher(self._secret, self._fetched, self._emit_final)
+                        if self.mover is not None and self._secret is not None else None)
+        executor.fetcher = self.fetcher
         # req_id -> (session, hints) until the request finishes
         self._request_hints: dict[str, tuple[str | None, RequestHints]] = {}
         self.event_log: EventLog | None = None
@@ -225,8 +230,29 @@ class SessionTierManager(TieringOffloadingManager):
             if self.mover is not None:
                 self.mover.apply()
 
+    def resolve_hashes(self, block_hashes: list[int]) -> list[bytes]:
+        """The chunk keys of the blocks named by 64-bit hashes that this engine
+        holds, root first (the control channel's ``resolve``)."""
+        with self.lock:
+            keys = self.index.resolve_aliases(block_hashes).keys
+            return self.index.chunk_keys(keys, self.primary_tier.blocks_per_chunk)
+
+    def _fetched(self, hint: KvHint, keys: list[bytes], asked: int) -> None:
+        """A kv.fetch's source published ``keys``: prefetch them here."""
+        with self.lock:
+            first = self.mover.start(Action.PREFETCH, hint.hint_id, keys, asked, None,
+                                     name=f"kv.{hint.action.value}")
+            if first.status is not Status.DEFERRED:
+                self._emit_final(first)
+
+    def _emit_final(self, outcome: HintOutcome) -> None:
+        with self.lock:
+            self.emit(Outcome(outcome=outcome, via="transfer"))
+
     def shutdown(self) -> None:
         super().shutdown()
+        if self.fetcher is not None:
+            self.fetcher.close()
         if self.mover is not None:
             self.mover.close()
 

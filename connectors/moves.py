@@ -71,10 +71,11 @@ class Move:
     g2_blocks: int = 0                   # a Pin's blocks pinned in G2 already
     lost: int = 0                        # a Pin's G3 chunks it cannot reach
     reserved: bool = False               # prepare_read done: complete_read at the end
+    label: str = ""                      # the outcomes' action name, when not the action's
 
     @property
     def name(self) -> str:
-        return f"kv.{self.action.value}"
+        return self.label or f"kv.{self.action.value}"
 
     @property
     def is_load(self) -> bool:
@@ -116,14 +117,16 @@ class Mover:
 
     def start(self, action: Action, hint_id: str, keys: list[OffloadKey], asked: int,
               session: str | None, clipped: str = "", ttl_s: float = 0.0,
-              g2_blocks: int = 0) -> HintOutcome:
+              g2_blocks: int = 0, name: str = "") -> HintOutcome:
         """Begin one hint's copy of ``keys`` (chunk keys), or for a Pin the
         G3 side of it (``keys`` in G3; ``g2_blocks`` pinned in G2 already);
         its first outcome. ``clipped``: why the executor already cut the
-        target (the final outcome is then ``clipped`` at best)."""
+        target (the final outcome is then ``clipped`` at best). ``name``: the
+        outcomes' action name (default ``kv.<action>``; a kv.fetch's Prefetch
+        answers as the fetch)."""
         move = Move(action, hint_id, list(keys), asked, session,
                     ReqContext(req_id=f"sessionkv-{action.value}-{next(self._ids)}"),
-                    clipped=clipped, ttl_s=ttl_s, g2_blocks=g2_blocks)
+                    clipped=clipped, ttl_s=ttl_s, g2_blocks=g2_blocks, label=name)
         if len(self._running) >= self._max:
             self._waiting.append(move)
             return self._outcome(move, Status.DEFERRED, "waiting for transfer capacity")

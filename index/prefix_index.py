@@ -96,6 +96,7 @@ class SessionPrefixIndex:
         self._max_tombstones = max_tombstones
         cap = max(16, initial_capacity)
         self._slot: dict[bytes, int] = {}
+        self._alias: dict[int, int] = {}             # alias64(key) -> slot
         self._keys: list[bytes | None] = []
         self._free: list[int] = []
         self._parent = np.full(cap, _NONE, np.int32)
@@ -208,6 +209,7 @@ class SessionPrefixIndex:
         for s, k in zip(new, new_keys):
             self._keys[s] = k
         self._slot.update(zip(new_keys, new))
+        self._alias.update(zip(map(alias64, new_keys), new))
         slots[first_new:] = new
 
     def _touch_session(self, session: str, now: float) -> _Session:
@@ -336,6 +338,8 @@ class SessionPrefixIndex:
         while s != _NONE and nchild[s] == 0 and total[s] == 0 and s not in frontier_of:
             p = int(parent[s])
             del slot_of[keys[s]]
+            if self._alias.get(a := alias64(keys[s])) == s:
+                del self._alias[a]
             keys[s] = None
             parent[s] = _NONE
             free.append(s)
@@ -495,6 +499,12 @@ class SessionPrefixIndex:
         slots = [s for s in map(self._slot.get, keys) if s is not None]
         self._refresh_g1(slots)
         return self._result(s for s in map(self._slot.get, keys) if s is not None)
+
+    def resolve_aliases(self, aliases: Sequence[int]) -> Resolved:
+        """``resolve_keys`` for blocks named by their 64-bit aliases (KV
+        events' block hashes, KVCR's ``kv.fetch``); unknown aliases are dropped."""
+        slot_of = self._alias.get
+        return self.resolve_keys([self._keys[s] for s in map(slot_of, aliases) if s is not None])
 
     def sessions_of(self, key: bytes) -> list[str]:
         """Sessions whose branches pass through ``key`` (sorted)."""

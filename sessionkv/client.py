@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from sessionkv import control as wire
-from sessionkv.events import AnyEvent, KINDS
+from sessionkv.events import KINDS, AnyEvent, Outcome
 from sessionkv.events import decode as decode_event
 from sessionkv.hints import Action, HintOutcome, envelope, hint_action
 
@@ -176,6 +176,31 @@ class HintClient(_Protocol):
         if not r.ok:
             raise ControlError(f"{self.endpoint}: {r.error}")
         return EventPage((r.events, r.oldest, r.next_seq))
+
+    def resolve(self, block_hashes: list[int]) -> list[bytes]:
+        """The chunk keys of the blocks (named by 64-bit hashes) the engine holds."""
+        r = self.call("resolve", block_hashes=block_hashes)
+        if not r.ok:
+            raise ControlError(f"{self.endpoint}: {r.error}")
+        return r.keys
+
+    def final_outcome(self, hint_id: str, after: int, timeout_s: float = 30.0) -> HintOutcome:
+        """The final outcome of a ``deferred`` hint, read from the event log
+        (events after ``after``: take ``events(0, 1).next_seq - 1`` before
+        sending the hint); ``ControlError`` when none came within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            page = self.events(after)
+            for ev in page.events:
+                if isinstance(ev, Outcome) and ev.via == "transfer" \
+                        and ev.outcome.hint_id == hint_id:
+                    return ev.outcome
+            if page.events:
+                after = page.events[-1].seq
+            if time.monotonic() > deadline:
+                raise ControlError(f"{self.endpoint}: no final outcome for {hint_id} "
+                                   f"in {timeout_s:g} s")
+            time.sleep(0.05)
 
     def subscribe(self, after: int | None = None, kinds=None,
                   idle_timeout_s: float | None = None) -> Iterator[AnyEvent]:

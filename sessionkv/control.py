@@ -15,7 +15,10 @@ refused. Ops:
   default target is ``session_id``; one outcome per action;
 - ``end_session``: the session ends (its pins and retains are released); one
   outcome (``accepted``, or ``missing`` for an unknown session);
-- ``events``: the kept events with ``seq > after`` (at most ``limit``).
+- ``events``: the kept events with ``seq > after`` (at most ``limit``);
+- ``resolve``: the chunk keys (G2/G3 object keys) of the blocks named by
+  ``block_hashes`` (64-bit, as KV events report them) that the engine holds
+  (``ControlReply.keys``, root first), for ``kv.fetch`` on another engine.
 
 Reply: ``[payload, mac]`` with ``REPLY_DOMAIN``; ``counter`` echoes the
 request's. A frame refused as a whole (unauthenticated, replayed, oversized,
@@ -45,7 +48,7 @@ MAX_FRAME_BYTES = 4 << 20        # larger requests are refused with an outcome
 HARD_MAX_FRAME_BYTES = 16 << 20  # ZMQ drops a peer that sends more (ZMQ_MAXMSGSIZE)
 REPLAY_WINDOW_S = 60.0
 MAX_EVENTS_PER_REPLY = 10_000
-OPS = ("hello", "hints", "end_session", "events")
+OPS = ("hello", "hints", "end_session", "events", "resolve")
 
 
 class ControlRequest(msgspec.Struct, kw_only=True):
@@ -56,6 +59,7 @@ class ControlRequest(msgspec.Struct, kw_only=True):
     hints: Any = None
     after: int = 0
     limit: int = 1000
+    block_hashes: list[int] = []
 
 
 class ControlReply(msgspec.Struct, kw_only=True):
@@ -66,6 +70,7 @@ class ControlReply(msgspec.Struct, kw_only=True):
     events: list[AnyEvent] = []
     oldest: int = 0               # op=events: oldest seq still kept
     next_seq: int = 0             # op=events: the next seq the engine assigns
+    keys: list[bytes] = []        # op=resolve
     info: dict[str, Any] = {}
 
 

@@ -93,7 +93,8 @@ def control_hint(client, verb, session, **kw):
 def engine_process(tmp_path, spec: dict) -> dict:
     """Run ``g3_engine.py`` (its own process: vLLM keeps one worker-side KV
     connector per process, so engines sharing KV cannot share a process) on
-    ``spec``; its output."""
+    ``spec``; its output, with ``log``: the tail of the engine's stderr (for
+    failure messages)."""
     import json
     import subprocess
     import sys
@@ -102,4 +103,4 @@ def engine_process(tmp_path, spec: dict) -> dict:
     p = subprocess.run([sys.executable, str(Path(__file__).parent / "g3_engine.py"),
                         str(spec_path), str(out)], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "log": p.stderr[-4000:]}

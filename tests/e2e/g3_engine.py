@@ -5,19 +5,27 @@ SessionTierConnector with the given G3 tiers, then exit.
 
 SPEC: {"model", "block_size", "tiers", "prompts": [[token ids]...], "poison": bool,
 "policy": YAML text of the tier policy (optional), "prefetch": {"keys": [hex],
-"secret": hex, "wait": bool} (optional)}.
+"secret": hex, "wait": bool} (optional), "fetch": [{"id", "hashes": [64-bit
+ints], "source": control endpoint, "secret": hex}] (optional), "await_stored":
+bool (optional)}.
 With ``poison``, G1 and G2 are filled with garbage before the first request,
 so chunks loaded from G3 must overwrite them. With ``prefetch`` (the policy
 names the secret), a Prefetch of those chunk keys goes over the control
-channel first, and with ``wait`` its final outcome is awaited. OUT: {"runs":
-one {"tokens", "logprobs", "report", "objects"} per prompt, ``objects``
-naming the G3 data objects of its full blocks; "prefetch": [first, final]
-outcomes}.
+channel first, and with ``wait`` its final outcome is awaited. Each ``fetch``
+is carried by a one-token request before the prompts.
+
+OUT: {"runs": one {"tokens", "logprobs", "report", "objects", "g3_trips"} per
+prompt (``objects``: the G3 data objects of its full blocks; ``g3_trips``: how
+often the G3 tier's breaker had tripped by then), "prefetch": [first, final]
+outcomes, "fetch": [first, final] outcomes per fetch, "stored_at_exit":
+whether G3 holds every prompt's full blocks at the end (with
+``await_stored``, after waiting up to 30 s for them)}.
 """
 
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -61,15 +69,50 @@ def main(spec_path: str, out_path: str) -> None:
                 else:
                     first = last = c.prefetch("b", keys=keys)
                 prefetched = [[o.status, o.blocks_affected] for o in (first, last)]
+        fetched = [fetch(llm, connector, f) for f in spec.get("fetch", ())]
         for prompt in spec["prompts"]:
             tok, lps, rep = serve(llm, prompt, params, session="g3")
             out.append({"tokens": tok, "logprobs": [{str(k): v for k, v in s.items()} for s in lps],
                         "report": rep.to_params()["sessionkv"],
-                        "objects": [tier.name(k) for k in keys_of(llm, prompt)]})
-        json.dump({"runs": out, "prefetch": prefetched}, open(out_path, "w"))
+                        "objects": [tier.name(k) for k in keys_of(llm, prompt)],
+                        "g3_trips": tier.guard.trips})
+
+        def held() -> bool:
+            return all(all(tier.listed(keys_of(llm, p))) for p in spec["prompts"])
+        deadline = time.monotonic() + (30 if spec.get("await_stored") else 0)
+        while not held() and time.monotonic() < deadline:
+            llm.llm_engine.step()           # stores still running: let them end
+            time.sleep(0.05)
+        json.dump({"runs": out, "prefetch": prefetched, "fetch": fetched,
+                   "stored_at_exit": held()},
+                  open(out_path, "w"))
     finally:
         llm.llm_engine.engine_core.shutdown()
         remove_offload_region(engine_id)
+
+
+def fetch(llm, connector, f: dict) -> list:
+    """A one-token request carrying KVCR's kv.fetch (signed), then the
+    fetch's final outcome from this engine's event log: [[status,
+    blocks_affected, reason] of the first outcome, of the final one]."""
+    from vllm import SamplingParams
+
+    from engines import serve
+    from sessionkv.client import HintClient
+    from sessionkv.hints import sign
+    secret = bytes.fromhex(f["secret"])
+    kvcr = {"protocol_version": "0.1", "message_id": f["id"], "actions": [{
+        "action_type": "kv.fetch", "action_id": f["id"],
+        "payload": {"source_control_endpoint": f["source"], "block_hashes": f["hashes"]}}]}
+    params = SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {
+        "kv_hint": kvcr, "kv_hint_sig": sign(kvcr, "fetch", secret)}})
+    _, _, rep = serve(llm, [7, 8, 9], params, session="fetch")
+    (first,) = rep.hints
+    last = first
+    if first.status == "deferred":
+        with HintClient(connector.control.endpoint, secret) as c:
+            last = c.final_outcome(first.hint_id, 0)
+    return [[o.status, o.blocks_affected, o.reason] for o in (first, last)]
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=2)
 RNG = np.random.default_rng(21)
 # 200 tokens: 6 full blocks and a partial one (a prompt that ends on a block
 # boundary recomputes its last token alone, which changes the last bits).
-P = {name: RNG.integers(10, 4000, 200).tolist() for name in "SLHTFGXY"}
+P = {name: RNG.integers(10, 4000, 200).tolist() for name in "SLHTFGXYK"}
 
 
 def make_engine(tmp_path_factory, eviction):

@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from reference import RefIndex
-from sessionkv.index.prefix_index import SessionPrefixIndex
+from sessionkv.index.prefix_index import SessionPrefixIndex, alias64
 from sessionkv.types import Tier
 
 SESSIONS = ["s0", "s1", "s2", "s3"]
@@ -122,6 +122,7 @@ class IndexMachine(RuleBasedStateMachine):
             assert idx.sessions_of(k) == ref.sessions_of(k)
         keys = self.all_keys()
         self.same(idx.resolve_keys(keys), ref.result(keys))
+        self.same(idx.resolve_aliases([alias64(k) for k in keys]), ref.result(keys))
 
     @staticmethod
     def same(got, want):
