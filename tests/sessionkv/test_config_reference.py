@@ -1,0 +1,58 @@
+"""Every configuration key the code reads appears in the README's
+configuration reference, found by walking the code (config dataclasses,
+tier constructors), not a hand-kept list."""
+
+import dataclasses
+import inspect
+import re
+from pathlib import Path
+
+from sessionkv.config import ControlConfig, SessionKVConfig, TierPolicy
+from sessionkv.tiers.g3 import G3Tier
+from sessionkv.tiers.lmcache import LMCacheTier
+from sessionkv.tiers.mooncake import MooncakeTier
+from sessionkv.tiers.redis import RedisTier
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+# G3Tier's constructor arguments that vLLM passes, not the tier entry.
+FROM_VLLM = {"self", "offloading_spec", "primary_kv_view", "tier_type", "backend",
+             "backpressure_detector", "backend_config"}
+
+
+def reference_keys() -> set[str]:
+    """The first column of every table row in "## Configuration reference"."""
+    text = README.read_text()
+    section = text.split("## Configuration reference", 1)[1].split("\n## ", 1)[0]
+    keys = set()
+    for row in re.findall(r"^\| `([^`]+)`(?: / `([^`]+)`)? \|", section, re.M):
+        keys.update(k for k in row if k)
+    return keys
+
+
+def code_keys() -> set[str]:
+    keys = {"version"}
+    for section in dataclasses.fields(TierPolicy):
+        for f in dataclasses.fields(section.type if isinstance(section.type, type)
+                                    else section.default_factory):
+            if f.name != "secret":                   # read from secret_file
+                keys.add(f"{section.name}.{f.name}")
+    keys |= {f"sessionkv.control.{f.name}" for f in dataclasses.fields(ControlConfig)}
+    keys |= {f"sessionkv.{f.name}" for f in dataclasses.fields(SessionKVConfig)
+             if f.name not in ("policy", "control")}
+    keys.add("secondary_tiers")
+    keys |= set(inspect.signature(G3Tier.__init__).parameters) - FROM_VLLM
+    for tier in (MooncakeTier, RedisTier, LMCacheTier):
+        params = set(inspect.signature(tier.backend_class.__init__).parameters) - {"self"}
+        keys |= {f"{tier.__name__}.{p}" for p in params}
+    return keys
+
+
+def test_every_key_in_the_code_is_in_the_reference():
+    missing = code_keys() - reference_keys()
+    assert not missing, f"not in the README's configuration reference: {sorted(missing)}"
+
+
+def test_the_reference_names_no_key_the_code_does_not_read():
+    vllm_keys = {"cpu_bytes_to_use", "block_size", "blocks_per_chunk", "offload_prompt_only"}
+    unknown = reference_keys() - code_keys() - vllm_keys
+    assert not unknown, f"in the reference but not read by the code: {sorted(unknown)}"
