@@ -1,10 +1,11 @@
-"""``sessionkv``: command line for an engine's control channel.
+"""``sessionkv``: command line for an engine's control channel, and the router.
 
     sessionkv hint pin --endpoint tcp://127.0.0.1:5700 --secret-file router.key \\
         --session s1 --ttl 120
     sessionkv hint end-session --endpoint-file /run/engine-a.json --secret-file router.key \\
         --session s1
     sessionkv events --endpoint tcp://127.0.0.1:5700 --secret-file router.key --after 0
+    sessionkv router --config router.yaml
 
 Outcomes and events are printed as JSON lines. Exit status: 0 when the hint
 was accepted, clipped or deferred; 1 when rejected or missing; 2 when the
@@ -93,11 +94,34 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--after", type=int, help="replay kept events after this seq first")
     e.add_argument("--kinds", nargs="+", choices=KINDS)
     e.add_argument("--idle-timeout", type=float, help="stop after this many idle seconds")
+
+    r = sub.add_parser("router", help="run the reference router (sessionkv.router)")
+    r.add_argument("--config", required=True, help="router.yaml")
+    r.add_argument("--log-level", default="INFO")
     return p
+
+
+def _router(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from sessionkv.router import load_config, serve
+    try:
+        cfg = load_config(args.config)
+    except ValueError as e:
+        print(f"sessionkv router: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(serve(cfg, ready=lambda port: print(
+        f"sessionkv router listening on http://{cfg.host}:{port}", flush=True)))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command == "router":
+        return _router(args)
     try:
         with _client(args) as client:
             return (_hint if args.command == "hint" else _events)(args, client)

@@ -1,0 +1,382 @@
+"""The reference router: an OpenAI-compatible async reverse proxy in front of
+several vLLM engines running ``SessionTierConnector``.
+
+    sessionkv router --config router.yaml
+
+Each turn (``POST /v1/completions`` or ``/v1/chat/completions``, streaming or
+not) belongs to a session: the ``X-Session-ID`` header or the body's
+``session_id``, else one the router makes (unguessable) and returns in
+``X-Session-ID``. The turn goes where ``policy.choose`` says (affinity, then
+load; state in Redis), with the body's ``session_id`` set and the router's
+own hints, signed, in ``kv_transfer_params`` (a client's own ``kv_hints`` are
+dropped: only the router signs). Responses pass through unchanged, with
+``X-SessionKV-Worker`` naming the worker.
+
+Lifecycle to hints (``policy`` in router.yaml):
+
+- a turn that ends in a tool call (the client says so with
+  ``X-Session-Tool-Gap: <seconds>``, which attaches a signed Pin to the
+  request, or the response finishes with ``tool_calls``, which sends the Pin
+  over the control channel) -> Pin for the expected gap x ``pin_ttl_factor``;
+  with ``warmup.enabled``, a one-token request replays the turn's prompt
+  ``lead_s`` before the gap's expected end, to bring it into G1;
+- a session moved (its worker overloaded) -> Share from the old worker
+  (awaited, up to ``move_wait_s``), then with ``share_prefetch`` a Prefetch of
+  the shared chunks on the new one, and the old worker ends the session
+  (its pins go); the turn then reads the prefix from G3 (or G2 when prefetched);
+- a session ended (``POST /v1/sessions/{id}/end`` or idle for
+  ``idle_timeout_s``) -> Demote then end (``demote``), end only (``free``).
+
+Every outcome is logged and counted: ``GET /router/status``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import uuid
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from sessionkv.hints import Action, HINTS_PARAM, KVCR_PARAM, SIG_PARAM, envelope, hint_action, sign
+from sessionkv.report import RequestReport
+from sessionkv.router import policy as rules
+from sessionkv.router.config import RouterConfig
+from sessionkv.router.state import SessionStore
+from sessionkv.router.workers import Worker
+
+log = logging.getLogger("sessionkv.router")
+SESSION_HEADER = "X-Session-ID"
+WORKER_HEADER = "X-SessionKV-Worker"
+HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding",
+               "keep-alive"}
+
+
+class Router:
+    """The proxy and its background work; ``start``, then serve ``app``."""
+
+    def __init__(self, cfg: RouterConfig):
+        self.cfg = cfg
+        self.counters = rules.Counters()
+        self.store = SessionStore(cfg.redis)
+        self.workers: dict[str, Worker] = {}
+        self._http: aiohttp.ClientSession | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._last_body: dict[str, tuple[str, dict[str, Any]]] = {}
+        self.app = web.Application(client_max_size=64 << 20)
+        self.app.add_routes([
+            web.post("/v1/completions", self._generate),
+            web.post("/v1/chat/completions", self._generate),
+            web.get("/v1/models", self._models),
+            web.post("/v1/sessions/{sid}/end", self._end_api),
+            web.get("/v1/sessions/{sid}", self._session_api),
+            web.get("/router/status", self._status),
+            web.get("/health", self._health)])
+
+    # ---- lifecycle ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.store.ping()
+        self._http = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.cfg.routing.request_timeout_s))
+        for w in self.cfg.workers:
+            self.workers[w.name] = Worker(w, self.cfg.secret, self._http,
+                                          self.cfg.routing.load_poll_s, self._final)
+        await asyncio.gather(*(w.start() for w in self.workers.values()))
+        self._spawn(self._sweep_idle())
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(w.close() for w in self.workers.values()))
+        if self._http is not None:
+            await self._http.close()
+        await self.store.close()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ---- outcomes -------------------------------------------------------------------
+
+    def _count(self, worker: str, session_id: str, outcome, via: str) -> None:
+        self.counters.outcome(outcome, via)
+        log.info("hint %s %s on %s for %s: %s %d/%d %s", outcome.hint_id, outcome.action,
+                 worker, session_id, getattr(outcome.status, "value", outcome.status),
+                 outcome.blocks_affected, outcome.blocks_asked, outcome.reason)
+
+    def _final(self, worker: Worker, outcome) -> None:
+        self._count(worker.name, "-", outcome, "final")
+
+    async def _hint(self, worker: Worker, action: Action, session_id: str, wait_s: float = 0,
+                    **kw: Any):
+        """A control hint, counted; with ``wait_s``, its final outcome and transfer
+        (None when it did not come in time). Never raises: a failure is logged."""
+        try:
+            first = await worker.hint(action, session_id, **kw)
+        except Exception as e:      # the engine is away: the hint is lost, the turn is not
+            log.warning("hint %s on %s for %s failed: %s", action.value, worker.name,
+                        session_id, e)
+            self.counters.event("hint_errors")
+            return None, None
+        self._count(worker.name, session_id, first, "control")
+        if first.status != "deferred" or not wait_s:
+            return first, None
+        final = await worker.final(first.hint_id, wait_s)
+        if final is None:
+            self.counters.event("finals_timed_out")
+        return (first, None) if final is None else final
+
+    async def _end_on(self, worker: Worker, session_id: str) -> None:
+        try:
+            self._count(worker.name, session_id, await worker.end_session(session_id), "control")
+        except Exception as e:
+            log.warning("end of %s on %s failed: %s", session_id, worker.name, e)
+            self.counters.event("hint_errors")
+
+    # ---- routing --------------------------------------------------------------------
+
+    async def _place(self, session_id: str) -> Worker:
+        max_load = self.cfg.routing.max_load
+        workers = list(self.workers.values())
+        state = await self.store.get(session_id)
+        if state is None:
+            choice = rules.choose(workers, None, max_load, await self.store.round_robin())
+            placed = await self.store.claim(session_id, choice)
+            self.counters.event("sessions_new")
+            return self.workers.get(placed) or self.workers[choice]
+        choice = rules.choose(workers, state.worker, max_load)
+        if choice == state.worker or state.worker not in self.workers:
+            if state.worker not in self.workers:
+                await self.store.move(session_id, state.worker, choice)
+            return self.workers[choice]
+        if await self.store.move(session_id, state.worker, choice):
+            await self._move(session_id, self.workers[state.worker], self.workers[choice])
+            return self.workers[choice]
+        return self.workers[(await self.store.get(session_id)).worker]
+
+    async def _move(self, session_id: str, old: Worker, new: Worker) -> None:
+        """Share from ``old`` (and Prefetch on ``new``) per ``policy.on_move``."""
+        pol = self.cfg.policy
+        self.counters.event("moves")
+        log.info("session %s moves %s -> %s (loads %.0f, %.0f)", session_id, old.name,
+                 new.name, old.load, new.load)
+        if pol.on_move == "none" or not old.healthy:
+            return
+        _, moved = await self._hint(old, Action.SHARE, session_id, pol.move_wait_s,
+                                    destination=new.name)
+        if pol.on_move == "share_prefetch" and moved is not None and moved.keys:
+            await self._hint(new, Action.PREFETCH, session_id, pol.move_wait_s,
+                             keys=list(moved.keys))
+        await self._end_on(old, session_id)
+
+    # ---- the proxy ------------------------------------------------------------------
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+            gap = rules.tool_gap_from_header(request.headers.get(rules.TOOL_GAP_HEADER),
+                                             self.cfg.policy)
+        except ValueError as e:
+            return web.json_response({"error": {"message": str(e), "type": "BadRequest"}},
+                                     status=400)
+        session_id = (request.headers.get(SESSION_HEADER) or body.get("session_id")
+                      or f"s-{uuid.uuid4().hex}")
+        if not isinstance(session_id, str) or not 0 < len(session_id) <= 128:
+            return web.json_response({"error": {"message": "session_id must be 1..128 chars",
+                                                "type": "BadRequest"}}, status=400)
+        try:
+            worker = await self._place(session_id)
+        except rules.NoWorker as e:
+            return web.json_response({"error": {"message": str(e), "type": "Unavailable"}},
+                                     status=503)
+        await self.store.turn_started(session_id)
+        forward = self._forward_body(body, session_id, gap)
+        self._last_body[session_id] = (request.path, forward)
+        headers = {SESSION_HEADER: session_id, WORKER_HEADER: worker.name}
+        worker.inflight += 1
+        try:
+            if body.get("stream"):
+                resp, tool_call = await self._stream(request, worker, forward, headers)
+            else:
+                resp, tool_call = await self._plain(request, worker, forward, headers, session_id)
+        finally:
+            worker.inflight -= 1
+        if gap is None and tool_call and self.cfg.policy.tool_call.pin:
+            gap = self.cfg.policy.tool_call.expected_gap_s
+            await self._hint(worker, Action.PIN, session_id,
+                             ttl_s=rules.pin_ttl(self.cfg.policy, gap))
+        await self.store.turn_ended(session_id, gap)
+        if gap is not None and self.cfg.policy.warmup.enabled:
+            self._spawn(self._warmup(session_id, gap))
+        return resp
+
+    def _forward_body(self, body: dict[str, Any], session_id: str,
+                      gap: float | None) -> dict[str, Any]:
+        params = {k: v for k, v in (body.get("kv_transfer_params") or {}).items()
+                  if k not in (HINTS_PARAM, SIG_PARAM, KVCR_PARAM)}
+        if gap is not None and self.cfg.policy.tool_call.pin:
+            env = envelope(hint_action(Action.PIN, ttl_s=rules.pin_ttl(self.cfg.policy, gap)))
+            params[HINTS_PARAM] = env
+            params[SIG_PARAM] = sign(env, session_id, self.cfg.secret)
+        out = {**body, "session_id": session_id}
+        if params:
+            out["kv_transfer_params"] = params
+        return out
+
+    async def _plain(self, request, worker, body, headers, session_id):
+        async with self._http.post(worker.url + request.path, json=body,
+                                   headers={SESSION_HEADER: session_id}) as r:
+            raw = await r.read()
+            ctype = r.headers.get("Content-Type", "application/json")
+            status = r.status
+        tool_call = False
+        if status == 200:
+            with contextlib.suppress(ValueError):
+                doc = json.loads(raw)
+                tool_call = rules.ends_in_tool_call(doc)
+                self._reported(worker, session_id, doc.get("kv_transfer_params"))
+        resp = web.Response(body=raw, status=status, headers=headers)
+        resp.content_type = ctype.split(";")[0]
+        return resp, tool_call
+
+    def _reported(self, worker: Worker, session_id: str, params: Any) -> None:
+        try:
+            report = RequestReport.from_params(params)
+        except Exception:
+            report = None
+        if report is None:
+            return
+        self.counters.report(report)
+        for o in report.hints:
+            self._count(worker.name, session_id, o, "request")
+
+    async def _stream(self, request, worker, body, headers):
+        resp = web.StreamResponse(headers=headers)
+        tool_call = False
+        async with self._http.post(worker.url + request.path, json=body,
+                                   headers={SESSION_HEADER: headers[SESSION_HEADER]}) as r:
+            resp.set_status(r.status)
+            for k, v in r.headers.items():
+                if k.lower() not in HOP_HEADERS:
+                    resp.headers.setdefault(k, v)
+            await resp.prepare(request)
+            async for chunk in r.content.iter_any():
+                tool_call = tool_call or b'"finish_reason":"tool_calls"' in chunk.replace(b" ", b"")
+                await resp.write(chunk)
+        await resp.write_eof()
+        return resp, tool_call
+
+    async def _warmup(self, session_id: str, gap_s: float) -> None:
+        """A one-token replay of the session's last prompt, ``lead_s`` before
+        its tool gap's expected end, unless a turn came first."""
+        before = await self.store.get(session_id)
+        await asyncio.sleep(max(0.0, gap_s - self.cfg.policy.warmup.lead_s))
+        state = await self.store.get(session_id)
+        if state is None or before is None or state.turns != before.turns:
+            return
+        path, body = self._last_body.get(session_id, (None, None))
+        if body is None:
+            return
+        warm = {**body, "max_tokens": 1, "stream": False}
+        warm.get("kv_transfer_params", {}).pop(HINTS_PARAM, None)
+        warm.get("kv_transfer_params", {}).pop(SIG_PARAM, None)
+        worker = self.workers[state.worker]
+        try:
+            async with self._http.post(worker.url + path, json=warm) as r:
+                await r.read()
+            self.counters.event("warmups")
+        except aiohttp.ClientError as e:
+            log.warning("warm-up of %s on %s failed: %s", session_id, worker.name, e)
+
+    # ---- session ends ----------------------------------------------------------------
+
+    async def end_session(self, session_id: str, reason: str) -> str | None:
+        """End a session (``policy.on_end``); the worker it was on, or None
+        when it was unknown or another replica ended it."""
+        state = await self.store.end(session_id)
+        self._last_body.pop(session_id, None)
+        if state is None:
+            return None
+        self.counters.event(f"ended_{reason}")
+        worker = self.workers.get(state.worker)
+        if worker is None or self.cfg.policy.on_end == "none":
+            return state.worker
+        if self.cfg.policy.on_end == "demote":
+            await self._hint(worker, Action.DEMOTE, session_id)
+        await self._end_on(worker, session_id)
+        return state.worker
+
+    async def _sweep_idle(self) -> None:
+        idle_s = self.cfg.policy.idle_timeout_s
+        while True:
+            await asyncio.sleep(min(5.0, idle_s / 4))
+            try:
+                for session_id in await self.store.idle(idle_s):
+                    await self.end_session(session_id, "idle")
+            except Exception as e:
+                log.warning("idle sweep: %s", e)
+
+    # ---- small endpoints ---------------------------------------------------------------
+
+    async def _end_api(self, request: web.Request) -> web.Response:
+        worker = await self.end_session(request.match_info["sid"], "api")
+        if worker is None:
+            return web.json_response({"error": {"message": "unknown session"}}, status=404)
+        return web.json_response({"ended": True, "worker": worker})
+
+    async def _session_api(self, request: web.Request) -> web.Response:
+        state = await self.store.get(request.match_info["sid"])
+        if state is None:
+            return web.json_response({"error": {"message": "unknown session"}}, status=404)
+        return web.json_response(state.__dict__)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        worker = next((w for w in self.workers.values() if w.healthy), None)
+        if worker is None:
+            return web.json_response({"error": {"message": "no healthy worker"}}, status=503)
+        async with self._http.get(worker.url + "/v1/models") as r:
+            return web.Response(body=await r.read(), status=r.status,
+                                content_type="application/json")
+
+    async def _status(self, request: web.Request) -> web.Response:
+        return web.json_response({"workers": [w.status() for w in self.workers.values()],
+                                  **self.counters.to_dict()})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        ok = any(w.healthy for w in self.workers.values())
+        return web.json_response({"ok": ok}, status=200 if ok else 503)
+
+
+async def serve(cfg: RouterConfig, ready=None) -> None:
+    """Run the router until SIGINT or SIGTERM; ``ready(port)`` once it listens."""
+    router = Router(cfg)
+    await router.start()
+    runner = web.AppRunner(router.app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    log.info("sessionkv router on http://%s:%d, workers %s", cfg.host, port,
+             ", ".join(router.workers))
+    if ready is not None:
+        ready(port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await router.close()

@@ -1,0 +1,115 @@
+"""The router's decisions, kept apart from I/O: where a turn goes, whether a
+turn ended in a tool call, how long a Pin holds, and the counters of what
+the hints became.
+
+Routing is session affinity first, then load: a session stays on its worker
+until that worker carries ``max_load`` requests (running + waiting) and
+another healthy worker carries fewer and is under ``max_load``; then it
+moves there. A new session goes to the least-loaded healthy worker, ties
+broken by a counter the replicas share. A session whose worker is unhealthy
+moves to the least-loaded healthy one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any, Mapping, Protocol, Sequence
+
+from sessionkv.hints import HintOutcome
+from sessionkv.report import RequestReport
+from sessionkv.router.config import HintPolicy
+
+TOOL_GAP_HEADER = "X-Session-Tool-Gap"
+
+
+class NoWorker(RuntimeError):
+    """No healthy worker to send a turn to."""
+
+
+class Loaded(Protocol):
+    name: str
+    healthy: bool
+
+    @property
+    def load(self) -> float: ...
+
+
+def choose(workers: Sequence[Loaded], current: str | None, max_load: int,
+           tie_break: int = 0) -> str:
+    """The worker a session's turn goes to (see the module docstring)."""
+    healthy = [w for w in workers if w.healthy]
+    if not healthy:
+        raise NoWorker("no healthy worker")
+    least = min(w.load for w in healthy)
+    best = [w for w in healthy if w.load == least]
+    cur = next((w for w in healthy if w.name == current), None)
+    if cur is not None:
+        if cur.load < max_load or least >= cur.load or least >= max_load:
+            return cur.name
+    return best[tie_break % len(best)].name
+
+
+def tool_gap_from_header(value: str | None, policy: HintPolicy) -> float | None:
+    """``X-Session-Tool-Gap: <seconds>`` (or ``default``): the client says this
+    turn ends in a tool call expected to last that long. ValueError when malformed."""
+    if value is None:
+        return None
+    if value.strip().lower() in ("", "default"):
+        return policy.tool_call.expected_gap_s
+    gap = float(value)
+    if not 0 < gap < 1e6:
+        raise ValueError(f"{TOOL_GAP_HEADER} must be a positive number of seconds")
+    return gap
+
+
+def ends_in_tool_call(response: Mapping[str, Any]) -> bool:
+    """Whether an OpenAI response's turn ended in a tool call."""
+    for choice in response.get("choices") or ():
+        if not isinstance(choice, Mapping):
+            continue
+        if choice.get("finish_reason") == "tool_calls":
+            return True
+        message = choice.get("message")
+        if isinstance(message, Mapping) and message.get("tool_calls"):
+            return True
+    return False
+
+
+def pin_ttl(policy: HintPolicy, gap_s: float) -> float:
+    """How long a tool gap's Pin holds (the engine clips it to its own limit)."""
+    return gap_s * policy.tool_call.pin_ttl_factor
+
+
+class Counters:
+    """What the router did and what its hints became; thread-safe, JSON-ready."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._outcomes: Counter[tuple[str, str, str]] = Counter()   # (action, status, via)
+        self._blocks: Counter[str] = Counter()
+        self._events: Counter[str] = Counter()
+
+    def outcome(self, outcome: HintOutcome, via: str) -> None:
+        action = (outcome.action or "?").removeprefix("kv.")
+        with self._lock:
+            self._outcomes[(action, str(getattr(outcome.status, "value", outcome.status)),
+                             via)] += 1
+
+    def report(self, report: RequestReport) -> None:
+        with self._lock:
+            for tier in ("g1", "g2", "g3", "recomputed"):
+                self._blocks[tier] += getattr(report.blocks, tier)
+            self._events["reports"] += 1
+
+    def event(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._events[name] += n
+
+    def to_dict(self) -> dict[str, Any]:
+        with self._lock:
+            outcomes: dict[str, dict[str, dict[str, int]]] = {}
+            for (action, status, via), n in sorted(self._outcomes.items()):
+                outcomes.setdefault(action, {}).setdefault(via, {})[status] = n
+            return {"outcomes": outcomes, "blocks": dict(self._blocks),
+                    "events": dict(self._events)}

@@ -1,0 +1,135 @@
+"""Session state in Redis, shared by every router replica.
+
+Per session, one hash ``{namespace}:s:{session_id}``: ``worker`` (where its
+turns go), ``turns``, ``created``, ``last_ts`` (when its last turn ended or
+began), ``gap_until`` (a tool gap's expected end, 0 when none). A sorted set
+``{namespace}:active`` orders live sessions by ``last_ts`` for the idle sweep.
+Placement is claimed with ``HSETNX`` and moves are compare-and-set, so
+replicas that race agree on one worker; ending is claimed by removing the
+session from the active set, so exactly one replica acts on an end.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from sessionkv.router.config import RedisConfig
+
+# KEYS[1] the session hash, ARGV: expected worker, new worker. 1 when moved.
+_MOVE = """
+if redis.call('HGET', KEYS[1], 'worker') == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'worker', ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
+@dataclass(frozen=True)
+class SessionState:
+    session_id: str
+    worker: str
+    turns: int
+    created: float
+    last_ts: float
+    gap_until: float
+
+
+class StateError(RuntimeError):
+    """Redis did not answer."""
+
+
+class SessionStore:
+    """Async access to the session records (see the module docstring)."""
+
+    def __init__(self, cfg: RedisConfig):
+        self._cfg = cfg
+        self._redis = aioredis.Redis.from_url(cfg.url)
+        self._ns = cfg.namespace
+        self._move = self._redis.register_script(_MOVE)
+
+    def _key(self, session_id: str) -> str:
+        return f"{self._ns}:s:{session_id}"
+
+    @property
+    def _active(self) -> str:
+        return f"{self._ns}:active"
+
+    async def get(self, session_id: str) -> SessionState | None:
+        raw = await self._redis.hgetall(self._key(session_id))
+        if not raw or b"worker" not in raw:
+            return None
+        f = {k.decode(): v.decode() for k, v in raw.items()}
+        return SessionState(session_id, f["worker"], int(f.get("turns", 0)),
+                            float(f.get("created", 0)), float(f.get("last_ts", 0)),
+                            float(f.get("gap_until", 0)))
+
+    async def claim(self, session_id: str, worker: str) -> str:
+        """Place a new session on ``worker`` unless a replica placed it first;
+        the worker it is on."""
+        key, now = self._key(session_id), time.time()
+        async with self._redis.pipeline(transaction=True) as p:
+            p.hsetnx(key, "worker", worker)
+            p.hsetnx(key, "created", now)
+            p.hget(key, "worker")
+            _, _, placed = await p.execute()
+        await self._refresh(session_id, now)
+        return placed.decode()
+
+    async def move(self, session_id: str, old: str, new: str) -> bool:
+        """Move a session from ``old`` to ``new``; False when another replica
+        moved it first."""
+        return bool(await self._move(keys=[self._key(session_id)], args=[old, new]))
+
+    async def turn_started(self, session_id: str) -> None:
+        key, now = self._key(session_id), time.time()
+        async with self._redis.pipeline(transaction=True) as p:
+            p.hincrby(key, "turns", 1)
+            p.hset(key, mapping={"last_ts": now, "gap_until": 0})
+            await p.execute()
+        await self._refresh(session_id, now)
+
+    async def turn_ended(self, session_id: str, gap_s: float | None) -> None:
+        """A turn finished; ``gap_s``: it ended in a tool call expected to last this long."""
+        now = time.time()
+        gap_until = now + gap_s if gap_s else 0
+        await self._redis.hset(self._key(session_id), mapping={
+            "last_ts": now, "gap_until": gap_until})
+        await self._refresh(session_id, max(now, gap_until))   # idle counts from the gap's end
+
+    async def _refresh(self, session_id: str, score: float) -> None:
+        async with self._redis.pipeline(transaction=False) as p:
+            p.zadd(self._active, {session_id: score})
+            p.expire(self._key(session_id), int(self._cfg.state_ttl_s))
+            await p.execute()
+
+    async def end(self, session_id: str) -> SessionState | None:
+        """Claim a session's end: its last state when this caller won, else None
+        (unknown, or another replica ended it)."""
+        state = await self.get(session_id)
+        if not await self._redis.zrem(self._active, session_id):
+            return None
+        await self._redis.delete(self._key(session_id))
+        return state
+
+    async def idle(self, idle_s: float) -> list[str]:
+        """Sessions idle for ``idle_s`` after their last turn (or its tool gap's
+        expected end), still to be claimed."""
+        raw = await self._redis.zrangebyscore(self._active, 0, time.time() - idle_s)
+        return [s.decode() for s in raw]
+
+    async def round_robin(self) -> int:
+        """A counter shared by replicas, to break ties between equal workers."""
+        return int(await self._redis.incr(f"{self._ns}:rr"))
+
+    async def ping(self) -> None:
+        try:
+            await self._redis.ping()
+        except Exception as e:
+            raise StateError(f"redis {self._cfg.url}: {e}") from e
+
+    async def close(self) -> None:
+        await self._redis.aclose()

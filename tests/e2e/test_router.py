@@ -1,0 +1,230 @@
+"""The reference router on real parts: two vLLM servers with G3 on one
+Mooncake Store, session state in a real Redis, the router in its own process
+(``sessionkv router --config``).
+
+A session's turns stick to one worker; when that worker is made busy (long
+requests sent to it directly), the session moves: the router Shares it from
+the old worker and the new one serves the prefix from G3. Every turn ran alone
+on its engine, so its greedy tokens and logprobs equal a cold recompute of
+the same prompt (a fresh ``cache_salt``: no cached block matches). A router
+killed mid-run and started again keeps every session on its worker.
+"""
+
+import json
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+import requests
+
+from engines import TINY, kv_transfer_config, new_engine_id
+from router_process import RouterProcess
+from sessionkv.server import ServerProcess, free_port, remove_offload_region
+from sessionkv.services import lan_address
+
+SECRET = b"router-e2e-secret-0123456789abcdef"
+ARGS = ["--enforce-eager", "--block-size", "32", "--max-model-len", "1024",
+        "--dtype", "float32", "--seed", "0", "--max-num-seqs", "8"]
+RNG = np.random.default_rng(5)
+NEW = [RNG.integers(10, 4000, n).tolist() for n in (150, 50, 40, 30, 60, 60)]
+MAX_LOAD = 3
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, mooncake, redis_url):
+    d = tmp_path_factory.mktemp("router")
+    (d / "secret").write_bytes(SECRET)
+    (d / "tiers.yaml").write_text(
+        "version: 1\nlimits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n"
+        f"trust: {{secret_file: {d / 'secret'}}}\n")
+    tier = {"type": "MooncakeTier", "module_path": "sessionkv.tiers.mooncake",
+            "master": mooncake.master, "metadata_server": mooncake.metadata_url,
+            "local_hostname": lan_address(), "namespace": f"router-{uuid.uuid4().hex[:8]}",
+            "timeout_s": 10.0}
+    engines, workers = [], []
+    try:
+        for name in "ab":
+            engine_id = new_engine_id()
+            cfg = kv_transfer_config(engine_id, secondary_tiers=[tier], sessionkv={
+                "policy_file": str(d / "tiers.yaml"),
+                "control": {"endpoint_file": str(d / f"{name}.json")}})
+            engines.append((ServerProcess(TINY, [*ARGS, "--kv-transfer-config", json.dumps(cfg)],
+                                          env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
+                            engine_id))
+            workers.append({"name": name, "url": engines[-1][0].url,
+                            "endpoint_file": str(d / f"{name}.json")})
+        servers = {w["name"]: s for w, (s, _) in zip(workers, engines)}
+        yield d, workers, servers, redis_url
+    finally:
+        for srv, engine_id in engines:
+            srv.stop()
+            remove_offload_region(engine_id)
+
+
+def router_config(workers, redis_url, namespace, **policy):
+    return {"version": 1, "listen": {"host": "127.0.0.1", "port": free_port()},
+            "secret_file": None, "redis": {"url": redis_url, "namespace": namespace},
+            "workers": workers, "routing": {"max_load": MAX_LOAD, "load_poll_s": 0.2},
+            "policy": {"move_wait_s": 30, **policy}}
+
+
+def start_router(cluster, namespace, **policy):
+    d, workers, _, redis_url = cluster
+    cfg = router_config(workers, redis_url, namespace, **policy)
+    cfg["secret_file"] = str(d / "secret")
+    return RouterProcess(cfg, d / f"router-{uuid.uuid4().hex[:6]}.yaml")
+
+
+def body(prompt, **kw):
+    return {"model": TINY, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+            "logprobs": 2, "return_tokens_as_token_ids": True, **kw}
+
+
+def tokens(resp):
+    return [int(t.split(":")[1]) for t in resp["choices"][0]["logprobs"]["tokens"]]
+
+
+def outputs(resp):
+    lp = resp["choices"][0]["logprobs"]
+    return lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]
+
+
+def turn(router, session, prompt, headers=None):
+    """One turn through the router: (worker, response JSON, report blocks)."""
+    r = router.post("/v1/completions", body(prompt),
+                    {"X-Session-ID": session, **(headers or {})})
+    out = r.json()
+    return r.headers["X-SessionKV-Worker"], out, out["kv_transfer_params"]["sessionkv"]
+
+
+def cold(server, prompt):
+    """The same prompt recomputed from scratch on ``server`` (a fresh cache salt)."""
+    r = requests.post(server.url + "/v1/completions",
+                      json=body(prompt, cache_salt=uuid.uuid4().hex), timeout=300)
+    r.raise_for_status()
+    out = r.json()
+    assert out["kv_transfer_params"]["sessionkv"]["tokens"]["recomputed"] == len(prompt)
+    return outputs(out)
+
+
+def busy(server, n=24, max_tokens=900):
+    """Start ``n`` long requests on ``server`` directly; the threads."""
+    def one(i):
+        prompt = np.random.default_rng(100 + i).integers(10, 4000, 60).tolist()
+        requests.post(server.url + "/v1/completions", json={
+            "model": TINY, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0}, timeout=600)
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def wait_for(cond, what, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def moved(cluster):
+    """Session ``agent``: two turns, its worker made busy, a third turn moves."""
+    _, _, servers, _ = cluster
+    router = start_router(cluster, f"r-{uuid.uuid4().hex[:6]}")
+    turns, prompt = [], NEW[0]
+    try:
+        for i, extra in enumerate(NEW[1:4]):
+            if i == 2:       # before the third turn, make the session's worker busy
+                old = turns[-1][0]
+                threads = busy(servers[old])
+                wait_for(lambda: next(w for w in router.status()["workers"]
+                                      if w["name"] == old)["load"] >= MAX_LOAD,
+                         "the router to see the worker busy")
+            headers = {"X-Session-Tool-Gap": "30"} if i == 1 else None
+            worker, out, report = turn(router, "agent", prompt, headers)
+            turns.append((worker, prompt, out, report))
+            prompt = prompt + tokens(out) + extra
+        status = router.status()
+        status["log"] = router.read_log()[-6000:]
+        for t in threads:
+            t.join()
+        worker, out, report = turn(router, "agent", prompt)   # after the load is gone
+        turns.append((worker, prompt, out, report))
+        yield router, turns, status
+    finally:
+        router.stop()
+
+
+def test_session_sticks_then_moves_and_reads_its_prefix_from_g3(moved):
+    router, turns, status = moved
+    (w1, _, _, r1), (w2, _, _, r2), (w3, p3, _, r3), (w4, _, _, r4) = turns
+    assert w1 == w2 and w3 != w1 and w4 == w3, [t[0] for t in turns]
+    assert r2["blocks"]["g1"] >= 4                    # affinity: turn 1's blocks in G1
+    # The tool-gap turn carried a signed Pin; the engine took it.
+    assert [(h["action"], h["status"] in ("accepted", "deferred")) for h in r2["hints"]] == \
+        [("kv.pin", True)], r2["hints"]
+    # The moved turn: the prefix up to turn 2's last full block came from G3.
+    full = (len(turns[1][1]) + 5) // 32
+    assert r3["blocks"]["g3"] == full and r3["blocks"]["g1"] == r3["blocks"]["g2"] == 0, r3
+    assert r3["tokens"]["recomputed"] == len(p3) - 32 * full
+    outcomes = status["outcomes"]
+    assert "hint_errors" not in status["events"], status["log"]
+    assert outcomes["share"]["control"] == {"deferred": 1}, outcomes
+    assert outcomes["share"]["final"] == {"accepted": 1}, outcomes
+    assert outcomes["pin"]["request"] == {"accepted": 1} or outcomes["pin"]["request"] == \
+        {"deferred": 1}, outcomes
+    assert status["events"]["moves"] == 1 and status["events"]["sessions_new"] == 1
+    assert r4["blocks"]["g1"] + r4["blocks"]["g2"] >= full      # back at home on the new worker
+
+
+def test_every_turn_equals_a_cold_recompute(moved, cluster):
+    _, _, servers, _ = cluster
+    _, turns, _ = moved
+    for worker, prompt, out, _ in turns:
+        assert outputs(out) == cold(servers[worker], prompt)
+
+
+def test_router_restart_keeps_sessions_workers(cluster):
+    namespace = f"r-{uuid.uuid4().hex[:6]}"
+    router = start_router(cluster, namespace)
+    placed, prompts = {}, {}
+    try:
+        for i, s in enumerate(("x", "y", "z")):
+            prompts[s] = NEW[4][:40 + 30 * i]
+            placed[s] = turn(router, s, prompts[s])[0]
+    finally:
+        router.kill()                                  # a crash: nothing saved on the way out
+    assert set(placed.values()) == {"a", "b"}, placed  # new sessions spread
+    router = start_router(cluster, namespace)
+    try:
+        for s in ("z", "y", "x"):                      # another order than the placement's
+            worker, _, report = turn(router, s, prompts[s] + NEW[5])
+            assert worker == placed[s]
+            assert report["blocks"]["g1"] + report["blocks"]["g2"] >= len(prompts[s]) // 32
+        assert router.status()["events"].get("sessions_new", 0) == 0
+        r = requests.post(router.url + "/v1/sessions/x/end", timeout=30)
+        assert r.json() == {"ended": True, "worker": placed["x"]}
+        assert requests.get(router.url + "/v1/sessions/x", timeout=10).status_code == 404
+        outcomes = router.status()["outcomes"]
+        assert outcomes["demote"]["control"] in ({"deferred": 1}, {"accepted": 1}), outcomes
+    finally:
+        router.stop()
+
+
+def test_idle_sessions_end_and_tool_gaps_warm_up(cluster):
+    router = start_router(cluster, f"r-{uuid.uuid4().hex[:6]}", idle_timeout_s=1.0,
+                          on_end="free", warmup={"enabled": True, "lead_s": 0.5})
+    try:
+        worker, _, report = turn(router, "quiet", NEW[4][:70], {"X-Session-Tool-Gap": "1"})
+        wait_for(lambda: router.status()["events"].get("warmups") == 1, "the warm-up", 30)
+        wait_for(lambda: requests.get(router.url + "/v1/sessions/quiet", timeout=10)
+                 .status_code == 404, "the idle end", 30)
+        st = router.status()
+        assert st["events"]["ended_idle"] == 1
+        assert "demote" not in st["outcomes"] and st["outcomes"]["end_session"]["control"] == \
+            {"accepted": 1}, st["outcomes"]
+    finally:
+        router.stop()
