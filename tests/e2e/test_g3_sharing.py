@@ -111,9 +111,7 @@ class LMCache:
 KINDS = {"mooncake": Mooncake, "redis": Redis, "lmcache": LMCache}
 
 
-# LMCache is left out of the e2e runs for now (see g3_faults.BACKENDS); its
-# class stays, with the contract suite covering the tier.
-@pytest.fixture(scope="module", params=["mooncake", "redis"])
+@pytest.fixture(scope="module", params=["mooncake", "redis", "lmcache"])
 def backend(request):
     kind = KINDS[request.param]
     return kind, request.getfixturevalue(kind.service)
