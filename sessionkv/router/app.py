@@ -210,6 +210,11 @@ class Router:
                 resp, tool_call = await self._stream(request, worker, forward, headers)
             else:
                 resp, tool_call = await self._plain(request, worker, forward, headers, session_id)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            log.warning("turn of %s on %s failed: %r", session_id, worker.name, e)
+            return web.json_response({"error": {"message": f"worker {worker.name}: {e!r}",
+                                                "type": "BadGateway"}}, status=502,
+                                     headers=headers)
         finally:
             worker.inflight -= 1
         if gap is None and tool_call and self.cfg.policy.tool_call.pin:
@@ -289,8 +294,11 @@ class Router:
         if body is None:
             return
         warm = {**body, "max_tokens": 1, "stream": False}
-        warm.get("kv_transfer_params", {}).pop(HINTS_PARAM, None)
-        warm.get("kv_transfer_params", {}).pop(SIG_PARAM, None)
+        params = {k: v for k, v in (body.get("kv_transfer_params") or {}).items()
+                  if k not in (HINTS_PARAM, SIG_PARAM)}
+        warm.pop("kv_transfer_params", None)
+        if params:
+            warm["kv_transfer_params"] = params
         worker = self.workers[state.worker]
         try:
             async with self._http.post(worker.url + path, json=warm) as r:
