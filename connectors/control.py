@@ -61,10 +61,12 @@ class ControlChannel:
         info: dict[str, Any] | None = None,
         rate: float = 100.0,
         clock: Callable[[], float] | None = None,
+        probe: Callable[[list[int]], dict[str, Any]] | None = None,
     ):
         if manager.event_log is None:
             raise ValueError("the manager must have an event log (enable_events)")
         self._manager = manager
+        self._probe = probe
         self._events = manager.event_log
         self._secret = secret
         self._guard = wire.ReplayGuard()
@@ -207,6 +209,15 @@ class ControlChannel:
         elif req.op == "events":
             limit = max(0, min(req.limit, wire.MAX_EVENTS_PER_REPLY))
             reply.events, reply.oldest, reply.next_seq = self._events.since(req.after, limit)
+        elif req.op == "status":
+            reply.info = self._manager.status()
+        elif req.op == "probe":
+            if self._probe is None:
+                return wire.refused(req.counter, "this engine cannot be probed")
+            if not 0 < len(req.tokens) <= wire.MAX_PROBE_TOKENS:
+                return wire.refused(req.counter,
+                                    f"probe needs 1..{wire.MAX_PROBE_TOKENS} tokens")
+            reply.info = self._probe(req.tokens)
         elif req.op == "resolve":
             if not 0 < len(req.block_hashes) <= MAX_KEYS:
                 return wire.refused(req.counter, f"resolve needs 1..{MAX_KEYS} block_hashes")

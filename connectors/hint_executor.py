@@ -247,6 +247,27 @@ class HintExecutor:
         t = hint.target
         return t.session_id if isinstance(t, SessionTarget) else (session_id or "")
 
+    @property
+    def pinned_chunks(self) -> int:
+        """G2 chunks pinned by hints now."""
+        return len(self._pins)
+
+    def pins(self) -> list[dict[str, Any]]:
+        """The live pins, one entry per (session, hint): chunks and seconds
+        until the first and last of them lapse."""
+        if self._policy is None:
+            return []
+        self._forget_lapsed()
+        now = self._policy.clock()
+        groups: dict[tuple[str, str], list[float]] = {}
+        for k, (owner, hint_id, _) in self._pins.items():
+            expiry = self._policy.pin_expiry(k)
+            if expiry is not None:
+                groups.setdefault((owner, hint_id), []).append(expiry - now)
+        return [{"session_id": o, "hint_id": h, "chunks": len(left),
+                 "expires_in_s": [round(min(left), 3), round(max(left), 3)]}
+                for (o, h), left in sorted(groups.items())]
+
     def release(self, session: str) -> int:
         """Drop the pins and retains ``session`` holds (it ended); how many chunks."""
         if self._policy is None:

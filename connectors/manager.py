@@ -52,6 +52,7 @@ from sessionkv.types import Tier
 
 from .fetch import Fetcher
 from .hint_executor import HintExecutor, read_request_hints
+from .metrics import SessionStats
 from .moves import Mover
 
 logger = init_logger(__name__)
@@ -169,6 +170,10 @@ class SessionTierManager(TieringOffloadingManager):
         self.fetcher = (Fetcher(self._secret, self._fetched, self._emit_final)
                         if self.mover is not None and self._secret is not None else None)
         executor.fetcher = self.fetcher
+        self.stats = SessionStats(
+            primary_tier.get_kv_memoryview().strides[0], primary_tier.blocks_per_chunk,
+            lambda: (len(index), len(index.sessions()), executor.pinned_chunks))
+        executor.on_late_outcome = lambda o: self.emit(Outcome(outcome=o, via="policy"))
         # req_id -> (session, hints) until the request finishes
         self._request_hints: dict[str, tuple[str | None, RequestHints]] = {}
         self.event_log: EventLog | None = None
@@ -177,17 +182,49 @@ class SessionTierManager(TieringOffloadingManager):
         """Append every event to ``events`` from now on."""
         self.event_log = events
         self.primary_tier.event_log = events
-        self.executor.on_late_outcome = lambda o: events.append(Outcome(outcome=o, via="policy"))
 
     def emit(self, event) -> None:
+        """Count ``event`` in the metrics; append it to the event log, if any."""
+        self.stats.record(event)
         if self.event_log is not None:
             self.event_log.append(event)
 
     def emit_outcomes(self, outcomes, via: str, session: str | None,
                       client: str | None = None) -> None:
+        for o in outcomes:
+            self.emit(Outcome(outcome=o, via=via, session_id=session, client=client))
+
+    def status(self, max_sessions: int = 1000, evictions: int = 20) -> dict:
+        """What ``sessionkv status`` shows: sessions (most recent first) with
+        blocks per tier, pins and their expiry, hint outcome counts since
+        start, the latest evictions the event log holds."""
+        with self.lock:
+            summaries = [self.index.summary(s) for s in self.index.sessions()]
+            live = sorted((s for s in summaries if s is not None),
+                          key=lambda s: -s.last_access)[:max_sessions]
+            out = {
+                "sessions": [{"session_id": s.session_id, "blocks": s.blocks,
+                              "per_tier": {t.name: n for t, n in s.per_tier.items()},
+                              "branches": len(s.frontiers), "last_access": s.last_access}
+                             for s in live],
+                "pins": self.executor.pins(),
+                "outcomes": self.stats.outcome_totals(),
+                "evictions": [],
+            }
         if self.event_log is not None:
-            for o in outcomes:
-                self.event_log.append(Outcome(outcome=o, via=via, session_id=session, client=client))
+            _, _, next_seq = self.event_log.since(0, 0)
+            recent, _, _ = self.event_log.since(max(0, next_seq - 1 - 10_000), 10_000)
+            out["evictions"] = [{"seq": e.seq, "tier": e.tier, "chunks": len(e.keys),
+                                 "reason": e.reason}
+                                for e in recent if isinstance(e, Eviction)][-evictions:]
+        return out
+
+    def get_stats(self):
+        """vLLM's offloading stats, with sessionkv's (``connectors.metrics``)."""
+        stats = super().get_stats()
+        with self.lock:
+            mine = self.stats.take()
+        return mine if stats is None else stats.aggregate(mine)
 
     # ---- out-of-band (any thread) ---------------------------------------
 
@@ -223,6 +260,7 @@ class SessionTierManager(TieringOffloadingManager):
         with self.lock:
             while self._g3_seen:
                 load, keys, ok = self._g3_seen.popleft()
+                self.stats.moved(*(("G3", "G2") if load else ("G2", "G3")), sum(ok))
                 self.primary_tier.set_copies(Tier.G3, [k for k, o in zip(keys, ok) if o], 1)
                 if load:     # a load that failed: the object is not there for us
                     self.primary_tier.set_copies(

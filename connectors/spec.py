@@ -26,6 +26,7 @@ from sessionkv.tiers.g2_policy import SessionCachePolicy
 from .cpu_worker import TorchCopyWorker
 from .hint_executor import HintExecutor
 from .manager import SessionPrimaryTier, SessionTierManager
+from .metrics import DEFINITIONS as METRICS
 
 
 def has_device_worker() -> bool:
@@ -46,6 +47,11 @@ class SessionTierSpec(TieringOffloadingSpec):
         else:
             self.eviction_policy = eviction
             self.cache_policy_module_path = None
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict) -> dict:
+        """vLLM's tiering metrics and sessionkv's (``connectors.metrics``)."""
+        return {**super().build_metric_definitions(extra_config), **METRICS}
 
     def get_manager(self) -> OffloadingManager:
         """vLLM's tiering manager built from our parts: the same shared region,

@@ -57,6 +57,7 @@ from sessionkv.types import Tier
 
 from .control import ControlChannel
 from .manager import SessionTierManager
+from .probe import Probe, make_probe
 from .spec import SessionTierSpec, has_device_worker
 
 if TYPE_CHECKING:
@@ -130,9 +131,10 @@ def g1_probe(block_pool: "BlockPool"):
 
 
 def start_control(manager: SessionTierManager, engine_id: str | None, dp_rank: int,
-                  block_size: int) -> ControlChannel | None:
+                  block_size: int, probe: Probe | None = None) -> ControlChannel | None:
     """The control channel of one engine's DP rank, or None when the policy
-    names no secret (the channel always authenticates)."""
+    names no secret (the channel always authenticates). ``probe`` answers
+    ``sessionkv doctor``."""
     cfg = manager.config
     secret = cfg.policy.trust.secret
     if secret is None:
@@ -142,7 +144,7 @@ def start_control(manager: SessionTierManager, engine_id: str | None, dp_rank: i
     channel = ControlChannel(
         manager, secret, host=cfg.control.host, port=port,
         info={"engine_id": engine_id, "dp_rank": dp_rank, "block_size": block_size},
-        rate=cfg.policy.limits.hints_per_s_per_client)
+        rate=cfg.policy.limits.hints_per_s_per_client, probe=probe)
     try:
         if cfg.control.endpoint_file:
             path = cfg.control.endpoint_file + (f".dp{dp_rank}" if dp_rank else "")
@@ -199,8 +201,9 @@ class SessionTierConnector(OffloadingConnector):
         self._in_pass = False       # the lock is held for the current schedule() pass
         self.control: ControlChannel | None = None
         if self.connector_scheduler is not None:
-            self.control = start_control(self.manager, kvt.engine_id,
-                                         par.data_parallel_rank, self._block_size)
+            self.control = start_control(
+                self.manager, kvt.engine_id, par.data_parallel_rank, self._block_size,
+                make_probe(vllm_config, self._block_size, self.manager))
 
     def shutdown(self) -> None:
         if self.control is not None:
@@ -328,7 +331,7 @@ class SessionTierConnector(OffloadingConnector):
         g1, sources = (tr.g1_tokens, tr.sources) if tr else (0, {})
         g2 = sources.get(CacheHitSource.HOST, 0)
         g3 = sum(sources.values()) - g2
-        return RequestReport.build(
+        report = RequestReport.build(
             hints=self.manager.finish_request_hints(request.request_id),
             session_id=tr.session if tr else None,
             block_size=self._block_size,
@@ -337,6 +340,8 @@ class SessionTierConnector(OffloadingConnector):
             g2_tokens=g2,
             g3_tokens=g3,
         )
+        self.manager.stats.tokens(report)
+        return report
 
     def request_finished(
         self, request: "Request", block_ids: list[int]

@@ -6,6 +6,9 @@
         --session s1
     sessionkv events --endpoint tcp://127.0.0.1:5700 --secret-file router.key --after 0
     sessionkv router --config router.yaml
+    sessionkv status --engine tcp://127.0.0.1:5700 --secret-file router.key
+    sessionkv doctor --engine tcp://10.0.0.5:5700 --engine tcp://10.0.0.6:5700 \
+        --secret-file router.key           # see sessionkv.doctor
 
 Outcomes and events are printed as JSON lines. Exit status: 0 when the hint
 was accepted, clipped or deferred; 1 when rejected or missing; 2 when the
@@ -73,7 +76,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sessionkv", description=__doc__.split("\n")[0])
     common = argparse.ArgumentParser(add_help=False)
     where = common.add_mutually_exclusive_group(required=True)
-    where.add_argument("--endpoint", help="the engine's control endpoint, tcp://host:port")
+    where.add_argument("--endpoint", "--engine", dest="endpoint",
+                       help="the engine's control endpoint, tcp://host:port")
     where.add_argument("--endpoint-file", help="the JSON file the engine wrote")
     common.add_argument("--secret-file", required=True, help="the shared secret (router key)")
     common.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
@@ -94,6 +98,11 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--after", type=int, help="replay kept events after this seq first")
     e.add_argument("--kinds", nargs="+", choices=KINDS)
     e.add_argument("--idle-timeout", type=float, help="stop after this many idle seconds")
+
+    sub.add_parser("status", parents=[common],
+                   help="sessions, pins, outcome counts and recent evictions (JSON)")
+    sub.add_parser("doctor", add_help=False,
+                   help="why engines would not share KV (sessionkv doctor --help)")
 
     r = sub.add_parser("router", help="run the reference router (sessionkv.router)")
     r.add_argument("--config", required=True, help="router.yaml")
@@ -119,11 +128,18 @@ def _router(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["doctor"]:          # its own options (several engines)
+        from sessionkv import doctor
+        return doctor.main(argv[1:])
     args = parser().parse_args(argv)
     if args.command == "router":
         return _router(args)
     try:
         with _client(args) as client:
+            if args.command == "status":
+                _print(client.status())
+                return 0
             return (_hint if args.command == "hint" else _events)(args, client)
     except ControlError as e:
         print(f"sessionkv: {e}", file=sys.stderr)

@@ -184,6 +184,21 @@ class HintClient(_Protocol):
             raise ControlError(f"{self.endpoint}: {r.error}")
         return r.keys
 
+    def status(self) -> dict[str, Any]:
+        """Sessions, pins, outcome counts and recent evictions (op ``status``)."""
+        r = self.call("status")
+        if not r.ok:
+            raise ControlError(f"{self.endpoint}: {r.error}")
+        return r.info
+
+    def probe(self, tokens: list[int]) -> dict[str, Any]:
+        """How the engine hashes ``tokens`` and whether its G3 tiers answer
+        (op ``probe``; ``sessionkv doctor``)."""
+        r = self.call("probe", tokens=tokens)
+        if not r.ok:
+            raise ControlError(f"{self.endpoint}: {r.error}")
+        return r.info
+
     def final_outcome(self, hint_id: str, after: int, timeout_s: float = 30.0) -> HintOutcome:
         """The final outcome of a ``deferred`` hint, read from the event log
         (events after ``after``: take ``events(0, 1).next_seq - 1`` before

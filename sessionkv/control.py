@@ -18,7 +18,12 @@ refused. Ops:
 - ``events``: the kept events with ``seq > after`` (at most ``limit``);
 - ``resolve``: the chunk keys (G2/G3 object keys) of the blocks named by
   ``block_hashes`` (64-bit, as KV events report them) that the engine holds
-  (``ControlReply.keys``, root first), for ``kv.fetch`` on another engine.
+  (``ControlReply.keys``, root first), for ``kv.fetch`` on another engine;
+- ``probe``: how the engine hashes ``tokens`` (its block hashes, hash
+  function, block-hash root, G3 object prefix and health) in
+  ``ControlReply.info``, for ``sessionkv doctor``;
+- ``status``: sessions with blocks per tier, pins and their expiry, hint
+  outcome counts, recent evictions (``ControlReply.info``), for ``sessionkv status``.
 
 Reply: ``[payload, mac]`` with ``REPLY_DOMAIN``; ``counter`` echoes the
 request's. A frame refused as a whole (unauthenticated, replayed, oversized,
@@ -48,7 +53,8 @@ MAX_FRAME_BYTES = 4 << 20        # larger requests are refused with an outcome
 HARD_MAX_FRAME_BYTES = 16 << 20  # ZMQ drops a peer that sends more (ZMQ_MAXMSGSIZE)
 REPLAY_WINDOW_S = 60.0
 MAX_EVENTS_PER_REPLY = 10_000
-OPS = ("hello", "hints", "end_session", "events", "resolve")
+OPS = ("hello", "hints", "end_session", "events", "resolve", "probe", "status")
+MAX_PROBE_TOKENS = 65_536
 
 
 class ControlRequest(msgspec.Struct, kw_only=True):
@@ -60,6 +66,7 @@ class ControlRequest(msgspec.Struct, kw_only=True):
     after: int = 0
     limit: int = 1000
     block_hashes: list[int] = []
+    tokens: list[int] = []
 
 
 class ControlReply(msgspec.Struct, kw_only=True):

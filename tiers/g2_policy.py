@@ -162,6 +162,11 @@ class SessionCachePolicy(LRUCachePolicy):
         self._expire()
         return set(self._pins)
 
+    def pin_expiry(self, key: OffloadKey) -> float | None:
+        """When ``key``'s pin lapses (the policy's clock), or None when unpinned."""
+        pin = self._pins.get(key)
+        return None if pin is None else pin[1]
+
     def take_clipped(self) -> list[OffloadKey]:
         """Pinned chunks evicted because nothing else was left, since the last call."""
         out, self._clipped = self._clipped, []

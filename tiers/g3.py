@@ -234,6 +234,15 @@ class G3Tier(SecondaryTierManager):
         self._staging.release()
         self._region.release()      # else the primary tier cannot unmap G2
 
+    def health(self) -> str:
+        """"" when the backend answers a lookup within the deadline, else why
+        not (for ``sessionkv doctor``). Blocks its caller up to the deadline."""
+        try:
+            self.guard.call(self._backend.exists, [self.prefix + "sessionkv-doctor" + SUM_SUFFIX])
+        except BackendDown as e:
+            return str(e)
+        return ""
+
     # ---- lookups (the lookup manager's thread) -----------------------------------
 
     def listed(self, keys: list[OffloadKey]) -> list[bool]:

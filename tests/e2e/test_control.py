@@ -209,3 +209,24 @@ def test_two_engines_side_by_side_have_their_own_channels(engine, tmp_path_facto
         other.llm_engine.engine_core.shutdown()
         remove_offload_region(other_id)
     assert channel(other) is None or channel(other)._closed
+
+
+def test_status_shows_sessions_pins_outcomes_and_evictions(engine, client):
+    llm = engine
+    assert llm.reset_prefix_cache(reset_connector=True)
+    before = client.status()["outcomes"]
+    run(llm, "S", session="st")
+    out = client.pin("st", ttl_s=120)
+    assert (out.status, out.blocks_affected) == ("accepted", 6)
+    assert client.retain("nobody-here", priority=1).status == "missing"
+    st = client.status()
+    (sess,) = [s for s in st["sessions"] if s["session_id"] == "st"]
+    assert sess["blocks"] == 6 and sess["per_tier"]["G2"] == 6 and sess["branches"] == 1
+    (p,) = [p for p in st["pins"] if p["session_id"] == "st"]
+    assert p["hint_id"] == out.hint_id and p["chunks"] == 6
+    assert 100 < p["expires_in_s"][0] <= p["expires_in_s"][1] <= 120
+    delta = {k: v - before.get(k, 0) for k, v in st["outcomes"].items()}
+    assert {k: v for k, v in delta.items() if v} == {"kv.pin/accepted": 1,
+                                                   "kv.retain/missing": 1}
+    assert st["evictions"][-1]["reason"] == "reset"     # the reset above
+    assert client.end_session("st").status == "accepted"

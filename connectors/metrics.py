@@ -1,0 +1,124 @@
+"""sessionkv's metrics on the engine's ``/metrics``, through vLLM's own
+offloading metrics: ``SessionTierSpec.build_metric_definitions`` declares
+them (vLLM creates the Prometheus metrics in the API server process), and
+the tier manager's ``get_stats`` hands vLLM the observations since the last
+call (``SessionStats.take``), which travel with the scheduler's stats.
+
+| metric | kind | labels |
+| --- | --- | --- |
+| ``sessionkv:hint_outcomes`` | counter | ``action``, ``outcome`` (finals of deferred hints included) |
+| ``sessionkv:moved_blocks`` / ``sessionkv:moved_bytes`` | counter | ``src``, ``dst`` (G1, G2, G3) |
+| ``sessionkv:prompt_tokens`` | counter | ``source`` (g1, g2, g3, recomputed) |
+| ``sessionkv:hit_ratio`` | gauge | ``tier``: prompt tokens served from it / all, since start |
+| ``sessionkv:index_blocks``, ``sessionkv:index_sessions`` | gauge | |
+| ``sessionkv:pinned_chunks`` | gauge | |
+
+Prometheus adds ``_total`` to counter names. Threading: ``record`` and
+``tokens`` from any thread (a lock of its own), ``take`` from the scheduler.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
+)
+
+from sessionkv.events import Outcome, Transfer
+from sessionkv.report import RequestReport
+
+OUTCOMES = "sessionkv:hint_outcomes"
+MOVED_BLOCKS = "sessionkv:moved_blocks"
+MOVED_BYTES = "sessionkv:moved_bytes"
+PROMPT_TOKENS = "sessionkv:prompt_tokens"
+HIT_RATIO = "sessionkv:hit_ratio"
+INDEX_BLOCKS = "sessionkv:index_blocks"
+INDEX_SESSIONS = "sessionkv:index_sessions"
+PINNED = "sessionkv:pinned_chunks"
+SOURCES = ("g1", "g2", "g3", "recomputed")
+
+DEFINITIONS: dict[str, OffloadingMetricMetadata] = {
+    OUTCOMES: OffloadingCounterMetadata("Hint outcomes by action and outcome.",
+                                        ("action", "outcome")),
+    MOVED_BLOCKS: OffloadingCounterMetadata("KV blocks copied between tiers.", ("src", "dst")),
+    MOVED_BYTES: OffloadingCounterMetadata("KV bytes copied between tiers.", ("src", "dst")),
+    PROMPT_TOKENS: OffloadingCounterMetadata("Prompt tokens by where their KV came from.",
+                                             ("source",)),
+    HIT_RATIO: OffloadingGaugeMetadata("Share of prompt tokens served from each tier since "
+                                       "the engine started.", ("tier",)),
+    INDEX_BLOCKS: OffloadingGaugeMetadata("Blocks in the SessionPrefixIndex."),
+    INDEX_SESSIONS: OffloadingGaugeMetadata("Live sessions in the SessionPrefixIndex."),
+    PINNED: OffloadingGaugeMetadata("G2 chunks pinned by hints."),
+}
+
+
+class SessionStats:
+    """Observations for vLLM's stats (see the module docstring)."""
+
+    def __init__(self, chunk_bytes: int, blocks_per_chunk: int,
+                 gauges: Callable[[], tuple[int, int, int]]):
+        """``gauges()``: (index blocks, live sessions, pinned chunks), read at ``take``."""
+        self._chunk_bytes = chunk_bytes
+        self._bpc = blocks_per_chunk
+        self._gauges = gauges
+        self._lock = threading.Lock()
+        self._stats = OffloadingConnectorStats()
+        self._tokens = dict.fromkeys(SOURCES, 0)        # since start, for the ratio
+        self._outcomes: dict[str, int] = {}             # "action/outcome" -> since start
+
+    def record(self, event: object) -> None:
+        """Count an event the manager emits (outcomes, G1<->G2 transfers)."""
+        with self._lock:
+            if isinstance(event, Outcome) and event.outcome.status != "deferred":
+                o = event.outcome
+                status = getattr(o.status, "value", o.status)
+                self._stats.increase_counter(OUTCOMES, 1, (o.action or "none", status))
+                name = f"{o.action or 'none'}/{status}"
+                self._outcomes[name] = self._outcomes.get(name, 0) + 1
+            elif isinstance(event, Transfer) and "G3" not in (event.src, event.dst):
+                self._moved(event.src, event.dst, len(event.keys))
+
+    def moved(self, src: str, dst: str, chunks: int) -> None:
+        """Count chunks copied (G2<->G3: the G3 tier's copies)."""
+        with self._lock:
+            self._moved(src, dst, chunks)
+
+    def _moved(self, src: str, dst: str, chunks: int) -> None:
+        if chunks:
+            self._stats.increase_counter(MOVED_BLOCKS, chunks * self._bpc, (src, dst))
+            self._stats.increase_counter(MOVED_BYTES, chunks * self._chunk_bytes, (src, dst))
+
+    def tokens(self, report: RequestReport) -> None:
+        """Count a finished request's prompt tokens by source."""
+        with self._lock:
+            for source in SOURCES:
+                n = getattr(report.tokens, source)
+                self._tokens[source] += n
+                if n:
+                    self._stats.increase_counter(PROMPT_TOKENS, n, (source,))
+            total = sum(self._tokens.values())
+            for source in SOURCES[:3]:
+                self._stats.set_gauge(HIT_RATIO, self._tokens[source] / total if total else 0.0,
+                                      (source,))
+
+    def outcome_totals(self) -> dict[str, int]:
+        """Final hint outcomes since start, by ``action/outcome``."""
+        with self._lock:
+            return dict(sorted(self._outcomes.items()))
+
+    def take(self) -> OffloadingConnectorStats:
+        """The observations since the last call, with the gauges read now."""
+        blocks, sessions, pinned = self._gauges()
+        with self._lock:
+            stats, self._stats = self._stats, OffloadingConnectorStats()
+        stats.set_gauge(INDEX_BLOCKS, blocks)
+        stats.set_gauge(INDEX_SESSIONS, sessions)
+        stats.set_gauge(PINNED, pinned)
+        return stats

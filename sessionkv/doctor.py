@@ -1,0 +1,138 @@
+"""``sessionkv doctor``: why engines would not share KV, with the fix.
+
+    sessionkv doctor --engine tcp://10.0.0.5:5700 --engine tcp://10.0.0.6:5700 \\
+        --secret-file router.key
+
+Each engine hashes the same probe prompt through its real hashing path (the
+control channel's ``probe``) and reports its hash function, block size,
+block-hash root, G3 object prefix (the fingerprint) and G3 health. Engines
+share KV only when they name the same prompt's blocks alike and their G3
+fingerprints match; mismatched hashing (``PYTHONHASHSEED``, hash function,
+block size, extra keys such as LoRA or ``cache_salt``) is the most common
+reason cross-node sharing never hits. Findings compare every engine with the
+first one. Exit status 0 when nothing is wrong, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sessionkv.client import ControlError, HintClient
+
+# 16 blocks of 32 tokens; any engine block size up to 512 still gets a full block.
+PROBE_TOKENS = [(7919 * i) % 30_000 + 10 for i in range(512)]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing found: ``ok`` or an ``error`` that says what is wrong and the fix."""
+
+    level: str            # "ok" | "error" | "warning"
+    engine: str
+    what: str
+    fix: str = ""
+
+
+def ask(engines: list[str], secret: bytes, timeout_s: float = 10.0
+        ) -> tuple[dict[str, dict[str, Any]], list[Finding]]:
+    """Each engine's probe answer; findings for those that did not answer."""
+    answers, findings = {}, []
+    for url in engines:
+        try:
+            with HintClient(url, secret, timeout_s=timeout_s) as c:
+                answers[url] = c.probe(PROBE_TOKENS)
+        except ControlError as e:
+            if "not authentic" in str(e):
+                findings.append(Finding("error", url, "the control channel did not authenticate "
+                                        "with this secret",
+                                        "use the key in the engine's trust.secret_file"))
+            else:
+                findings.append(Finding("error", url, f"no answer: {e}",
+                                        "check the endpoint (sessionkv.control.port or the "
+                                        "endpoint file) and that the engine runs"))
+    return answers, findings
+
+
+def compare(answers: dict[str, dict[str, Any]]) -> list[Finding]:
+    """Findings from probe answers (``ask``), every engine against the first."""
+    out: list[Finding] = []
+    for url, a in answers.items():
+        if a["pythonhashseed"] is None:
+            out.append(Finding("warning", url, "PYTHONHASHSEED is not set: vLLM picks a random "
+                               "block-hash root at every start, so no other engine (and not "
+                               "this one after a restart) names its blocks alike",
+                               "set the same PYTHONHASHSEED on every engine"))
+        for t in a["g3"]:
+            if t["error"]:
+                out.append(Finding("error", url, f"G3 tier {t['tier']} does not answer: "
+                                   f"{t['error']}", "check the backend service "
+                                   "(scripts/services status) and the tier's address"))
+    if not answers:
+        return out
+    first_url, first = next(iter(answers.items()))
+    for url, a in list(answers.items())[1:]:
+        out += _pair(first_url, first, url, a)
+    if not any(f.level == "error" for f in out):
+        out.append(Finding("ok", ", ".join(answers), f"{len(answers)} engine(s) hash the probe "
+                           "alike and share G3 fingerprints"))
+    return out
+
+
+def _pair(u0: str, a0: dict, url: str, a: dict) -> list[Finding]:
+    def mismatch(what: str, fix: str) -> Finding:
+        return Finding("error", url, f"{what} (vs {u0})", fix)
+
+    out = []
+    if a["block_size"] != a0["block_size"]:
+        out.append(mismatch(f"block size {a['block_size']} != {a0['block_size']}",
+                            "start every engine with the same --block-size"))
+    if a["hash_algo"] != a0["hash_algo"]:
+        out.append(mismatch(f"hash function {a['hash_algo']} != {a0['hash_algo']}",
+                            "start every engine with the same --prefix-caching-hash-algo"))
+    if a["hash_root"] != a0["hash_root"] and a["hash_algo"] == a0["hash_algo"]:
+        seeds = (a["pythonhashseed"], a0["pythonhashseed"])
+        why = (f"PYTHONHASHSEED {seeds[0]!r} != {seeds[1]!r}" if seeds[0] != seeds[1]
+               else "PYTHONHASHSEED unset" if seeds[0] is None else "another hash seed")
+        out.append(mismatch(f"block-hash root differs: {why}",
+                            "set the same PYTHONHASHSEED on every engine"))
+    if not out and a["block_hashes"] != a0["block_hashes"]:
+        out.append(mismatch("the probe's block hashes differ with the same hash settings "
+                            "(extra keys: LoRA adapter, cache_salt, multimodal inputs)",
+                            "send requests that should share KV with the same LoRA and "
+                            "cache_salt"))
+    mine = {t["tier"]: t["objects"] for t in a["g3"]}
+    for t in a0["g3"]:
+        other = mine.get(t["tier"])
+        if other is not None and other != t["objects"] and not out:
+            out.append(mismatch(f"G3 tier {t['tier']} names objects {other}* != "
+                                f"{t['objects']}*: another model, dtype, layout or namespace",
+                                "serve the same model and dtype with the same tier namespace"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="sessionkv doctor", description=__doc__.split("\n")[0])
+    p.add_argument("--engine", action="append", required=True,
+                   help="an engine's control endpoint, tcp://host:port (repeat)")
+    p.add_argument("--secret-file", required=True, help="the shared secret (router key)")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--json", action="store_true", help="one JSON object per finding")
+    args = p.parse_args(argv)
+    with open(args.secret_file, "rb") as f:
+        secret = f.read().strip()
+    answers, findings = ask(args.engine, secret, args.timeout)
+    findings += compare(answers)
+    for f in findings:
+        if args.json:
+            print(json.dumps(asdict(f)))
+        else:
+            print(f"[{f.level}] {f.engine}: {f.what}" + (f"\n    fix: {f.fix}" if f.fix else ""))
+    return 1 if any(f.level == "error" for f in findings) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
