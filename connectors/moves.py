@@ -39,7 +39,7 @@ import itertools
 import os
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
@@ -72,6 +72,7 @@ class Move:
     lost: int = 0                        # a Pin's G3 chunks it cannot reach
     reserved: bool = False               # prepare_read done: complete_read at the end
     label: str = ""                      # the outcomes' action name, when not the action's
+    already: list[OffloadKey] = field(default_factory=list)   # at the destination already
 
     @property
     def name(self) -> str:
@@ -150,6 +151,7 @@ class Mover:
                                  move.g2_blocks)
         if move.is_load:
             want = [k for k, r in zip(move.keys, resident) if r is LookupResult.MISS]
+            move.already = [k for k, r in zip(move.keys, resident) if r is not LookupResult.MISS]
             move.present = len(move.keys) - len(want)
             if not want:
                 return self._outcome(move, Status.ACCEPTED, "already in G2",
@@ -164,10 +166,12 @@ class Mover:
             index = self._primary.index
             in_g3 = [k for k, r in zip(move.keys, resident) if r is not LookupResult.HIT
                      and (index.copies(k) or {}).get(Tier.G3, 0) > 0]
-            move.present = len(in_g3)
+            move.present, move.already = len(in_g3), in_g3
             move.keys = [k for k, r in zip(move.keys, resident) if r is LookupResult.HIT]
             if not move.keys:
-                if move.present:
+                if move.present:     # the event names them: a Share's receiver needs the keys
+                    self._emit(Transfer(src=G2, dst=G3, keys=[], req_id=move.ctx.req_id,
+                                        hint_id=move.hint_id, already=in_g3))
                     return self._outcome(move, Status.ACCEPTED, "already in G3",
                                          self._blocks(move.present))
                 return self._outcome(move, Status.MISSING, "none of the target is in G2")
@@ -225,7 +229,8 @@ class Mover:
             if move.action is Action.DEMOTE and good and demote is not None:
                 demote(good)
         src, dst = (G3, G2) if move.is_load else (G2, G3)
-        self._emit(Transfer(src=src, dst=dst, keys=good, ok=not bad, req_id=move.ctx.req_id))
+        self._emit(Transfer(src=src, dst=dst, keys=good, ok=not bad, req_id=move.ctx.req_id,
+                            hint_id=move.hint_id, already=move.already))
         done = self._blocks(len(good) + move.present)
         if not bad:
             final = self._outcome(move, Status.ACCEPTED, "", done)

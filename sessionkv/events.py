@@ -68,9 +68,11 @@ class Eviction(Event, tag="eviction"):
 class Transfer(Event, tag="transfer"):
     src: str
     dst: str
-    keys: list[bytes]
+    keys: list[bytes]             # chunks copied
     ok: bool = True
     req_id: str | None = None
+    hint_id: str | None = None    # the Demote, Prefetch or Share that made the copy
+    already: list[bytes] = []     # a hint's chunks found at dst already (not copied)
 
 
 class Outcome(Event, tag="outcome"):

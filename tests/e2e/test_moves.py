@@ -130,6 +130,13 @@ def test_prefetch_promotes_from_g3_on_an_idle_engine(engine):
                 assert (rep.blocks.g2, rep.blocks.g3) == (0, 6)
         again = hint(c, "prefetch", "l")[0]              # resident: a no-op
         assert (again.status, again.reason) == ("accepted", "already in G2")
+        run(a, "F")
+        run(a, "G")                                      # L only in G3 again
+        after = c.events(after=0, limit=1).next_seq - 1
+        shared = c.share("l", destination="b")           # nothing to copy: names the keys
+        assert (shared.status, shared.reason) == ("accepted", "already in G3")
+        (ev,) = [e for e in c.events(after).events if e.__struct_config__.tag == "transfer"]
+        assert (ev.hint_id, ev.keys, len(ev.already)) == (shared.hint_id, [], 6)
 
 
 def test_share_b_serves_a_prefix_it_never_computed(engine, tier, tmp_path):
@@ -139,6 +146,7 @@ def test_share_b_serves_a_prefix_it_never_computed(engine, tier, tmp_path):
     with client(a) as c:
         first, last, moved = hint(c, "share", "h", destination="b")
     assert (first.status, last.status) == ("deferred", "accepted") and len(moved.keys) == 6
+    assert moved.hint_id == first.hint_id
     # B has never seen H: the keys come from A's transfer event.
     out = engine_b(tmp_path, tier, "H", moved.keys, wait=True)
     assert out["prefetch"] == [["deferred", 0], ["accepted", 6]]
