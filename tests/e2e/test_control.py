@@ -193,24 +193,6 @@ def test_a_flooding_client_is_rate_limited_others_are_served(engine):
     assert (tok, lps) == ref["G"] and rep.blocks.g2 == 6
 
 
-def test_two_engines_side_by_side_have_their_own_channels(engine, tmp_path_factory, client):
-    other, other_id = make_engine(tmp_path_factory, "session")
-    try:
-        a, b = channel(engine), channel(other)
-        assert len({a.endpoint, a.events_endpoint, b.endpoint, b.events_endpoint}) == 4
-        with HintClient(b.endpoint, SECRET) as cb:
-            assert cb.hello()["engine_id"] == other_id
-            assert client.hello()["engine_id"] != other_id
-            run(other, "Y", session="only-on-b")
-            assert cb.pin("only-on-b", ttl_s=30).status == "accepted"
-            out = client.pin("only-on-b", ttl_s=30)
-            assert (out.status, out.reason) == ("missing", "unknown session")
-    finally:
-        other.llm_engine.engine_core.shutdown()
-        remove_offload_region(other_id)
-    assert channel(other) is None or channel(other)._closed
-
-
 def test_status_shows_sessions_pins_outcomes_and_evictions(engine, client):
     llm = engine
     assert llm.reset_prefix_cache(reset_connector=True)
@@ -230,3 +212,23 @@ def test_status_shows_sessions_pins_outcomes_and_evictions(engine, client):
                                                    "kv.retain/missing": 1}
     assert st["evictions"][-1]["reason"] == "reset"     # the reset above
     assert client.end_session("st").status == "accepted"
+
+
+# Last in this file: a second engine in this process takes vLLM's worker-side
+# connector (one per process), so the first engine's G2 stores stop after it.
+def test_two_engines_side_by_side_have_their_own_channels(engine, tmp_path_factory, client):
+    other, other_id = make_engine(tmp_path_factory, "session")
+    try:
+        a, b = channel(engine), channel(other)
+        assert len({a.endpoint, a.events_endpoint, b.endpoint, b.events_endpoint}) == 4
+        with HintClient(b.endpoint, SECRET) as cb:
+            assert cb.hello()["engine_id"] == other_id
+            assert client.hello()["engine_id"] != other_id
+            run(other, "Y", session="only-on-b")
+            assert cb.pin("only-on-b", ttl_s=30).status == "accepted"
+            out = client.pin("only-on-b", ttl_s=30)
+            assert (out.status, out.reason) == ("missing", "unknown session")
+    finally:
+        other.llm_engine.engine_core.shutdown()
+        remove_offload_region(other_id)
+    assert channel(other) is None or channel(other)._closed
