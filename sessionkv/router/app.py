@@ -7,7 +7,7 @@ Each turn (``POST /v1/completions`` or ``/v1/chat/completions``, streaming or
 not) belongs to a session: the ``X-Session-ID`` header or the body's
 ``session_id``, else one the router makes (unguessable) and returns in
 ``X-Session-ID``. The turn goes where ``policy.choose`` says (affinity, then
-load; state in Redis), with the body's ``session_id`` set and the router's
+KV overlap, then load; state in Redis), with the body's ``session_id`` set and the router's
 own hints, signed, in ``kv_transfer_params`` (a client's own ``kv_hints`` are
 dropped: only the router signs). Responses pass through unchanged, with
 ``X-SessionKV-Worker`` naming the worker.
@@ -26,6 +26,22 @@ Lifecycle to hints (``policy`` in router.yaml):
   (its pins go); the turn then reads the prefix from G3 (or G2 when prefetched);
 - a session ended (``POST /v1/sessions/{id}/end`` or idle for
   ``idle_timeout_s``) -> Demote then end (``demote``), end only (``free``).
+
+Overlap: for a completion whose ``prompt`` is token ids, the router hashes
+its full blocks as the engines do (``overlap.py``, checked against each
+engine's ``probe`` on start) and scores each worker by the blocks its event
+stream says it holds in G1/G2. Text prompts and chat messages are not
+tokenized by the router: they route by affinity and load only.
+
+Failover: a worker whose ``/metrics`` stops answering is unhealthy; its
+sessions move to the others on their next turn (no Share: the engine is gone;
+the new worker finds what write-through put in G3 by itself). A turn whose
+worker fails under it (connection refused or dropped) is retried on another
+worker when the failed one does not answer ``/health`` (it is marked dead at
+once), up to once per worker: greedy turns give the same tokens there.
+A worker that answers but failed the turn gives a 502 (no retry: the turn
+may have run). A streamed turn is retried only while nothing was sent to the
+client; a stream cut later is closed without its end (``streams_cut``).
 
 Every outcome is logged and counted: ``GET /router/status``.
 """
@@ -47,6 +63,7 @@ from sessionkv.hints import Action, HINTS_PARAM, KVCR_PARAM, SIG_PARAM, envelope
 from sessionkv.report import RequestReport
 from sessionkv.router import policy as rules
 from sessionkv.router.config import RouterConfig
+from sessionkv.router.overlap import score
 from sessionkv.router.state import SessionStore
 from sessionkv.router.workers import Worker
 
@@ -55,6 +72,10 @@ SESSION_HEADER = "X-Session-ID"
 WORKER_HEADER = "X-SessionKV-Worker"
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding",
                "keep-alive"}
+
+
+class _StreamCut(aiohttp.ClientError):
+    """The worker failed after part of a streamed turn reached the client."""
 
 
 class Router:
@@ -144,16 +165,41 @@ class Router:
 
     # ---- routing --------------------------------------------------------------------
 
-    async def _place(self, session_id: str) -> Worker:
+    def _scores(self, body: dict[str, Any]) -> dict[str, float] | None:
+        """Each worker's overlap score for the body's token-id prompt (None
+        without one, or with overlap routing off)."""
+        prompt = body.get("prompt")
+        if not self.cfg.routing.overlap or not isinstance(prompt, list) or not prompt \
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        keys: dict[Any, list[bytes]] = {}
+        out = {}
+        for w in self.workers.values():
+            if w.hasher is None or not w.healthy:
+                continue
+            if w.hasher not in keys:
+                keys[w.hasher] = w.hasher.keys(prompt, salt)
+            out[w.name] = score(w.index.held(keys[w.hasher]),
+                                self.cfg.routing.overlap_g2_weight)
+        if any(out.values()):
+            self.counters.event("overlap_scored")
+        return out
+
+    async def _place(self, session_id: str, body: dict[str, Any]) -> Worker:
         max_load = self.cfg.routing.max_load
         workers = list(self.workers.values())
         state = await self.store.get(session_id)
         if state is None:
-            choice = rules.choose(workers, None, max_load, await self.store.round_robin())
+            choice = rules.choose(workers, None, max_load, await self.store.round_robin(),
+                                  self._scores(body))
             placed = await self.store.claim(session_id, choice)
             self.counters.event("sessions_new")
             return self.workers.get(placed) or self.workers[choice]
         choice = rules.choose(workers, state.worker, max_load)
+        if choice != state.worker:      # it moves: where its prefix is, if anywhere
+            choice = rules.choose(workers, state.worker, max_load,
+                                  await self.store.round_robin(), self._scores(body))
         if choice == state.worker or state.worker not in self.workers:
             if state.worker not in self.workers:
                 await self.store.move(session_id, state.worker, choice)
@@ -169,7 +215,10 @@ class Router:
         self.counters.event("moves")
         log.info("session %s moves %s -> %s (loads %.0f, %.0f)", session_id, old.name,
                  new.name, old.load, new.load)
-        if pol.on_move == "none" or not old.healthy:
+        if not old.healthy:
+            self.counters.event("failover_moves")
+            return
+        if pol.on_move == "none":
             return
         _, moved = await self._hint(old, Action.SHARE, session_id, pol.move_wait_s,
                                     destination=new.name)
@@ -195,28 +244,42 @@ class Router:
         if not isinstance(session_id, str) or not 0 < len(session_id) <= 128:
             return web.json_response({"error": {"message": "session_id must be 1..128 chars",
                                                 "type": "BadRequest"}}, status=400)
-        try:
-            worker = await self._place(session_id)
-        except rules.NoWorker as e:
-            return web.json_response({"error": {"message": str(e), "type": "Unavailable"}},
-                                     status=503)
-        await self.store.turn_started(session_id)
         forward = self._forward_body(body, session_id, gap)
         self._last_body[session_id] = (request.path, forward)
-        headers = {SESSION_HEADER: session_id, WORKER_HEADER: worker.name}
-        worker.inflight += 1
-        try:
-            if body.get("stream"):
-                resp, tool_call = await self._stream(request, worker, forward, headers)
-            else:
-                resp, tool_call = await self._plain(request, worker, forward, headers, session_id)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            log.warning("turn of %s on %s failed: %r", session_id, worker.name, e)
-            return web.json_response({"error": {"message": f"worker {worker.name}: {e!r}",
-                                                "type": "BadGateway"}}, status=502,
-                                     headers=headers)
-        finally:
-            worker.inflight -= 1
+        await self.store.turn_started(session_id)
+        for attempt in range(len(self.workers)):
+            try:
+                worker = await self._place(session_id, body)
+            except rules.NoWorker as e:
+                return web.json_response({"error": {"message": str(e), "type": "Unavailable"}},
+                                         status=503)
+            headers = {SESSION_HEADER: session_id, WORKER_HEADER: worker.name}
+            worker.inflight += 1
+            try:
+                if body.get("stream"):
+                    resp, tool_call = await self._stream(request, worker, forward, headers)
+                else:
+                    resp, tool_call = await self._plain(request, worker, forward, headers,
+                                                        session_id)
+                break
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                log.warning("turn of %s on %s failed: %r", session_id, worker.name, e)
+                dead = not isinstance(e, asyncio.TimeoutError) and not await worker.alive()
+                if dead:
+                    worker.mark_dead(repr(e))
+                if isinstance(e, _StreamCut):
+                    self.counters.event("streams_cut")
+                    raise e.__cause__ or e          # aiohttp drops the client's connection
+                if not (dead and self.cfg.routing.retry):
+                    return web.json_response({"error": {"message": f"worker {worker.name}: "
+                                                        f"{e!r}", "type": "BadGateway"}},
+                                             status=502, headers=headers)
+                self.counters.event("retries")
+            finally:
+                worker.inflight -= 1
+        else:
+            return web.json_response({"error": {"message": "every worker failed the turn",
+                                                "type": "BadGateway"}}, status=502)
         if gap is None and tool_call and self.cfg.policy.tool_call.pin:
             gap = self.cfg.policy.tool_call.expected_gap_s
             await self._hint(worker, Action.PIN, session_id,
@@ -276,9 +339,13 @@ class Router:
                 if k.lower() not in HOP_HEADERS:
                     resp.headers.setdefault(k, v)
             await resp.prepare(request)
-            async for chunk in r.content.iter_any():
-                tool_call = tool_call or b'"finish_reason":"tool_calls"' in chunk.replace(b" ", b"")
-                await resp.write(chunk)
+            try:
+                async for chunk in r.content.iter_any():
+                    tool_call = tool_call or \
+                        b'"finish_reason":"tool_calls"' in chunk.replace(b" ", b"")
+                    await resp.write(chunk)
+            except aiohttp.ClientError as e:
+                raise _StreamCut(str(e)) from e
         await resp.write_eof()
         return resp, tool_call
 

@@ -9,10 +9,14 @@
     workers:                       # >= 1; names are what Share's destination says
       - {name: a, url: "http://127.0.0.1:8001", endpoint_file: /run/engine-a.json}
       - {name: b, url: "http://127.0.0.1:8002", control: "tcp://127.0.0.1:5702"}
+      - {name: c, url: "http://127.0.0.1:8003", plain: true}   # no connector: no hints
     routing:
       max_load: 4                  # a session leaves a worker with this many requests
       load_poll_s: 0.5             # how often engines' /metrics are read
       request_timeout_s: 600
+      overlap: true                # new and moving sessions go where their prefix is
+      overlap_g2_weight: 0.5       # a G2 block counts this much of a G1 block
+      retry: true                  # a turn whose worker died is sent to another one
     policy:
       tool_call: {pin: true, expected_gap_s: 60, pin_ttl_factor: 1.5}
       on_end: demote               # demote | free | none
@@ -42,12 +46,15 @@ MOVE_ACTIONS = ("share", "share_prefetch", "none")
 @dataclass(frozen=True)
 class WorkerConfig:
     """One engine: its OpenAI URL and its control channel (an endpoint, or the
-    endpoint file the engine writes, read when the router starts)."""
+    endpoint file the engine writes, read when the router starts). ``plain``:
+    an engine without the connector (no control channel: no hints, events or
+    overlap; affinity and load only)."""
 
     name: str
     url: str
     control: str | None = None
     endpoint_file: str | None = None
+    plain: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,9 @@ class RoutingConfig:
     max_load: int = 4                # requests running + waiting at which a session moves
     load_poll_s: float = 0.5
     request_timeout_s: float = 600.0
+    overlap: bool = True             # score workers by the prompt's prefix blocks they hold
+    overlap_g2_weight: float = 0.5
+    retry: bool = True               # retry a turn whose worker died (see app.py)
 
 
 @dataclass(frozen=True)
@@ -140,19 +150,22 @@ def _section(doc: Mapping[str, Any], key: str, cls: type, spec: dict[str, Any]) 
 def _worker(raw: Any, i: int) -> WorkerConfig:
     where = f"workers[{i}]"
     raw = _mapping(raw, where)
-    _known(raw, ("name", "url", "control", "endpoint_file"), where)
+    _known(raw, ("name", "url", "control", "endpoint_file", "plain"), where)
     for key in ("name", "url"):
         if key not in raw:
             raise ValueError(f"{where}.{key} is required")
     url = _string(raw["url"], f"{where}.url").rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"{where}.url must be an http:// URL, got {url!r}")
-    if ("control" in raw) == ("endpoint_file" in raw):
+    plain = _flag(raw.get("plain", False), f"{where}.plain")
+    if plain and ("control" in raw or "endpoint_file" in raw):
+        raise ValueError(f"{where}: a plain worker has no control channel")
+    if not plain and ("control" in raw) == ("endpoint_file" in raw):
         raise ValueError(f"{where}: give control (tcp://host:port) or endpoint_file, one of them")
     return WorkerConfig(_string(raw["name"], f"{where}.name"), url,
                         raw.get("control") and _string(raw["control"], f"{where}.control"),
                         raw.get("endpoint_file") and _string(raw["endpoint_file"],
-                                                             f"{where}.endpoint_file"))
+                                                             f"{where}.endpoint_file"), plain)
 
 
 def _secret(path: Any) -> bytes:
@@ -195,7 +208,8 @@ def parse_config(doc: Any) -> RouterConfig:
         raise ValueError(f"workers: names must be unique, got {names}")
     routing = _section(doc, "routing", RoutingConfig, {
         "max_load": lambda v, w: _positive(v, w, integer=True),
-        "load_poll_s": _positive, "request_timeout_s": _positive})
+        "load_poll_s": _positive, "request_timeout_s": _positive, "overlap": _flag,
+        "overlap_g2_weight": _positive, "retry": _flag})
     policy_doc = _mapping(doc.get("policy"), "policy")
     policy = _section({"policy": {k: v for k, v in policy_doc.items()
                                   if k not in ("tool_call", "warmup")}},

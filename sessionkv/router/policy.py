@@ -2,12 +2,14 @@
 turn ended in a tool call, how long a Pin holds, and the counters of what
 the hints became.
 
-Routing is session affinity first, then load: a session stays on its worker
-until that worker carries ``max_load`` requests (running + waiting) and
-another healthy worker carries fewer and is under ``max_load``; then it
-moves there. A new session goes to the least-loaded healthy worker, ties
-broken by a counter the replicas share. A session whose worker is unhealthy
-moves to the least-loaded healthy one.
+Routing is session affinity first, then KV overlap, then load: a session
+stays on its worker until that worker carries ``max_load`` requests (running
++ waiting) and another healthy worker carries fewer and is under
+``max_load``; then it moves. A new or moving session goes to the healthy
+worker under ``max_load`` (all healthy ones when none is) that holds the most
+of its prompt's prefix (``scores``: ``overlap.score``, > 0), else to the
+least-loaded one; ties broken by load, then by a counter the replicas share.
+A session whose worker is unhealthy moves the same way.
 """
 
 from __future__ import annotations
@@ -36,17 +38,23 @@ class Loaded(Protocol):
 
 
 def choose(workers: Sequence[Loaded], current: str | None, max_load: int,
-           tie_break: int = 0) -> str:
+           tie_break: int = 0, scores: Mapping[str, float] | None = None) -> str:
     """The worker a session's turn goes to (see the module docstring)."""
     healthy = [w for w in workers if w.healthy]
     if not healthy:
         raise NoWorker("no healthy worker")
     least = min(w.load for w in healthy)
-    best = [w for w in healthy if w.load == least]
     cur = next((w for w in healthy if w.name == current), None)
     if cur is not None:
         if cur.load < max_load or least >= cur.load or least >= max_load:
             return cur.name
+    pool = [w for w in healthy if w.load < max_load] or healthy
+    scores = scores or {}
+    top = max(scores.get(w.name, 0.0) for w in pool)
+    if top > 0:
+        pool = [w for w in pool if scores.get(w.name, 0.0) == top]
+    least = min(w.load for w in pool)
+    best = [w for w in pool if w.load == least]
     return best[tie_break % len(best)].name
 
 

@@ -10,7 +10,18 @@ seen, woken by the event stream and at least once a second, so none is lost
 to the stream's slow start or a dropped message. Deferred hints' final
 outcomes (``via: transfer``) resolve waiters; the ``transfer`` event just
 before a final outcome names the chunks it moved (a Share's keys, which a
-Prefetch on another worker asks for).
+Prefetch on another worker asks for). Every event also feeds the worker's
+``OverlapIndex`` (its G1/G2 blocks, for overlap routing); on start the index
+reads the history the engine still keeps. An engine whose log restarted
+(``next_seq`` below the last seen: the engine was restarted) is read again
+from its start, its index cleared.
+
+Health: a worker is healthy while its ``/metrics`` answers. A turn that fails
+on it asks ``alive`` (``GET /health``, 2 s); a worker that does not answer is
+marked dead at once (``mark_dead``) so that no turn waits for the next poll.
+On start the router asks the engine to ``probe`` a fixed prompt and builds its
+own ``BlockHasher`` from the answer (``overlap.py``); ``hasher`` stays None
+(no overlap routing for this worker) when the hashes do not match.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from sessionkv.client import AsyncHintClient, ControlError
 from sessionkv.events import Outcome, Transfer
 from sessionkv.hints import Action, HintOutcome, envelope, hint_action
 from sessionkv.router.config import WorkerConfig
+from sessionkv.router.overlap import PROBE_TOKENS, BlockHasher, OverlapIndex, ProbeMismatch
 
 log = logging.getLogger("sessionkv.router")
 FINALS_KEPT = 1024
@@ -64,6 +76,9 @@ class Worker:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._polled = asyncio.Event()
+        self.index = OverlapIndex()
+        self.hasher: BlockHasher | None = None
+        self.probe_error: str | None = None
 
     @property
     def load(self) -> float:
@@ -71,15 +86,24 @@ class Worker:
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "url": self.url, "healthy": self.healthy,
-                "load": self.load, "engine_load": self.engine_load, "inflight": self.inflight}
+                "load": self.load, "engine_load": self.engine_load, "inflight": self.inflight,
+                "overlap": self.hasher is not None, "probe_error": self.probe_error,
+                "index_keys": len(self.index)}
 
     async def start(self) -> None:
+        if self.cfg.plain:
+            self.probe_error = "plain worker: no control channel"
+            self._tasks = [asyncio.create_task(self._poll_load())]
+            await self._polled.wait()
+            return
         endpoint = self.cfg.control
         if endpoint is None:
             with open(self.cfg.endpoint_file, encoding="utf-8") as f:
                 endpoint = json.load(f)["control"]
         self.control = AsyncHintClient(endpoint, self._secret, client_id=f"router-{self.name}")
         self._seq = (await self.control.events(1 << 62, 0)).next_seq - 1
+        await self._verify_hashing()
+        await self._catch_up_index(0, self._seq)
         self._tasks = [asyncio.create_task(self._poll_load()),
                        asyncio.create_task(self._follow()),
                        asyncio.create_task(self._wake_on_stream())]
@@ -94,7 +118,46 @@ class Worker:
         if self.control is not None:
             self.control.close()
 
-    # ---- load --------------------------------------------------------------------
+    async def _verify_hashing(self) -> None:
+        try:
+            answer = (await self.control.call("probe", tokens=PROBE_TOKENS))
+            if not answer.ok:
+                raise ProbeMismatch(f"probe refused: {answer.error}")
+            self.hasher = BlockHasher.from_probe(answer.info, PROBE_TOKENS)
+            self.probe_error = None
+        except (ProbeMismatch, ControlError) as e:
+            self.hasher, self.probe_error = None, str(e)
+            log.warning("worker %s: no overlap routing: %s", self.name, e)
+
+    async def _catch_up_index(self, after: int, upto: int) -> None:
+        """Feed the index the events the engine keeps in (after, upto]."""
+        try:
+            while after < upto:
+                page = await self.control.events(after, 1000)
+                batch = [ev for ev in page.events if ev.seq <= upto]
+                for ev in batch:
+                    self.index.apply(ev)
+                if len(batch) < 1000:
+                    break
+                after = batch[-1].seq
+        except ControlError as e:
+            log.warning("worker %s: index catch-up: %s", self.name, e)
+
+    # ---- health and load -------------------------------------------------------------
+
+    def mark_dead(self, why: str) -> None:
+        if self.healthy:
+            log.warning("worker %s marked dead: %s", self.name, why)
+        self.healthy = False
+
+    async def alive(self) -> bool:
+        """Whether the engine's server answers now (``GET /health``)."""
+        try:
+            async with self._http.get(self.url + "/health",
+                                      timeout=aiohttp.ClientTimeout(total=2)) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
 
     async def _poll_load(self) -> None:
         while True:
@@ -119,6 +182,8 @@ class Worker:
         """One control-channel hint about ``session_id`` (its target unless
         ``keys`` are given); its first outcome (``deferred`` ones resolve
         later: ``final``)."""
+        if self.control is None:
+            raise ControlError(f"worker {self.name}: no control channel")
         act = hint_action(action, session_id=None if "keys" in kw else session_id, **kw)
         self._waiters.setdefault(act["action_id"], asyncio.get_running_loop().create_future())
         try:
@@ -143,6 +208,8 @@ class Worker:
             return None
 
     async def end_session(self, session_id: str) -> HintOutcome:
+        if self.control is None:
+            raise ControlError(f"worker {self.name}: no control channel")
         return await self.control.end_session(session_id)
 
     async def _wake_on_stream(self) -> None:
@@ -162,6 +229,14 @@ class Worker:
             try:
                 while True:
                     page = await self.control.events(self._seq, 1000)
+                    if page.next_seq - 1 < self._seq:      # a new engine: a new log
+                        log.warning("worker %s: event log restarted", self.name)
+                        self._seq = 0
+                        self.index.clear()
+                        continue
+                    if page.oldest > self._seq + 1:
+                        log.warning("worker %s: %d events lost", self.name,
+                                    page.oldest - self._seq - 1)
                     for ev in page.events:
                         self._event(ev)
                         self._seq = ev.seq
@@ -172,6 +247,7 @@ class Worker:
             await asyncio.sleep(0.1)     # at most ~10 reads a second under a busy stream
 
     def _event(self, ev) -> None:
+        self.index.apply(ev)
         if isinstance(ev, Transfer) and "G1" not in (ev.src, ev.dst):
             self._last_transfer = ev
         elif isinstance(ev, Outcome) and ev.via == "transfer":

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 
 import requests
 import yaml
@@ -61,3 +64,42 @@ class RouterProcess:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+ENGINE_ARGS = ["--enforce-eager", "--block-size", "32", "--max-model-len", "1024",
+               "--dtype", "float32", "--seed", "0", "--max-num-seqs", "8"]
+
+
+@contextlib.contextmanager
+def engine_pair(d, mooncake, secret: bytes, multiprocessing: str = "1"):
+    """Two tiny vLLM servers ``a`` and ``b`` with G3 on one Mooncake Store
+    (a fresh namespace) and control channels keyed by ``secret`` (written to
+    ``d/secret``): (router worker entries, {name: ServerProcess})."""
+    from engines import TINY, kv_transfer_config, new_engine_id
+    from sessionkv.server import ServerProcess, remove_offload_region
+    from sessionkv.services import lan_address
+    (d / "secret").write_bytes(secret)
+    (d / "tiers.yaml").write_text(
+        "version: 1\nlimits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n"
+        f"trust: {{secret_file: {d / 'secret'}}}\n")
+    tier = {"type": "MooncakeTier", "module_path": "sessionkv.tiers.mooncake",
+            "master": mooncake.master, "metadata_server": mooncake.metadata_url,
+            "local_hostname": lan_address(), "namespace": f"router-{uuid.uuid4().hex[:8]}",
+            "timeout_s": 10.0}
+    engines, workers = [], []
+    try:
+        for name in "ab":
+            engine_id = new_engine_id()
+            cfg = kv_transfer_config(engine_id, secondary_tiers=[tier], sessionkv={
+                "policy_file": str(d / "tiers.yaml"),
+                "control": {"endpoint_file": str(d / f"{name}.json")}})
+            engines.append((ServerProcess(
+                TINY, [*ENGINE_ARGS, "--kv-transfer-config", json.dumps(cfg)],
+                env={"VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing}), engine_id))
+            workers.append({"name": name, "url": engines[-1][0].url,
+                            "endpoint_file": str(d / f"{name}.json")})
+        yield workers, {w["name"]: s for w, (s, _) in zip(workers, engines)}
+    finally:
+        for srv, engine_id in engines:
+            srv.stop()
+            remove_offload_region(engine_id)

@@ -10,7 +10,6 @@ the same prompt (a fresh ``cache_salt``: no cached block matches). A router
 killed mid-run and started again keeps every session on its worker.
 """
 
-import json
 import threading
 import time
 import uuid
@@ -19,14 +18,11 @@ import numpy as np
 import pytest
 import requests
 
-from engines import TINY, kv_transfer_config, new_engine_id
-from router_process import RouterProcess
-from sessionkv.server import ServerProcess, free_port, remove_offload_region
-from sessionkv.services import lan_address
+from engines import TINY
+from router_process import RouterProcess, engine_pair
+from sessionkv.server import free_port
 
 SECRET = b"router-e2e-secret-0123456789abcdef"
-ARGS = ["--enforce-eager", "--block-size", "32", "--max-model-len", "1024",
-        "--dtype", "float32", "--seed", "0", "--max-num-seqs", "8"]
 RNG = np.random.default_rng(5)
 NEW = [RNG.integers(10, 4000, n).tolist() for n in (150, 50, 40, 30, 60, 60)]
 MAX_LOAD = 3
@@ -35,32 +31,8 @@ MAX_LOAD = 3
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, mooncake, redis_url):
     d = tmp_path_factory.mktemp("router")
-    (d / "secret").write_bytes(SECRET)
-    (d / "tiers.yaml").write_text(
-        "version: 1\nlimits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n"
-        f"trust: {{secret_file: {d / 'secret'}}}\n")
-    tier = {"type": "MooncakeTier", "module_path": "sessionkv.tiers.mooncake",
-            "master": mooncake.master, "metadata_server": mooncake.metadata_url,
-            "local_hostname": lan_address(), "namespace": f"router-{uuid.uuid4().hex[:8]}",
-            "timeout_s": 10.0}
-    engines, workers = [], []
-    try:
-        for name in "ab":
-            engine_id = new_engine_id()
-            cfg = kv_transfer_config(engine_id, secondary_tiers=[tier], sessionkv={
-                "policy_file": str(d / "tiers.yaml"),
-                "control": {"endpoint_file": str(d / f"{name}.json")}})
-            engines.append((ServerProcess(TINY, [*ARGS, "--kv-transfer-config", json.dumps(cfg)],
-                                          env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
-                            engine_id))
-            workers.append({"name": name, "url": engines[-1][0].url,
-                            "endpoint_file": str(d / f"{name}.json")})
-        servers = {w["name"]: s for w, (s, _) in zip(workers, engines)}
+    with engine_pair(d, mooncake, SECRET) as (workers, servers):
         yield d, workers, servers, redis_url
-    finally:
-        for srv, engine_id in engines:
-            srv.stop()
-            remove_offload_region(engine_id)
 
 
 def router_config(workers, redis_url, namespace, **policy):
@@ -203,7 +175,8 @@ def test_router_restart_keeps_sessions_workers(cluster):
     placed, prompts = {}, {}
     try:
         for i, s in enumerate(("x", "y", "z")):
-            prompts[s] = NEW[4][:40 + 30 * i]
+            # unrelated prompts: a shared prefix would send them together (overlap routing)
+            prompts[s] = np.random.default_rng(50 + i).integers(10, 4000, 40 + 30 * i).tolist()
             placed[s] = turn(router, s, prompts[s])[0]
     finally:
         router.kill()                                  # a crash: nothing saved on the way out

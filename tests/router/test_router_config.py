@@ -133,3 +133,20 @@ def test_session_store_on_redis(redis_url):
             await store.close()
             await other.close()
     asyncio.run(go())
+
+
+def test_routing_affinity_then_overlap_then_load():
+    a, b, c = W("a", 2), W("b", 0), W("c", 1)
+    # a new session: most overlap wins over load, among workers under max_load
+    assert choose([a, b, c], None, 4, scores={"a": 3, "b": 0, "c": 1}) == "a"
+    assert choose([a, b, c], None, 4, scores={"a": 0, "b": 0, "c": 0}) == "b"
+    assert choose([a, b, c], None, 4) == "b"
+    assert choose([a, b, c], None, 4, scores={"a": 2, "c": 2}) == "c"   # tie: less load
+    # affinity before overlap
+    assert choose([a, b, c], "c", 4, scores={"a": 9}) == "c"
+    # a full worker takes no new session, however much it holds
+    a.load = 4
+    assert choose([a, b, c], None, 4, scores={"a": 9, "c": 1}) == "c"
+    # a dead worker's session goes where its prefix is
+    c.healthy = False
+    assert choose([a, b, c], "c", 4, scores={"b": 1}) == "b"
