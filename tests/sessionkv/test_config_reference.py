@@ -1,6 +1,7 @@
 """Every configuration key the code reads appears in the README's
-configuration reference, found by walking the code (config dataclasses,
-tier constructors), not a hand-kept list."""
+configuration reference (engine side) or its Router section (``router.yaml``),
+found by walking the code (config dataclasses, tier constructors), not a
+hand-kept list."""
 
 import dataclasses
 import inspect
@@ -8,6 +9,7 @@ import re
 from pathlib import Path
 
 from sessionkv.config import ControlConfig, SessionKVConfig, TierPolicy
+from sessionkv.router.config import RouterConfig
 from sessionkv.tiers.g3 import G3Tier
 from sessionkv.tiers.lmcache import LMCacheTier
 from sessionkv.tiers.mooncake import MooncakeTier
@@ -56,3 +58,35 @@ def test_the_reference_names_no_key_the_code_does_not_read():
     vllm_keys = {"cpu_bytes_to_use", "block_size", "blocks_per_chunk", "offload_prompt_only"}
     unknown = reference_keys() - code_keys() - vllm_keys
     assert not unknown, f"in the reference but not read by the code: {sorted(unknown)}"
+
+
+def router_keys(cls=RouterConfig, prefix="") -> set[str]:
+    """``router.yaml``'s keys from its dataclasses (the YAML spells three of
+    them differently: ``listen: {host, port}``, ``secret_file``)."""
+    renamed = {"host": "listen.host", "port": "listen.port", "secret": "secret_file"}
+    out = set()
+    for f in dataclasses.fields(cls):
+        name = renamed.get(f.name, f.name) if not prefix else f.name
+        inner = f.default if dataclasses.is_dataclass(f.default) else None
+        if inner is not None:
+            out |= router_keys(type(inner), f"{prefix}{name}.")
+        elif f.name == "workers":
+            from sessionkv.router.config import WorkerConfig
+            out |= router_keys(WorkerConfig, "workers[].")
+        elif f.name == "redis":
+            from sessionkv.router.config import RedisConfig
+            out |= router_keys(RedisConfig, "redis.")
+        else:
+            out.add(prefix + name)
+    return out
+
+
+def test_every_router_key_is_in_the_router_section():
+    text = README.read_text()
+    section = text.split("## Router", 1)[1].split("\n## ", 1)[0]
+    yaml_block = section.split("```yaml", 1)[1].split("```", 1)[0]
+    keys = router_keys()
+    assert {"listen.port", "secret_file", "redis.url", "workers[].plain",
+            "policy.tool_call.pin_ttl_factor", "routing.overlap_g2_weight"} <= keys
+    missing = sorted(k for k in keys if k.rsplit(".", 1)[-1] + ":" not in yaml_block)
+    assert not missing, f"router.yaml keys not in the README's Router section: {missing}"
