@@ -6,12 +6,12 @@ step figures."""
 
 import pytest
 
-from g3_faults import BACKENDS, scenario
+from g3_faults import BACKENDS, scenario_process
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_faults_cost_misses_never_wrong_kv_nor_blocked_steps(backend, tmp_path):
-    out = scenario(tmp_path, backend)
+    out = scenario_process(tmp_path, backend)
     ph = out["phases"]
     assert out["wrong"] == []
     assert ph["normal"]["blocks"]["g3"] >= 24              # sharing through G3 happened
