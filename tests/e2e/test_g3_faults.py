@@ -14,7 +14,7 @@ def test_faults_cost_misses_never_wrong_kv_nor_blocked_steps(backend, tmp_path):
     out = scenario_process(tmp_path, backend)
     ph = out["phases"]
     assert out["wrong"] == []
-    assert ph["normal"]["blocks"]["g3"] >= 24              # sharing through G3 happened
+    assert ph["normal"]["blocks"]["g3"] >= 24, ph          # sharing through G3 happened
     for label, p in ph.items():
         if label.endswith("_restarted"):
             assert p["blocks"]["g3"] == 6, (label, p)      # recovered without a restart
