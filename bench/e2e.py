@@ -12,6 +12,8 @@ tokens (at most ``--max-out``). Request times are trace times x
 ``--time-scale``; a session's next turn waits for its previous one. Model:
 ``.cache/models/realistic`` (8 layers, hidden 768), float32, greedy.
 
+Each engine's OpenMP threads run on half of the machine's cores (``core_halves``).
+
 Modes (fresh engines and router each; G1 kept small with
 ``--num-gpu-blocks-override`` blocks of 32 tokens, so that sessions
 compete for it):
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -95,7 +98,17 @@ def workload(args) -> list[Req]:
     return out
 
 
-def engine(args, d: Path, name: str, connector: bool) -> ServerProcess:
+def core_halves() -> tuple[str, str]:
+    """This machine's CPUs split in two, as ``VLLM_CPU_OMP_THREADS_BIND``
+    lists: each engine's OpenMP threads get cores of their own. With both on
+    every core (vLLM's ``auto``), the two engines' spinning OpenMP threads
+    take turns on the same cores and a 300-token prefill waits seconds."""
+    cpus = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cpus) // 2)
+    return ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:] or cpus))
+
+
+def engine(args, d: Path, name: str, connector: bool, cores: str = "auto") -> ServerProcess:
     cmd = ["--enforce-eager", "--dtype", "float32", "--seed", "0", "--block-size",
            "32", "--max-model-len", "1280", "--max-num-seqs", "8",
            "--num-gpu-blocks-override", str(args.g1_blocks), "--enable-prompt-tokens-details"]
@@ -109,7 +122,8 @@ def engine(args, d: Path, name: str, connector: bool) -> ServerProcess:
                                  "control": {"endpoint_file": str(d / f"{name}.json")}}}}
         cmd += ["--kv-transfer-config", json.dumps(cfg)]
     return ServerProcess(MODEL, cmd, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                                          "VLLM_CPU_KVCACHE_SPACE": "1"})
+                                          "VLLM_CPU_KVCACHE_SPACE": "1",
+                                          "VLLM_CPU_OMP_THREADS_BIND": cores})
 
 
 class Router:
@@ -215,8 +229,8 @@ def run_mode(args, d: Path, mode: str, reqs: list[Req], redis_url: str) -> dict[
     connector = mode != "no_connector"
     servers = []
     try:
-        for name in "ab":
-            servers.append(engine(args, d, name, connector))
+        for name, cores in zip("ab", core_halves()):
+            servers.append(engine(args, d, name, connector, cores))
         workers = [{"name": n, "url": s.url, **({"endpoint_file": str(d / f"{n}.json")}
                                                if connector else {"plain": True})}
                    for n, s in zip("ab", servers)]
