@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -49,13 +48,14 @@ from pathlib import Path
 
 import numpy as np
 import requests
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 from replay_trace import load_trace  # noqa: E402
+from router_process import RouterProcess  # noqa: E402
 
-from sessionkv.server import ServerProcess, free_port  # noqa: E402
+from sessionkv.server import ServerProcess, free_port, remove_offload_region  # noqa: E402
 from sessionkv.services import start_redis  # noqa: E402
 
 MODEL = str(ROOT / ".cache" / "models" / "realistic")
@@ -109,56 +109,37 @@ def core_halves() -> tuple[str, str]:
 
 
 def engine(args, d: Path, name: str, connector: bool, cores: str = "auto") -> ServerProcess:
+    """One server; with the connector, ``.engine_id`` names its G2 region."""
     cmd = ["--enforce-eager", "--dtype", "float32", "--seed", "0", "--block-size",
            "32", "--max-model-len", "1280", "--max-num-seqs", "8",
            "--num-gpu-blocks-override", str(args.g1_blocks), "--enable-prompt-tokens-details"]
+    engine_id = None
     if connector:
+        engine_id = f"bench-{uuid.uuid4().hex[:10]}"
         cfg = {"kv_connector": "SessionTierConnector",
                "kv_connector_module_path": "sessionkv.connectors.vllm", "kv_role": "kv_both",
-               "engine_id": f"bench-{uuid.uuid4().hex[:10]}",
+               "engine_id": engine_id,
                "kv_connector_extra_config": {
                    "cpu_bytes_to_use": args.g2_mib << 20,
                    "sessionkv": {"policy_file": str(d / "tiers.yaml"),
                                  "control": {"endpoint_file": str(d / f"{name}.json")}}}}
         cmd += ["--kv-transfer-config", json.dumps(cfg)]
-    return ServerProcess(MODEL, cmd, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                                          "VLLM_CPU_KVCACHE_SPACE": "1",
-                                          "VLLM_CPU_OMP_THREADS_BIND": cores})
+    srv = ServerProcess(MODEL, cmd, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                         "VLLM_CPU_KVCACHE_SPACE": "1",
+                                         "VLLM_CPU_OMP_THREADS_BIND": cores})
+    srv.engine_id = engine_id
+    return srv
 
 
-class Router:
-    def __init__(self, d: Path, workers: list[dict], redis_url: str, hints: bool):
-        port = free_port()
-        cfg = {"version": 1, "listen": {"host": "127.0.0.1", "port": port},
-               "secret_file": str(d / "secret"),
-               "redis": {"url": redis_url, "namespace": f"bench-{uuid.uuid4().hex[:6]}"},
-               "workers": workers, "routing": {"max_load": 6, "load_poll_s": 0.25},
-               "policy": {"on_end": "free" if hints else "none",
-                          "on_move": "share" if hints else "none",
-                          "tool_call": {"pin": hints, "pin_ttl_factor": 1.5}}}
-        path = d / f"router-{port}.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(d / f"router-{port}.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "sessionkv.cli", "router",
-                                      "--config", str(path)], stdout=self.log,
-                                     stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if requests.get(self.url + "/health", timeout=2).ok:
-                    return
-            except requests.ConnectionError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"router did not start: see {self.log.name}")
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(15)
-        self.log.close()
+def start_router(d: Path, workers: list[dict], redis_url: str, hints: bool) -> RouterProcess:
+    cfg = {"version": 1, "listen": {"host": "127.0.0.1", "port": free_port()},
+           "secret_file": str(d / "secret"),
+           "redis": {"url": redis_url, "namespace": f"bench-{uuid.uuid4().hex[:6]}"},
+           "workers": workers, "routing": {"max_load": 6, "load_poll_s": 0.25},
+           "policy": {"on_end": "free" if hints else "none",
+                      "on_move": "share" if hints else "none",
+                      "tool_call": {"pin": hints, "pin_ttl_factor": 1.5}}}
+    return RouterProcess(cfg, d / f"router-{cfg['listen']['port']}.yaml")
 
 
 def stream(url: str, body: dict, headers: dict) -> tuple[float, list[int], int, int]:
@@ -234,7 +215,7 @@ def run_mode(args, d: Path, mode: str, reqs: list[Req], redis_url: str) -> dict[
         workers = [{"name": n, "url": s.url, **({"endpoint_file": str(d / f"{n}.json")}
                                                if connector else {"plain": True})}
                    for n, s in zip("ab", servers)]
-        router = Router(d, workers, redis_url, mode == "connector_hints")
+        router = start_router(d, workers, redis_url, mode == "connector_hints")
         try:
             t = time.monotonic()
             res = replay(router.url, reqs, mode == "connector_hints", MODEL)
@@ -254,6 +235,8 @@ def run_mode(args, d: Path, mode: str, reqs: list[Req], redis_url: str) -> dict[
     finally:
         for s in servers:
             s.stop()
+            if s.engine_id:                 # its G2 region in /dev/shm
+                remove_offload_region(s.engine_id)
 
 
 def reference(args, d: Path, reqs: list[Req]) -> dict[int, list[int]]:
