@@ -121,16 +121,11 @@ def run(llm, engine_id, victims) -> dict:
 
     phase("warmup", "W")         # the engine's first, slow steps: before anything to G3
     phase("cold", "ABCD")                              # references; everything to G3
-    # The normal phase starts with every cold prompt in G3 and nothing in G2:
-    # a store that missed its deadline (the machine busy) is made again.
-    for attempt in range(4):
-        missing = "".join(n for n in "ABCD" if not all(tier.listed(keys_of(llm, PROMPTS[n]))))
-        phases["cold"]["missing_in_g3"] = phases["cold"].get("missing_in_g3", []) + [missing]
-        assert llm.reset_prefix_cache(reset_connector=True)
-        if not missing:
-            break
-        time.sleep(RETRY_S * Guard.MAX_BACKOFF + 0.5)  # past the breaker's longest delay
-        phase("cold_again", missing)
+    # The normal phase starts with G2 empty (the reset drains the G3 stores
+    # first); cold prompts whose store missed its deadline are recorded.
+    assert llm.reset_prefix_cache(reset_connector=True)
+    phases["cold"]["missing_in_g3"] = "".join(
+        n for n in "ABCD" if not all(tier.listed(keys_of(llm, PROMPTS[n]))))
     phase("normal", "ABCDABCD")
     for who, service in victims:
         tier.guard.timeout_s = FAULT_TIMEOUT_S

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from sessionkv.config import ControlConfig, SessionKVConfig, TierPolicy
-from sessionkv.router.config import RouterConfig
+from sessionkv.router.config import RedisConfig, RouterConfig, WorkerConfig
 from sessionkv.tiers.g3 import G3Tier
 from sessionkv.tiers.lmcache import LMCacheTier
 from sessionkv.tiers.mooncake import MooncakeTier
@@ -71,10 +71,8 @@ def router_keys(cls=RouterConfig, prefix="") -> set[str]:
         if inner is not None:
             out |= router_keys(type(inner), f"{prefix}{name}.")
         elif f.name == "workers":
-            from sessionkv.router.config import WorkerConfig
             out |= router_keys(WorkerConfig, "workers[].")
         elif f.name == "redis":
-            from sessionkv.router.config import RedisConfig
             out |= router_keys(RedisConfig, "redis.")
         else:
             out.add(prefix + name)
