@@ -4,8 +4,9 @@
 
 For each backend and chunk size (64 KiB, 1 MiB, 16 MiB; 64 MiB per batch),
 put and get, in one run on the same bytes: ``tier_MBps`` (a ``G3Tier`` job:
-existence check, checksum, data and checksum objects; loads through staging,
-verified, copied into the G2 slot), ``raw_MBps`` (the backend's own batch
+existence check, checksum, data and checksum objects, or one object with the
+checksum inline (Mooncake); loads verified in the G2 slot, or before a copy
+into it (Redis)), ``raw_MBps`` (the backend's own batch
 call: Mooncake ``batch_put_from``/``batch_get_into``, a Redis pipeline, a
 pipelined lm:// exchange with LMCache's server),
 ``raw_checksum_MBps`` (the same plus the xxh3 checksum of every chunk), and
@@ -94,7 +95,7 @@ def measure(backend: str, where, chunk: int, repeat: int) -> list[dict]:
     from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.tiering.base import TransferJob
 
-    from sessionkv.tiers.g3 import SUM_SUFFIX, checksum, standalone_spec
+    from sessionkv.tiers.g3 import checksum, standalone_spec
     init_none_hash(sha256)
     n = max(1, BATCH_BYTES // chunk)
     region = np.random.default_rng(0).integers(0, 256, (2 * n, chunk), dtype=np.uint8)
@@ -106,15 +107,13 @@ def measure(backend: str, where, chunk: int, repeat: int) -> list[dict]:
         from sessionkv.tiers.mooncake import MooncakeTier
         tier = MooncakeTier(spec, view, "mooncake", master=where.master,
                             metadata_server=where.metadata_url, local_hostname=lan_address(),
-                            namespace=ns, staging_chunks=n, timeout_s=30.0)
+                            namespace=ns, timeout_s=30.0)
     elif backend == "lmcache":
         from sessionkv.tiers.lmcache import LMCacheTier
-        tier = LMCacheTier(spec, view, "lmcache", url=where, namespace=ns,
-                           staging_chunks=n, timeout_s=30.0)
+        tier = LMCacheTier(spec, view, "lmcache", url=where, namespace=ns, timeout_s=30.0)
     else:
         from sessionkv.tiers.redis import RedisTier
-        tier = RedisTier(spec, view, "redis", url=where, namespace=ns,
-                         staging_chunks=n, timeout_s=30.0)
+        tier = RedisTier(spec, view, "redis", url=where, namespace=ns, timeout_s=30.0)
     try:
         src = [memoryview(region[i]) for i in range(n)]
         dst = [memoryview(region[n + i]) for i in range(n)]
@@ -142,7 +141,7 @@ def measure(backend: str, where, chunk: int, repeat: int) -> list[dict]:
 
         def tier_put():
             keys = [uuid.uuid4().bytes * 2 + bytes(4) for _ in range(n)]
-            created.extend(tier.name(k) + sfx for k in keys for sfx in ("", SUM_SUFFIX))
+            created.extend(o for k in keys for o in tier.objects(k))
             tier_job(keys, range(n), False)
 
         def raw_checksum_put():
@@ -175,8 +174,7 @@ def measure(backend: str, where, chunk: int, repeat: int) -> list[dict]:
         rows = [{"backend": backend, "block_bytes": chunk, "op": op, **r, **memcpy}
                 for op, r in (("put", puts), ("get", gets))]
         # Leave the store as it was: the next chunk size needs the room.
-        tier._backend.remove(stored + [tier.name(k) + sfx for k in tier_keys
-                                       for sfx in ("", SUM_SUFFIX)])
+        tier._backend.remove(stored + [o for k in tier_keys for o in tier.objects(k)])
         return rows
     finally:
         tier.shutdown()

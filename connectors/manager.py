@@ -10,6 +10,10 @@ the chunks it had not marked stored). G2 keys name chunks by their last block;
 the index holds blocks, so each chunk key stands for that block and its
 ``blocks_per_chunk - 1`` ancestors.
 
+G2 slots that a G3 load abandoned past its deadline may still write stay
+out of the primary tier's free list until that load ends (``quarantine``,
+shared with every G3 tier; ``tiers/g3_io.Quarantine``).
+
 Threading (DESIGN.md, "Threads"): ``SessionTierManager.lock`` is the one lock.
 vLLM 0.32 calls managers on the scheduler thread, where ``SessionTierConnector``
 holds the lock from its first scheduler-side call of a ``schedule()`` pass
@@ -47,7 +51,7 @@ from sessionkv.config import SessionKVConfig
 from sessionkv.events import Association, EventLog, Eviction, Outcome, Residency, Transfer
 from sessionkv.hints import Action, HintOutcome, KvHint, Status
 from sessionkv.index.prefix_index import SessionPrefixIndex
-from sessionkv.tiers.g3 import G3Tier
+from sessionkv.tiers.g3 import G3Tier, Quarantine
 from sessionkv.types import Tier
 
 from .fetch import Fetcher
@@ -73,6 +77,21 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
         self._index = index
         self._bpc = blocks_per_chunk
         self.event_log: EventLog | None = None     # vLLM's own list is ``events``
+        self.quarantine = Quarantine()
+
+    # ---- G2 slots: held ones stay out of the free list (``Quarantine``) ----------
+
+    def _free_chunk(self, chunk) -> None:
+        if not self.quarantine.park(chunk.chunk_id):
+            super()._free_chunk(chunk)
+
+    def _get_num_free_chunks(self) -> int:
+        self._free_list.extend(self.quarantine.reclaim())
+        return super()._get_num_free_chunks()
+
+    def _allocate_chunks(self, keys):
+        self._free_list.extend(self.quarantine.reclaim())
+        return super()._allocate_chunks(keys)
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -125,6 +144,10 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
 
     def reset_cache(self) -> None:
         super().reset_cache()
+        held = self.quarantine.reset()
+        if held:     # every slot allocated, the free ones listed: held ones left out
+            self._num_allocated_chunks = self._num_chunks
+            self._free_list[:] = [c for c in reversed(range(self._num_chunks)) if c not in held]
         self._index.clear_tier(Tier.G2)
         if self.event_log is not None:     # no keys: everything in the tier
             self.event_log.append(Eviction(tier=G2, keys=[], reason="reset"))
@@ -162,6 +185,7 @@ class SessionTierManager(TieringOffloadingManager):
         g3 = [t for t in secondary_tiers if isinstance(t, G3Tier)]
         for t in g3:
             t.observer = lambda load, keys, ok: self._g3_seen.append((load, keys, ok))
+            t.quarantine = primary_tier.quarantine
         # Demote/Prefetch/Share copy to and from the first G3 tier.
         self.mover = Mover(primary_tier, g3[0], self.emit) if g3 else None
         executor.mover = self.mover

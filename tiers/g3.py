@@ -11,15 +11,20 @@ Objects, per chunk (``OffloadKey`` = the chunk's last block key)::
     <namespace>/<fingerprint>/<key hex>        the chunk's bytes
     <namespace>/<fingerprint>/<key hex>.sum    16 bytes: xxh3-64 and length
 
+or, where the backend keeps the checksum in the chunk's own object
+(``inline_sums``: Mooncake), one object: the chunk's bytes, then the 16.
 The fingerprint (``tiers.fingerprint``) makes engines whose bytes are not
 interchangeable miss each other. The checksum object is written only after
-its data object was stored, and is what lookups ask for.
+its data object was stored, and is what lookups ask for (the data object
+itself, with inline checksums).
 
-Never wrong KV. A load reads into a staging buffer (or into buffers of the
-backend's own, ``owned_reads``), verifies the bytes against the checksum
-object, and only then copies them into the G2 slot; a
-chunk whose checksum object is missing, or whose data is missing, short or
-different, fails its load and vLLM recomputes it. A chunk that failed is a
+Never wrong KV. A load verifies the bytes against their checksum before the
+chunk counts as loaded: bytes read into buffers of the backend's own
+(``owned_reads``) are verified and then copied into the G2 slot; bytes read
+straight into the G2 slot (``bounded_reads``, ``inline_sums``) are verified
+there, and a failed slot is never made readable. A chunk whose checksum is
+missing, or whose data is missing, short or different, fails its load and
+vLLM recomputes it. A chunk that failed is a
 miss in this engine for ``MISS_AFTER_FAILURE_S`` (vLLM would promote it again
 at once, forever), and a listed chunk that failed is unlisted (both objects
 removed) so no engine finds it again.
@@ -28,13 +33,14 @@ Never blocking. vLLM calls the tier on the scheduler thread, and nothing
 there waits for the backend: lookups are asynchronous (vLLM's
 ``AsyncLookupManager``: ``RETRY`` until the answer is in), copies run on the
 tier's I/O threads. Every backend call has our own deadline (``timeout_s``
-plus the bytes at ``MIN_RATE``); a call past it is abandoned (it writes only
-into staging, which stays reserved until the call ends) and trips a
+plus the bytes at ``MIN_RATE``); a call past it is abandoned and trips a
 breaker: for ``retry_s`` every call fails at once as a miss, then the next
 call probes the backend again. So a stopped backend costs each request at
 most one deadline, a dead one none, and the tier reconnects by itself when
-the backend is back. ``drain_jobs`` waits only for calls within their
-deadline: no abandoned call touches G2.
+the backend is back. An abandoned read may still write the G2 slots it was
+given: they stay in ``quarantine`` (shared with the primary tier, which
+keeps them out of its free list) until the call ends. ``drain_jobs`` waits
+only for calls within their deadline.
 
 Threading: vLLM's calls on the scheduler thread; copies on the I/O threads;
 backend calls on the guard's threads.
@@ -61,11 +67,11 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .fingerprint import fingerprint, identity_fields, weights_digest
-from .g3_backend import SUM_SUFFIX, ObjectBackend, address_of, checksum
-from .g3_io import BackendDown, Guard, Lapses, Staging
+from .g3_backend import SUM, SUM_SUFFIX, ObjectBackend, address_of, checksum
+from .g3_io import BackendDown, Guard, Lapses, Quarantine, Staging
 
-__all__ = ["SUM_SUFFIX", "BackendDown", "G3Tier", "Guard", "ObjectBackend", "Staging",
-           "address_of", "checksum"]
+__all__ = ["SUM_SUFFIX", "BackendDown", "G3Tier", "Guard", "ObjectBackend", "Quarantine",
+           "Staging", "address_of", "checksum"]
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -74,7 +80,8 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 MISS_AFTER_FAILURE_S = 30.0
 MAX_FAILED = 65_536
-READ_PART_BYTES = 32 << 20          # a load reads in parts of this size, pipelined
+SUM_SLOTS = 4096                    # checksums in flight in inline-sum calls (64 KiB)
+ABANDONED_WAIT_S = 5.0              # shutdown waits this long for abandoned calls
 
 
 class _Lookups(AsyncLookupManager):
@@ -110,7 +117,6 @@ class G3Tier(SecondaryTierManager):
         io_threads: int = 2,
         timeout_s: float = 2.0,
         retry_s: float = 1.0,
-        staging_chunks: int = 64,
         backpressure_detector: "BackpressureDetector | None" = None,
         **backend_config: Any,
     ):
@@ -120,18 +126,18 @@ class G3Tier(SecondaryTierManager):
             backend = self.backend_class(**backend_config)
         try:
             self._setup(offloading_spec, primary_kv_view, tier_type, backend, namespace,
-                        io_threads, timeout_s, retry_s, staging_chunks, backpressure_detector)
+                        io_threads, timeout_s, retry_s, backpressure_detector)
         except Exception:
             backend.close()
             raise
 
     def _setup(self, offloading_spec, primary_kv_view, tier_type, backend, namespace,
-               io_threads, timeout_s, retry_s, staging_chunks, backpressure_detector) -> None:
+               io_threads, timeout_s, retry_s, backpressure_detector) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if not namespace or "/" in namespace:
             raise ValueError(f"namespace must be a non-empty name without '/', got {namespace!r}")
         for key, v in (("timeout_s", timeout_s), ("retry_s", retry_s),
-                       ("staging_chunks", staging_chunks), ("io_threads", io_threads)):
+                       ("io_threads", io_threads)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"{tier_type}: {key} must be a positive number, got {v!r}")
         self._chunk = primary_kv_view.strides[0]
@@ -141,15 +147,19 @@ class G3Tier(SecondaryTierManager):
         self._namespace = namespace
         self._prefix: str | None = None
         self._backend = backend
-        self._staging = Staging(int(staging_chunks), self._chunk)
+        self._inline = backend.inline_sums
+        # What lookups ask for: the checksum object, or the data object itself.
+        self._listing = "" if self._inline else SUM_SUFFIX
+        self._sums = Staging(SUM_SLOTS, SUM.size) if self._inline else None
         backend.register(self._region)
-        backend.register(self._staging.view)
+        if self._sums is not None:
+            backend.register(self._sums.view)
+        #: G2 slots an abandoned read may still write (the primary tier's own
+        #: when the engine runs: it keeps them out of its free list).
+        self.quarantine = Quarantine()
         self.guard = Guard(tier_type, float(timeout_s), float(retry_s))
         self._pool = ThreadPoolExecutor(max_workers=int(io_threads),
                                         thread_name_prefix=f"sessionkv-{tier_type}")
-        # Each load has its checksum read and one part read in flight here.
-        self._readahead = ThreadPoolExecutor(max_workers=2 * int(io_threads),
-                                             thread_name_prefix=f"sessionkv-{tier_type}-read")
         self._pending: set[Future] = set()
         self._done: list[JobResult] = []
         self._failed: dict[str, float] = {}     # name -> until when it is a miss
@@ -175,6 +185,13 @@ class G3Tier(SecondaryTierManager):
 
     def name(self, key: OffloadKey) -> str:
         return self.prefix + bytes(key).hex()
+
+    def objects(self, key: OffloadKey) -> list[str]:
+        """The names of every object that holds the chunk ``key``."""
+        return self._objects(self.name(key))
+
+    def _objects(self, name: str) -> list[str]:
+        return [name] if self._inline else [name, name + SUM_SUFFIX]
 
     # ---- vLLM's contract (scheduler thread) ------------------------------------
 
@@ -227,11 +244,18 @@ class G3Tier(SecondaryTierManager):
     def shutdown(self) -> None:
         self._lookups.shutdown()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._readahead.shutdown(wait=True, cancel_futures=True)
         self._lapses.close()
+        # An abandoned call may still write G2 or the checksum slots, unmapped next.
+        until = time.monotonic() + ABANDONED_WAIT_S
+        while self.guard.abandoned and time.monotonic() < until:
+            time.sleep(0.05)
+        if self.guard.abandoned:
+            logger.warning("sessionkv: G3 %s shutting down with %d backend calls still "
+                           "running past their deadline", self.tier_type, self.guard.abandoned)
         self.guard.shutdown()
         self._backend.close()
-        self._staging.release()
+        if self._sums is not None:
+            self._sums.release()
         self._region.release()      # else the primary tier cannot unmap G2
 
     def health(self) -> str:
@@ -246,9 +270,9 @@ class G3Tier(SecondaryTierManager):
     # ---- lookups (the lookup manager's thread) -----------------------------------
 
     def listed(self, keys: list[OffloadKey]) -> list[bool]:
-        """Whether each chunk's checksum object exists; False when the backend
-        does not answer in time."""
-        names = [self.prefix + bytes(k).hex() + SUM_SUFFIX for k in keys]
+        """Whether each chunk's checksum object (or, with inline checksums, its
+        object) exists; False when the backend does not answer in time."""
+        names = [self.prefix + bytes(k).hex() + self._listing for k in keys]
         try:
             return self.guard.call(self._backend.exists, names)
         except BackendDown:
@@ -341,6 +365,10 @@ class G3Tier(SecondaryTierManager):
             if offsets is None:
                 raise ValueError(f"{self.tier_type}: pinning rewrites objects: G2 slots needed")
             chunks = self._chunks(offsets)
+            if self._inline:        # bytes and checksum, copied: G2 may change after
+                ok = g.call(b.pin, names, ttl_s, [bytes(c) + checksum(c) for c in chunks],
+                            nbytes=len(names) * self._chunk)
+                return self._pinned(names, ok, ttl_s)
             # Rewritten from G2 like a store: a late call may read a reused slot.
             data = g.call(b.pin, names, ttl_s, chunks, nbytes=len(names) * self._chunk,
                           on_abandoned=lambda _: self._forget(names))
@@ -348,10 +376,12 @@ class G3Tier(SecondaryTierManager):
         else:
             both = g.call(b.pin, names + sums, ttl_s, None)
             data, listed = both[:len(names)], both[len(names):]
-        ok = [d and s for d, s in zip(data, listed)]
-        if not b.pin_lapses:
-            pinned = [n for n, o in zip(names, ok) if o]
-            self._lapses.add(pinned + [n + SUM_SUFFIX for n in pinned], time.monotonic() + ttl_s)
+        return self._pinned(names, [d and s for d, s in zip(data, listed)], ttl_s)
+
+    def _pinned(self, names: list[str], ok: list[bool], ttl_s: float) -> list[bool]:
+        if not self._backend.pin_lapses:
+            pinned = [o for n, k in zip(names, ok) if k for o in self._objects(n)]
+            self._lapses.add(pinned, time.monotonic() + ttl_s)
         return ok
 
     def _unpin(self, names: list[str]) -> None:
@@ -388,13 +418,17 @@ class G3Tier(SecondaryTierManager):
 
     def _store(self, names: list[str], offsets: list[int]) -> list[bool]:
         b, g = self._backend, self.guard
-        have = g.call(b.exists, [n + SUM_SUFFIX for n in names])
+        have = g.call(b.exists, [n + self._listing for n in names])
         todo = [i for i, h in enumerate(have) if not h]
         ok = list(have)
         if not todo:
             return ok
         todo_names = [names[i] for i in todo]
         chunks = self._chunks([offsets[i] for i in todo])
+        if self._inline:
+            for j, stored in zip(todo, self._store_inline(todo_names, chunks)):
+                ok[j] = stored
+            return ok
         sums = [checksum(c) for c in chunks]
         # Zero-copy from G2: a put past its deadline may read a slot vLLM has
         # reused. Its object then gets no checksum object (never listed), and
@@ -417,9 +451,9 @@ class G3Tier(SecondaryTierManager):
     def _load(self, names: list[str], offsets: list[int]) -> list[bool]:
         if self._backend.owned_reads:
             return self._load_owned(names, offsets)
-        if self._backend.bounded_reads:
-            return self._load_direct(names, offsets)
-        return self._load_staged(names, offsets)
+        if self._inline:
+            return self._load_inline(names, offsets)
+        return self._load_direct(names, offsets)
 
     def _load_direct(self, names: list[str], offsets: list[int]) -> list[bool]:
         """Straight into the G2 slots vLLM reserved, then verified there: the
@@ -458,82 +492,76 @@ class G3Tier(SecondaryTierManager):
         self._unlist(broken)
         return ok
 
-    def _load_staged(self, names: list[str], offsets: list[int]) -> list[bool]:
-        """Reads in parts of at most half the staging and ``READ_PART_BYTES``:
-        part k+1 is read (and the checksum objects with the first part) while
-        part k is verified and copied into G2, so the copy does not add to
-        the read."""
-        step = max(1, min(self._staging.slots // 2, READ_PART_BYTES // self._chunk))
-        want_f = self._readahead.submit(self.guard.call, self._backend.get_small,
-                                        [n + SUM_SUFFIX for n in names])
-        ahead: Future | None = self._readahead.submit(self._read, names[:step])
-        ok: list[bool] = []
-        try:
-            want = want_f.result()
-            for i in range(0, len(names), step):
-                slots, got = ahead.result()
-                j = i + step
-                ahead = self._readahead.submit(self._read, names[j:j + step]) \
-                    if j < len(names) else None
-                ok += self._verify(names[i:j], offsets[i:j], want[i:j], slots, got)
-        finally:
-            if ahead is not None:    # failed midway: the read in flight gives back its slots
-                ahead.add_done_callback(self._give_back)
-        return ok
+    def _store_inline(self, names: list[str], chunks: list[memoryview]) -> list[bool]:
+        """Bytes and checksum of each chunk in one object, from the G2 slots."""
+        def fill(sums):
+            for s, c in zip(sums, chunks):
+                s[:] = checksum(c)
+        return self._with_sums(self._backend.put_summed, names, chunks, fill, [],
+                               lambda part: self._forget(part))
 
-    def _read(self, names: list[str]) -> tuple[list[int] | None, list[int]]:
-        """Objects into staging: (staging slots, sizes), or no slots when
-        staging stayed full. Raises ``BackendDown``; a call abandoned past its
-        deadline keeps its slots until it ends."""
-        slots = self._staging.take(len(names), self.guard.timeout_s)
-        if slots is None:
-            return None, []
-        try:
-            got = self.guard.call(self._backend.get_chunks, names,
-                                  [self._staging.slot(s) for s in slots],
-                                  nbytes=len(names) * self._chunk,
-                                  on_abandoned=lambda _: self._staging.give(slots))
-        except BackendDown as e:
-            if not e.abandoned:
-                self._staging.give(slots)
-            raise
-        except BaseException:
-            self._staging.give(slots)
-            raise
-        return slots, got
-
-    def _give_back(self, fut: Future) -> None:
-        if not fut.cancelled() and fut.exception() is None:
-            slots, _ = fut.result()
-            if slots is not None:
-                self._staging.give(slots)
-
-    def _verify(self, names: list[str], offsets: list[int], want: list[bytes | None],
-                slots: list[int] | None, got: list[int]) -> list[bool]:
-        """Copies each staged chunk whose bytes match its checksum object
-        into its G2 slot; unlists the ones that are there but wrong."""
-        if slots is None:
-            return [False] * len(names)
+    def _load_inline(self, names: list[str], offsets: list[int]) -> list[bool]:
+        """Straight into the G2 slots vLLM reserved, verified there against
+        the checksums read with them. The slots stay in quarantine while the
+        call runs, past its deadline too; a slot that fails is reported
+        failed and never becomes loadable."""
+        slots = self._chunks(offsets)
+        got = self._with_sums(self._backend.get_summed, names, slots, None,
+                              [o // self._chunk for o in offsets], None)
         ok, broken = [], []
-        try:
-            for name, off, w, size, s in zip(names, offsets, want, got, slots):
-                buf = self._staging.slot(s)
-                good = size == len(buf) and w is not None and w == checksum(buf)
-                if size >= 0 and not good:       # there, but short, long or different
-                    broken.append(name)
-                if good:
-                    self._region[off:off + self._chunk] = buf
-                ok.append(good)
-        finally:
-            self._staging.give(slots)
+        for name, (size, want), slot in zip(names, got, slots):
+            good = size == len(slot) and want == checksum(slot)
+            if size >= 0 and not good:           # there, but short, long or different
+                broken.append(name)
+            ok.append(good)
         self._unlist(broken)
         return ok
+
+    def _with_sums(self, fn, names: list[str], chunks: list[memoryview], fill,
+                   held: list[int], on_late) -> list:
+        """``fn(names, chunks, sums)`` of an inline-sum backend, in parts of at
+        most a quarter of the checksum slots: ``fill(sums)`` first, for a put;
+        the G2 slots ``held`` (one per chunk, for a read) stay in quarantine
+        until the call ends. A call past its deadline keeps its checksum and
+        G2 slots until it ends, then ``on_late(its names)`` runs. Per chunk:
+        a put's result, or a read's (size, checksum bytes); a part with no
+        free checksum slots fails."""
+        out: list = []
+        step = self._sums.slots // 4
+        for i in range(0, len(names), step):
+            part, bufs, hold = names[i:i + step], chunks[i:i + step], held[i:i + step]
+            taken = self._sums.take(len(part), self.guard.timeout_s)
+            if taken is None:       # every slot kept by calls past their deadline
+                out += [False if fill else (-1, b"")] * len(part)
+                continue
+            sums = [self._sums.slot(t) for t in taken]
+            if fill:
+                fill(sums)
+            self.quarantine.hold(hold)
+
+            def end(late: bool, part=part, taken=taken, hold=hold) -> None:
+                if late and on_late is not None:
+                    on_late(part)
+                self.quarantine.release(hold)
+                self._sums.give(taken)
+            abandoned = False
+            try:
+                got = self.guard.call(fn, part, bufs, sums, nbytes=len(part) * self._chunk,
+                                      on_abandoned=lambda _, end=end: end(True))
+                out += got if fill else [(size, bytes(s)) for size, s in zip(got, sums)]
+            except BackendDown as e:
+                abandoned = e.abandoned
+                raise
+            finally:
+                if not abandoned:
+                    end(False)
+        return out
 
     def _unlist(self, broken: list[str]) -> None:
         if broken:
             logger.warning("sessionkv: %d G3 objects unreadable or failing their checksum "
                            "(%s...): recomputing, and unlisting them", len(broken), broken[0])
-            self._forget([n for b in broken for n in (b + SUM_SUFFIX, b)])
+            self._forget([n for b in broken for n in reversed(self._objects(b))])
 
 
 def spec_identity(spec: "OffloadingSpec", chunk_bytes: int) -> dict:

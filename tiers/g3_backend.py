@@ -1,6 +1,7 @@
-"""The G3 object contract (``ObjectBackend``) and the checksum objects every
-G3 tier writes next to its chunks. See ``tiers/g3.py`` for how the tier uses
-them; ``tiers/mooncake.py``, ``redis.py`` and ``lmcache.py`` implement it.
+"""The G3 object contract (``ObjectBackend``) and the checksum every G3 tier
+keeps with each chunk: in a checksum object next to the chunk's, or in the
+chunk's own object (``inline_sums``). See ``tiers/g3.py`` for how the tier
+uses them; ``tiers/mooncake.py``, ``redis.py`` and ``lmcache.py`` implement it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,27 @@ class ObjectBackend(ABC):
     Calls may hang: the tier runs them on its own threads with deadlines, and
     may call them from several threads at once.
     """
+
+    #: Each chunk's checksum travels in the chunk's own object: the chunk's
+    #: bytes, then ``SUM.size`` bytes of checksum, written and read in the same
+    #: call (scatter/gather: ``put_summed``, ``get_summed``). No checksum objects;
+    #: lookups ask for the data object, which the backend makes visible only
+    #: once whole; loads read straight into G2 slots, held in quarantine while
+    #: a call past its deadline may still write them.
+    inline_sums: ClassVar[bool] = False
+
+    def put_summed(self, names: Sequence[str], bufs: Sequence[memoryview],
+                   sums: Sequence[memoryview]) -> list[bool]:
+        """Store each buffer followed by its checksum as the named object
+        (``inline_sums``); ``sums`` lie in a registered buffer."""
+        raise NotImplementedError
+
+    def get_summed(self, names: Sequence[str], bufs: Sequence[memoryview],
+                   sums: Sequence[memoryview]) -> list[int]:
+        """Read each named object into ``bufs[i]`` and, after it, ``sums[i]``
+        (``inline_sums``): per item the object's size less ``len(sums[i])``
+        (equal to ``len(bufs[i])`` when the whole object arrived), or -1."""
+        raise NotImplementedError
 
     #: ``get_small`` returns buffers of the backend's own for objects of any
     #: size: loads then read data and checksum objects in one call and copy

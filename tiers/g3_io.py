@@ -1,10 +1,11 @@
-"""What G3 backend calls run under: deadlines and a breaker (``Guard``), and
-the staging buffers loads read into (``Staging``). See ``tiers/g3.py`` for
-the rules they implement.
+"""What G3 backend calls run under: deadlines and a breaker (``Guard``), the
+small registered buffers calls read and write checksums in (``Staging``),
+and the G2 slots a call past its deadline may still write (``Quarantine``).
+See ``tiers/g3.py`` for the rules they implement.
 
 Threading: ``Guard.call`` from any thread (it blocks its caller, never the
 scheduler: the tier calls it from its I/O threads and the lookup thread);
-``Staging`` from any thread.
+``Staging`` and ``Quarantine`` from any thread.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import heapq
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -57,6 +58,12 @@ class Guard:
         self._in_a_row = 0
         self._abandoned = 0              # calls past their deadline, still running
         self.trips = 0
+
+    @property
+    def abandoned(self) -> int:
+        """Calls past their deadline that are still running."""
+        with self._lock:
+            return self._abandoned
 
     @property
     def down(self) -> bool:
@@ -140,9 +147,77 @@ class Guard:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+class Quarantine:
+    """G2 slots that a backend call may still write into.
+
+    A load that reads straight into G2 slots ``hold``s them before its call
+    and ``release``s them when the call ends, in time or long after its
+    deadline. The primary tier (G2) frees slots through ``park``: a held slot
+    is kept out of its free list until released, then handed back by
+    ``reclaim``; ``reset`` does the same for every held slot when G2 is
+    cleared. So vLLM never gives a slot to new KV while a late read can still
+    overwrite it.
+
+    Threading: ``hold``/``release`` from the tier's threads; ``park``,
+    ``reclaim`` and ``reset`` from the primary tier's owner (under its lock).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._held: dict[int, int] = {}     # slot -> calls holding it
+        self._parked: set[int] = set()      # held slots G2 has freed
+        self._returned: list[int] = []      # parked slots released, not reclaimed yet
+
+    @property
+    def held(self) -> set[int]:
+        with self._lock:
+            return set(self._held)
+
+    def hold(self, slots: Iterable[int]) -> None:
+        with self._lock:
+            for s in slots:
+                self._held[s] = self._held.get(s, 0) + 1
+
+    def release(self, slots: Iterable[int]) -> None:
+        with self._lock:
+            for s in slots:
+                left = self._held[s] - 1
+                if left:
+                    self._held[s] = left
+                    continue
+                del self._held[s]
+                if s in self._parked:
+                    self._parked.discard(s)
+                    self._returned.append(s)
+
+    def park(self, slot: int) -> bool:
+        """True when ``slot`` is held: it is the quarantine's until released."""
+        with self._lock:
+            if slot not in self._held:
+                return False
+            self._parked.add(slot)
+            return True
+
+    def reclaim(self) -> list[int]:
+        """Parked slots released since the last call: free again."""
+        with self._lock:
+            out, self._returned = self._returned, []
+            return out
+
+    def reset(self) -> set[int]:
+        """G2 was cleared: every held slot is parked; returns them (the free
+        list must leave them out). Released, unreclaimed slots are dropped:
+        the cleared free list has them already."""
+        with self._lock:
+            self._returned = []
+            self._parked = set(self._held)
+            return set(self._held)
+
+
 class Staging:
-    """Registered host buffers that loads copy into before verification.
-    ``take`` blocks (an I/O thread) until enough slots are free."""
+    """Registered host buffers of fixed-size slots that backend calls read
+    into or write from. ``take`` blocks (an I/O thread) until enough slots
+    are free; a call past its deadline keeps its slots until it ends."""
 
     def __init__(self, slots: int, chunk: int):
         self.buffer = np.empty((slots, chunk), np.uint8)

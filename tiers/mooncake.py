@@ -10,9 +10,14 @@ In ``kv_connector_extra_config``::
 The engine mounts no storage of its own (``global_segment_size`` 0): capacity
 comes from standalone store processes (``mooncake_client``, started by
 ``scripts/services``), so objects outlive any engine. The G2 host region is
-registered once (``register_buffer``), as is the tier's staging buffer, and
-chunks move with the zero-copy batch calls (``batch_put_from``,
-``batch_get_into``).
+registered once (``register_buffer``), as are the tier's checksum slots,
+and chunks move with the zero-copy scatter/gather batch calls
+(``batch_put_from_multi_buffers``, ``batch_get_into_multi_buffers``): each
+object is the chunk's bytes followed by their 16-byte checksum
+(``inline_sums``), so a load is one batch call straight into G2 and no
+checksum objects are read or written. (Measured here, 64 x 1 MiB: reading
+separate checksum objects added 30 % to the read, the trailer nothing; a
+checksum *before* the bytes made puts 40 % slower: the bytes land unaligned.)
 
 Mooncake's own behaviour under faults (0.3.13, measured): a stopped master
 makes ``is_exist`` wait 30 s and answer -901; a killed one answers -900 at
@@ -87,6 +92,26 @@ class MooncakeBackend(ObjectBackend):
                                          [len(b) for b in bufs])
         return [rc if rc > 0 else -1 for rc in rcs]
 
+    inline_sums = True
+
+    def put_summed(self, names: Sequence[str], bufs: Sequence[memoryview],
+                   sums: Sequence[memoryview]) -> list[bool]:
+        rcs = self._scatter_gather(self._store.batch_put_from_multi_buffers, names, bufs, sums)
+        return [rc == 0 or rc == OBJECT_ALREADY_EXISTS for rc in rcs]
+
+    def get_summed(self, names: Sequence[str], bufs: Sequence[memoryview],
+                   sums: Sequence[memoryview]) -> list[int]:
+        rcs = self._scatter_gather(self._store.batch_get_into_multi_buffers, names, bufs, sums)
+        return [rc - len(s) if rc >= len(s) else -1 for rc, s in zip(rcs, sums)]
+
+    @staticmethod
+    def _scatter_gather(call, names, bufs, sums) -> list[int]:
+        """One object per name: its buffer, then its checksum (two parts)."""
+        if not names:
+            return []
+        return call(list(names), [[address_of(b), address_of(s)] for b, s in zip(bufs, sums)],
+                    [[len(b), len(s)] for b, s in zip(bufs, sums)])
+
     def put_small(self, names: Sequence[str], values: Sequence[bytes]) -> list[bool]:
         if not names:
             return []
@@ -105,7 +130,8 @@ class MooncakeBackend(ObjectBackend):
                 for rc in self._store.batch_remove(list(names), True)]
 
     # Mooncake pins when an object is put or upserted (a soft pin with its own
-    # TTL; the master must run with --allow_evict_soft_pinned_objects=false).
+    # TTL; the master must run with --allow_evict_soft_pinned_objects=false),
+    # so a pin rewrites each object whole: ``values`` are bytes and checksum.
     # Never hard pins: they do not expire.
     pin_needs_bytes = True
 
@@ -116,10 +142,6 @@ class MooncakeBackend(ObjectBackend):
         cfg = ReplicateConfig()
         cfg.soft_pin_action = SoftPinAction.ENABLE
         cfg.soft_pin_ttl_ms = max(1, int(ttl_s * 1000))
-        if all(isinstance(v, memoryview) for v in values):      # G2 slots: zero-copy
-            rcs = self._store.batch_upsert_from(list(names), [address_of(v) for v in values],
-                                                [len(v) for v in values], cfg)
-            return [rc == 0 for rc in rcs]
         ok = self._store.upsert_batch(list(names), [bytes(v) for v in values], cfg) == 0
         return [ok] * len(names)
 

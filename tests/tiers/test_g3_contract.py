@@ -17,7 +17,7 @@ from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
-from sessionkv.tiers.g3 import SUM_SUFFIX, standalone_spec
+from sessionkv.tiers.g3 import SUM_SUFFIX, checksum, standalone_spec
 
 from conftest import MODELS
 
@@ -161,6 +161,20 @@ def run(tier, keys, slots, promotion):
     return result
 
 
+def plant(tier, key, data, like):
+    """Replace ``key``'s object(s) by ``data`` with the checksum of ``like``,
+    as the tier would have written them."""
+    b, name = tier._backend, tier.name(key)
+    assert b.remove(tier.objects(key)) == [True] * len(tier.objects(key))
+    if b.inline_sums:
+        sum_ = np.frombuffer(checksum(like), np.uint8).copy()
+        b.register(memoryview(sum_))
+        assert b.put_summed([name], [memoryview(data)], [memoryview(sum_)]) == [True]
+    else:
+        assert b.put_chunks([name], [memoryview(data)]) == [True]
+        assert b.put_small([name + SUM_SUFFIX], [checksum(like)]) == [True]
+
+
 def fill(region, slots, seed):
     rng = np.random.default_rng(seed)
     for s in slots:
@@ -190,9 +204,8 @@ def test_a_second_engine_with_the_same_identity_reads_the_objects(make):
     assert np.array_equal(region_b[5], region_a[0])
 
 
-def test_a_load_read_in_parts_copies_each_chunk_to_its_slot(make):
-    # Staging of 4 chunks: the load reads 2 at a time, one part ahead.
-    tier, region = make(staging_chunks=4)
+def test_a_load_with_a_gap_copies_each_chunk_to_its_slot(make):
+    tier, region = make()
     fill(region, range(7), seed=12)
     assert run(tier, KEYS[:7], range(7), False).success
     fill(region, range(8, 16), seed=98)                    # poison the destination
@@ -201,7 +214,7 @@ def test_a_load_read_in_parts_copies_each_chunk_to_its_slot(make):
     assert not res.success and list(res.successful_keys) == KEYS[:7]
     assert np.array_equal(region[8:11], region[0:3])
     assert np.array_equal(region[12:16], region[3:7])
-    assert tier._staging.free == 4                         # every staging slot came back
+    assert tier.quarantine.held == set()                   # no G2 slot kept from vLLM
 
 
 def test_moves_outside_the_job_table_copy_and_report_through_done(make):
@@ -282,10 +295,40 @@ def test_mooncake_soft_pins_survive_eviction(tmp_path):
             backend.put_small([f"pins/filler-{i}"], [filler.tobytes()])
             time.sleep(0.02)
         time.sleep(2)
-        names = [tier.name(k) for k in KEYS[:4]]
-        there = backend.exists(names + [n + SUM_SUFFIX for n in names])
-        assert there[:2] == [True, True] and there[4:6] == [True, True]
-        assert not all(there[2:4] + there[6:8]), "nothing was evicted: the test proves nothing"
+        there = [all(backend.exists(tier.objects(k))) for k in KEYS[:4]]
+        assert there[:2] == [True, True]
+        assert not all(there[2:4]), "nothing was evicted: the test proves nothing"
+    finally:
+        tier.shutdown()
+        store.stop()
+        master.stop()
+
+
+def test_mooncake_a_read_past_its_deadline_keeps_its_g2_slots_until_it_ends(tmp_path):
+    # Mooncake reads straight into G2: a read from a stopped store process
+    # runs on past the tier's deadline (MC_TCP_PROGRESS_TIMEOUT_SEC, 5 s here).
+    import signal
+    from sessionkv.services import start_mooncake
+    ports, master, store = start_mooncake(tmp_path)
+    region = np.zeros((N_CHUNKS, CHUNK), np.uint8)
+    tier = Mooncake.tier(ports, spec(), memoryview(region), "late", timeout_s=0.5, retry_s=0.3)
+    try:
+        fill(region, [0, 1], seed=17)
+        assert run(tier, KEYS[:2], [0, 1], False).success
+        assert look(tier, KEYS[0]) is LookupResult.HIT
+        store.signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            res = run(tier, KEYS[:2], [4, 5], True)
+            assert not res.success and not res.successful_keys
+            assert time.monotonic() - t0 < 3.0
+            assert tier.quarantine.held == {4, 5}            # vLLM must not reuse them
+        finally:
+            store.signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while tier.quarantine.held:                          # the read ended: given back
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
     finally:
         tier.shutdown()
         store.stop()
@@ -315,11 +358,8 @@ def test_corrupted_bytes_fail_the_checksum(make):
     tier, region = make()
     fill(region, [0, 1], seed=5)
     assert run(tier, KEYS[:2], [0, 1], False).success
-    name = tier.name(KEYS[0])
-    backend = tier._backend
-    assert backend.remove([name]) == [True]
     fill(region, [3], seed=6)                              # other bytes of the right size
-    assert backend.put_chunks([name], [memoryview(region[3])]) == [True]
+    plant(tier, KEYS[0], region[3], like=region[0])        # with the right checksum
     res = run(tier, KEYS[:2], [8, 9], True)
     assert not res.success and list(res.successful_keys) == [KEYS[1]]
     # No second promotion of the bad chunk, here or in another engine.
@@ -333,14 +373,16 @@ def test_short_objects_and_missing_checksums_are_misses(make):
     tier, region = make()
     fill(region, [0, 1], seed=7)
     assert run(tier, KEYS[:2], [0, 1], False).success
-    backend = tier._backend
-    name0, name1 = tier.name(KEYS[0]), tier.name(KEYS[1])
-    assert backend.remove([name0]) == [True]
-    assert backend.put_chunks([name0], [memoryview(region[0])[:CHUNK // 2]]) == [True]  # short
-    assert backend.remove([name1 + SUM_SUFFIX]) == [True]                   # no checksum
-    assert look(tier, KEYS[1]) is LookupResult.MISS
-    res = run(tier, KEYS[:2], [8, 9], True)
-    assert not res.success and not res.successful_keys
+    plant(tier, KEYS[0], region[0][:CHUNK // 2], like=region[0])           # short
+    if tier._backend.inline_sums:        # the checksum is in the object: never missing
+        res = run(tier, KEYS[:1], [8], True)
+        assert not res.success and not res.successful_keys
+    else:
+        name1 = tier.name(KEYS[1])
+        assert tier._backend.remove([name1 + SUM_SUFFIX]) == [True]         # no checksum
+        assert look(tier, KEYS[1]) is LookupResult.MISS
+        res = run(tier, KEYS[:2], [8, 9], True)
+        assert not res.success and not res.successful_keys
     assert look(tier, KEYS[0]) is LookupResult.MISS
 
 
@@ -397,6 +439,6 @@ def test_a_hung_backend_costs_deadlines_then_recovers(faulty):
     res = run(tier, KEYS[1:2], [9], True)
     assert res.success and np.array_equal(region[9], region[1])
     deadline = time.monotonic() + 10
-    while tier._staging.free < tier._staging.slots:             # abandoned reads gave back
-        assert time.monotonic() < deadline, tier._staging.free
+    while tier.quarantine.held or (tier._sums and tier._sums.free < tier._sums.slots):
+        assert time.monotonic() < deadline, tier.quarantine.held     # abandoned reads ended
         time.sleep(0.1)
