@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -39,6 +40,10 @@ def free_port() -> int:
 class ServerProcess:
     """A running OpenAI server; ``stop()`` (or the context manager) ends it.
 
+    The server runs in a process group of its own: ``stop`` and ``kill`` end
+    the whole group, so an engine core the server started in a child process
+    never outlives it.
+
     Raises ``RuntimeError`` with the server's whole log when it exits during
     start, ``TimeoutError`` when it is not healthy in time.
     """
@@ -52,7 +57,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -77,14 +82,20 @@ class ServerProcess:
         r.raise_for_status()
         return r.json() if r.content else None
 
+    def kill(self) -> None:
+        """SIGKILL to the server and every process of its group: no goodbye."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                pass
+        self.kill()                 # what is left of the group, the server too if it hung
         self.log.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.log.name)

@@ -114,8 +114,7 @@ def test_overlap_routing_then_failover(cluster):
         t.start()
         wait_for(lambda: worker_status(router, victim)["engine_load"] >= 1,
                  "the long turn to run on its engine")
-        servers[victim].proc.kill()                   # SIGKILL: no goodbye
-        servers[victim].proc.wait()
+        servers[victim].kill()                        # SIGKILL: no goodbye
         t.join(300)
         assert result.get("worker") == survivor, result
         outs["s0"].append(result["out"])
