@@ -276,18 +276,22 @@ class AsyncHintClient(_Protocol):
         self._sock: zmq.asyncio.Socket | None = None
         self._waiting: dict[int, Any] = {}
         self._reader = None
+        self._sending = asyncio.Lock()
 
     async def call(self, op: str, **fields: Any) -> wire.ControlReply:
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.connect(self.endpoint)
-        counter, frames = self._frames(op, **fields)
-        fut = asyncio.get_running_loop().create_future()
-        self._waiting[counter] = fut
-        if self._reader is None or self._reader.done():
-            self._reader = asyncio.ensure_future(self._read())
-        await self._sock.send_multipart(frames)
+        # Frames leave in counter order (the engine refuses a counter below
+        # one it has seen), even when concurrent calls wait to send.
+        async with self._sending:
+            counter, frames = self._frames(op, **fields)
+            fut = asyncio.get_running_loop().create_future()
+            self._waiting[counter] = fut
+            if self._reader is None or self._reader.done():
+                self._reader = asyncio.ensure_future(self._read())
+            await self._sock.send_multipart(frames)
         try:
             return await asyncio.wait_for(fut, self._timeout_ms / 1000)
         except asyncio.TimeoutError:

@@ -30,6 +30,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import uuid
 from collections import OrderedDict
 from typing import Any
 
@@ -100,7 +102,12 @@ class Worker:
         if endpoint is None:
             with open(self.cfg.endpoint_file, encoding="utf-8") as f:
                 endpoint = json.load(f)["control"]
-        self.control = AsyncHintClient(endpoint, self._secret, client_id=f"router-{self.name}")
+        # One client id per router process: the engine accepts each client's
+        # counters only growing, so two routers (or a restarted one next to
+        # its predecessor's last frames) must not share one.
+        self.control = AsyncHintClient(
+            endpoint, self._secret,
+            client_id=f"router-{self.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self._seq = (await self.control.events(1 << 62, 0)).next_seq - 1
         await self._verify_hashing()
         await self._catch_up_index(0, self._seq)
