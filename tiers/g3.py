@@ -460,10 +460,10 @@ class G3Tier(SecondaryTierManager):
         backend's reads end by their deadline (``bounded_reads``), so none
         writes after this returns. A slot that fails is reported failed and
         never becomes loadable."""
+        want = self.guard.call(self._backend.get_small, [n + SUM_SUFFIX for n in names])
         slots = self._chunks(offsets)
-        got, want = self.guard.call_bounded(self._backend.get_chunks_by, names, slots,
-                                            [n + SUM_SUFFIX for n in names],
-                                            nbytes=len(names) * self._chunk)
+        got = self.guard.call_bounded(self._backend.get_chunks_by, names, slots,
+                                      nbytes=len(names) * self._chunk)
         ok, broken = [], []
         for name, w, size, slot in zip(names, want, got, slots):
             good = size == len(slot) and w is not None and w == checksum(slot)

@@ -92,16 +92,14 @@ class ObjectBackend(ABC):
     def remove(self, names: Sequence[str]) -> list[bool]:
         """Delete objects; True where the object is gone (or never was)."""
 
-    #: ``get_chunks_by(names, bufs, small, deadline)`` exists and returns (or
-    #: raises) by the monotonic ``deadline``, writing nothing after: loads
-    #: then read straight into G2 slots, verify them there, and need no copy.
+    #: ``get_chunks_by(names, bufs, deadline)`` exists and returns (or raises)
+    #: by the monotonic ``deadline``, writing nothing after: loads then read
+    #: straight into G2 slots, verify them there, and need no staging copy.
     bounded_reads: ClassVar[bool] = False
 
     def get_chunks_by(self, names: Sequence[str], bufs: Sequence[memoryview],
-                      small: Sequence[str], deadline: float
-                      ) -> tuple[list[int], list[bytes | None]]:
-        """``get_chunks`` and ``get_small(small)`` in one exchange that ends by
-        ``deadline`` (``bounded_reads``): (sizes, small objects)."""
+                      deadline: float) -> list[int]:
+        """``get_chunks`` that ends by ``deadline`` (``bounded_reads``)."""
         raise NotImplementedError
 
     #: A Pin hint's G3 side. ``pin_needs_bytes``: the backend pins by

@@ -182,27 +182,29 @@ class LMCacheBackend(ObjectBackend):
     bounded_reads = True
 
     def get_chunks_by(self, names: Sequence[str], bufs: Sequence[memoryview],
-                      small: Sequence[str], deadline: float
-                      ) -> tuple[list[int], list[bytes | None]]:
-        # One pipelined exchange: the small objects' replies come first.
-        k = len(small)
-
-        def into(i, sock, length):
-            if i < k:
-                return _read_small(sock, length, deadline)
-            return _read_chunk(sock, length, bufs[i - k], deadline)
-        out = self._get(list(small) + list(names), into, deadline)
-        return out[k:], out[:k]
+                      deadline: float) -> list[int]:
+        return self._get_chunks(names, bufs, deadline)
 
     def _get_chunks(self, names, bufs, deadline: float | None) -> list[int]:
-        return self._get(names, lambda i, sock, length: _read_chunk(sock, length, bufs[i],
-                                                                    deadline), deadline)
+        def into(i, sock, length):
+            if length == len(bufs[i]):
+                read_into(sock, bufs[i], deadline)
+            elif length > 0:        # the wrong size: read past it
+                read_into(sock, memoryview(bytearray(length)), deadline)
+            return length if length > 0 else -1
+        return self._get(names, into, deadline)
 
     def put_small(self, names: Sequence[str], values: Sequence[bytes]) -> list[bool]:
         return self._put(names, values)
 
     def get_small(self, names: Sequence[str]) -> list[bytes | None]:
-        return self._get(names, lambda i, sock, length: _read_small(sock, length, None))
+        def into(i, sock, length):
+            if length <= 0:
+                return None
+            buf = bytearray(length)
+            read_into(sock, memoryview(buf))
+            return bytes(buf)
+        return self._get(names, into)
 
     def remove(self, names: Sequence[str]) -> list[bool]:
         return self._put(names, [b""] * len(names))
@@ -218,25 +220,6 @@ class LMCacheBackend(ObjectBackend):
                 return
             if sock is not None:
                 sock.close()
-
-
-def _read_chunk(sock: socket.socket, length: int, buf: memoryview,
-                deadline: float | None) -> int:
-    """A GET reply's bytes into ``buf``: its length, or -1 (none)."""
-    if length == len(buf):
-        read_into(sock, buf, deadline)
-    elif length > 0:        # the wrong size: read past it
-        read_into(sock, memoryview(bytearray(length)), deadline)
-    return length if length > 0 else -1
-
-
-def _read_small(sock: socket.socket, length: int, deadline: float | None) -> bytes | None:
-    """A GET reply's bytes, or None (none)."""
-    if length <= 0:
-        return None
-    buf = bytearray(length)
-    read_into(sock, memoryview(buf), deadline)
-    return bytes(buf)
 
 
 def health(url: str, timeout_s: float = 1.0) -> bool:
