@@ -37,14 +37,18 @@ SIZES = (64 << 10, 1 << 20, 16 << 20)
 
 def rates(variants: dict, nbytes: int, repeat: int) -> dict[str, float]:
     """Best MB/s of each variant over ``repeat`` rounds; each round runs every
-    variant once, in turn (drift on a noisy machine hits them alike). A
+    variant once, in turn, the first one rotating (drift on a noisy machine
+    hits them alike). A
     variant is ``(run, cleanup)``; cleanup runs untimed after each run. With
     a tier and a raw+checksum variant, also ``tier_over_raw_checksum``: the
     median over rounds of their ratio within the round (pairs measured side
     by side vary less than the best of each)."""
     per = {name: [] for name in variants}
-    for _ in range(repeat):
-        for name, (fn, cleanup) in variants.items():
+    order = list(variants.items())
+    for r in range(repeat):
+        # Each round starts with another variant: a slow phase of the
+        # backend (a Python server's allocator, say) hits no one position.
+        for name, (fn, cleanup) in order[r % len(order):] + order[:r % len(order)]:
             t0 = time.perf_counter()
             fn()
             per[name].append(nbytes / (time.perf_counter() - t0) / 1e6)

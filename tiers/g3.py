@@ -8,21 +8,23 @@ host buffers.
 
 Objects, per chunk (``OffloadKey`` = the chunk's last block key)::
 
-    <namespace>/<fingerprint>/<key hex>        the chunk's bytes
+    <namespace>/<fingerprint>/<key hex>        the chunk's bytes (then, with
+                                               ``inline_sums``, its checksum)
     <namespace>/<fingerprint>/<key hex>.sum    16 bytes: xxh3-64 and length
+                                               (``sum_objects``)
 
-or, where the backend keeps the checksum in the chunk's own object
-(``inline_sums``: Mooncake), one object: the chunk's bytes, then the 16.
-The fingerprint (``tiers.fingerprint``) makes engines whose bytes are not
-interchangeable miss each other. The checksum object is written only after
-its data object was stored, and is what lookups ask for (the data object
-itself, with inline checksums).
+Mooncake keeps the checksum inline only, Redis in checksum objects only,
+LMCache both (its server has no cheap existence call: lookups read the small
+object, loads only the data object). The fingerprint (``tiers.fingerprint``)
+makes engines whose bytes are not interchangeable miss each other. The
+checksum object is written only after its data object was stored, and is
+what lookups and stores ask for (else the data object itself).
 
 Never wrong KV. A load verifies the bytes against their checksum before the
 chunk counts as loaded: bytes read into buffers of the backend's own
 (``owned_reads``) are verified and then copied into the G2 slot; bytes read
-straight into the G2 slot (``bounded_reads``, ``inline_sums``) are verified
-there, and a failed slot is never made readable. A chunk whose checksum is
+straight into the G2 slot (``inline_sums``) are verified there, and a failed
+slot is never made readable. A chunk whose checksum is
 missing, or whose data is missing, short or different, fails its load and
 vLLM recomputes it. A chunk that failed is a
 miss in this engine for ``MISS_AFTER_FAILURE_S`` (vLLM would promote it again
@@ -149,7 +151,14 @@ class G3Tier(SecondaryTierManager):
         self._backend = backend
         self._inline = backend.inline_sums
         # What lookups ask for: the checksum object, or the data object itself.
-        self._listing = "" if self._inline else SUM_SUFFIX
+        self._listing = SUM_SUFFIX if backend.sum_objects else ""
+        if not (self._inline or backend.owned_reads) or not (self._inline or self._listing):
+            raise TypeError(f"{type(backend).__name__}: a backend keeps checksums inline "
+                            "(inline_sums) or in checksum objects it reads with its data "
+                            "(sum_objects, owned_reads)")
+        if backend.pin_needs_bytes and self._listing:
+            raise TypeError(f"{type(backend).__name__}: pins that rewrite objects "
+                            "(pin_needs_bytes) need inline checksums, no checksum objects")
         self._sums = Staging(SUM_SLOTS, SUM.size) if self._inline else None
         backend.register(self._region)
         if self._sums is not None:
@@ -191,7 +200,7 @@ class G3Tier(SecondaryTierManager):
         return self._objects(self.name(key))
 
     def _objects(self, name: str) -> list[str]:
-        return [name] if self._inline else [name, name + SUM_SUFFIX]
+        return [name, name + SUM_SUFFIX] if self._listing else [name]
 
     # ---- vLLM's contract (scheduler thread) ------------------------------------
 
@@ -360,23 +369,15 @@ class G3Tier(SecondaryTierManager):
 
     def _pin(self, names: list[str], offsets: list[int] | None, ttl_s: float) -> list[bool]:
         b, g = self._backend, self.guard
-        sums = [n + SUM_SUFFIX for n in names]
-        if b.pin_needs_bytes:
+        if b.pin_needs_bytes:       # bytes and checksum, copied: G2 may change after
             if offsets is None:
                 raise ValueError(f"{self.tier_type}: pinning rewrites objects: G2 slots needed")
-            chunks = self._chunks(offsets)
-            if self._inline:        # bytes and checksum, copied: G2 may change after
-                ok = g.call(b.pin, names, ttl_s, [bytes(c) + checksum(c) for c in chunks],
-                            nbytes=len(names) * self._chunk)
-                return self._pinned(names, ok, ttl_s)
-            # Rewritten from G2 like a store: a late call may read a reused slot.
-            data = g.call(b.pin, names, ttl_s, chunks, nbytes=len(names) * self._chunk,
-                          on_abandoned=lambda _: self._forget(names))
-            listed = g.call(b.pin, sums, ttl_s, [checksum(c) for c in chunks])
-        else:
-            both = g.call(b.pin, names + sums, ttl_s, None)
-            data, listed = both[:len(names)], both[len(names):]
-        return self._pinned(names, [d and s for d, s in zip(data, listed)], ttl_s)
+            ok = g.call(b.pin, names, ttl_s, [bytes(c) + checksum(c) for c in self._chunks(offsets)],
+                        nbytes=len(names) * self._chunk)
+            return self._pinned(names, ok, ttl_s)
+        per = len(self._objects(""))
+        got = g.call(b.pin, [o for n in names for o in self._objects(n)], ttl_s, None)
+        return self._pinned(names, [all(got[i:i + per]) for i in range(0, len(got), per)], ttl_s)
 
     def _pinned(self, names: list[str], ok: list[bool], ttl_s: float) -> list[bool]:
         if not self._backend.pin_lapses:
@@ -418,28 +419,35 @@ class G3Tier(SecondaryTierManager):
 
     def _store(self, names: list[str], offsets: list[int]) -> list[bool]:
         b, g = self._backend, self.guard
-        have = g.call(b.exists, [n + self._listing for n in names])
+        have = g.start(b.exists, [n + self._listing for n in names])
+        chunks = self._chunks(offsets)
+        sums = [checksum(c) for c in chunks]    # while the existence check runs
+        have = have()
         todo = [i for i, h in enumerate(have) if not h]
         ok = list(have)
         if not todo:
             return ok
-        todo_names = [names[i] for i in todo]
-        chunks = self._chunks([offsets[i] for i in todo])
+        names, chunks, sums = ([x[i] for i in todo] for x in (names, chunks, sums))
         if self._inline:
-            for j, stored in zip(todo, self._store_inline(todo_names, chunks)):
-                ok[j] = stored
-            return ok
-        sums = [checksum(c) for c in chunks]
-        # Zero-copy from G2: a put past its deadline may read a slot vLLM has
-        # reused. Its object then gets no checksum object (never listed), and
-        # is removed when the late put returns.
-        put = g.call(b.put_chunks, todo_names, chunks, nbytes=len(todo) * self._chunk,
-                     on_abandoned=lambda _: self._forget(todo_names))
-        stored = [j for j, p in enumerate(put) if p]
-        listed = g.call(b.put_small, [todo_names[j] + SUM_SUFFIX for j in stored],
-                        [sums[j] for j in stored])
-        for j, s in zip(stored, listed):
-            ok[todo[j]] = s
+            # A put past its deadline may read G2 slots vLLM has reused: its
+            # checksums were taken before, so such an object fails its load,
+            # and it is removed when the late put returns.
+            put = self._with_sums(b.put_summed, names, chunks, sums, [], self._forget)
+        else:
+            # Zero-copy from G2: a put past its deadline may read a slot vLLM
+            # has reused. Its object then gets no checksum object (never
+            # listed), and is removed when the late put returns.
+            put = g.call(b.put_chunks, names, chunks, nbytes=len(names) * self._chunk,
+                         on_abandoned=lambda _: self._forget(names))
+        if self._listing:           # written after the data: lookups find whole chunks
+            stored = [j for j, p in enumerate(put) if p]
+            listed = g.call(b.put_small, [names[j] + SUM_SUFFIX for j in stored],
+                            [sums[j] for j in stored])
+            put = [False] * len(put)
+            for j, done in zip(stored, listed):
+                put[j] = done
+        for i, done in zip(todo, put):
+            ok[i] = done
         return ok
 
     def _forget(self, names: list[str]) -> None:
@@ -449,29 +457,9 @@ class G3Tier(SecondaryTierManager):
             pass
 
     def _load(self, names: list[str], offsets: list[int]) -> list[bool]:
-        if self._backend.owned_reads:
-            return self._load_owned(names, offsets)
         if self._inline:
             return self._load_inline(names, offsets)
-        return self._load_direct(names, offsets)
-
-    def _load_direct(self, names: list[str], offsets: list[int]) -> list[bool]:
-        """Straight into the G2 slots vLLM reserved, then verified there: the
-        backend's reads end by their deadline (``bounded_reads``), so none
-        writes after this returns. A slot that fails is reported failed and
-        never becomes loadable."""
-        want = self.guard.call(self._backend.get_small, [n + SUM_SUFFIX for n in names])
-        slots = self._chunks(offsets)
-        got = self.guard.call_bounded(self._backend.get_chunks_by, names, slots,
-                                      nbytes=len(names) * self._chunk)
-        ok, broken = [], []
-        for name, w, size, slot in zip(names, want, got, slots):
-            good = size == len(slot) and w is not None and w == checksum(slot)
-            if size >= 0 and not good:           # there, but short, long or different
-                broken.append(name)
-            ok.append(good)
-        self._unlist(broken)
-        return ok
+        return self._load_owned(names, offsets)
 
     def _load_owned(self, names: list[str], offsets: list[int]) -> list[bool]:
         """Data and checksum objects in one ``get_small`` call, verified bytes
@@ -492,14 +480,6 @@ class G3Tier(SecondaryTierManager):
         self._unlist(broken)
         return ok
 
-    def _store_inline(self, names: list[str], chunks: list[memoryview]) -> list[bool]:
-        """Bytes and checksum of each chunk in one object, from the G2 slots."""
-        def fill(sums):
-            for s, c in zip(sums, chunks):
-                s[:] = checksum(c)
-        return self._with_sums(self._backend.put_summed, names, chunks, fill, [],
-                               lambda part: self._forget(part))
-
     def _load_inline(self, names: list[str], offsets: list[int]) -> list[bool]:
         """Straight into the G2 slots vLLM reserved, verified there against
         the checksums read with them. The slots stay in quarantine while the
@@ -517,16 +497,18 @@ class G3Tier(SecondaryTierManager):
         self._unlist(broken)
         return ok
 
-    def _with_sums(self, fn, names: list[str], chunks: list[memoryview], fill,
-                   held: list[int], on_late) -> list:
+    def _with_sums(self, fn, names: list[str], chunks: list[memoryview],
+                   values: list[bytes] | None, held: list[int], on_late) -> list:
         """``fn(names, chunks, sums)`` of an inline-sum backend, in parts of at
-        most a quarter of the checksum slots: ``fill(sums)`` first, for a put;
-        the G2 slots ``held`` (one per chunk, for a read) stay in quarantine
+        most a quarter of the checksum slots: a put's checksums (``values``)
+        are copied into the slots first; the G2 slots ``held`` (one per chunk,
+        for a read) stay in quarantine
         until the call ends. A call past its deadline keeps its checksum and
         G2 slots until it ends, then ``on_late(its names)`` runs. Per chunk:
         a put's result, or a read's (size, checksum bytes); a part with no
         free checksum slots fails."""
         out: list = []
+        fill = values is not None
         step = self._sums.slots // 4
         for i in range(0, len(names), step):
             part, bufs, hold = names[i:i + step], chunks[i:i + step], held[i:i + step]
@@ -536,7 +518,8 @@ class G3Tier(SecondaryTierManager):
                 continue
             sums = [self._sums.slot(t) for t in taken]
             if fill:
-                fill(sums)
+                for slot, value in zip(sums, values[i:i + step]):
+                    slot[:] = value
             self.quarantine.hold(hold)
 
             def end(late: bool, part=part, taken=taken, hold=hold) -> None:

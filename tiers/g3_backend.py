@@ -1,6 +1,6 @@
 """The G3 object contract (``ObjectBackend``) and the checksum every G3 tier
-keeps with each chunk: in a checksum object next to the chunk's, or in the
-chunk's own object (``inline_sums``). See ``tiers/g3.py`` for how the tier
+keeps with each chunk: in a checksum object next to the chunk's
+(``sum_objects``), in the chunk's own object (``inline_sums``), or both. See ``tiers/g3.py`` for how the tier
 uses them; ``tiers/mooncake.py``, ``redis.py`` and ``lmcache.py`` implement it.
 """
 
@@ -41,11 +41,16 @@ class ObjectBackend(ABC):
 
     #: Each chunk's checksum travels in the chunk's own object: the chunk's
     #: bytes, then ``SUM.size`` bytes of checksum, written and read in the same
-    #: call (scatter/gather: ``put_summed``, ``get_summed``). No checksum objects;
-    #: lookups ask for the data object, which the backend makes visible only
-    #: once whole; loads read straight into G2 slots, held in quarantine while
-    #: a call past its deadline may still write them.
+    #: call (scatter/gather: ``put_summed``, ``get_summed``). Loads read
+    #: straight into G2 slots and verify them there; the slots are held in
+    #: quarantine while a call past its deadline may still write them.
     inline_sums: ClassVar[bool] = False
+
+    #: Each chunk also has a checksum object (``name + SUM_SUFFIX``), written
+    #: after its data object: what lookups and stores ask for. Without it
+    #: (only with ``inline_sums``), they ask for the data object, which the
+    #: backend must make visible only once whole and must answer cheaply.
+    sum_objects: ClassVar[bool] = True
 
     def put_summed(self, names: Sequence[str], bufs: Sequence[memoryview],
                    sums: Sequence[memoryview]) -> list[bool]:
@@ -91,16 +96,6 @@ class ObjectBackend(ABC):
     @abstractmethod
     def remove(self, names: Sequence[str]) -> list[bool]:
         """Delete objects; True where the object is gone (or never was)."""
-
-    #: ``get_chunks_by(names, bufs, deadline)`` exists and returns (or raises)
-    #: by the monotonic ``deadline``, writing nothing after: loads then read
-    #: straight into G2 slots, verify them there, and need no staging copy.
-    bounded_reads: ClassVar[bool] = False
-
-    def get_chunks_by(self, names: Sequence[str], bufs: Sequence[memoryview],
-                      deadline: float) -> list[int]:
-        """``get_chunks`` that ends by ``deadline`` (``bounded_reads``)."""
-        raise NotImplementedError
 
     #: A Pin hint's G3 side. ``pin_needs_bytes``: the backend pins by
     #: rewriting the objects (``pin`` gets their bytes); ``pin_lapses``: the

@@ -84,6 +84,13 @@ class Guard:
         """``fn(*args)`` within its deadline, or ``BackendDown``. A call past
         its deadline keeps running; ``on_abandoned(result)`` runs when it
         ends (``None`` when it raised)."""
+        return self.start(fn, *args, nbytes=nbytes, on_abandoned=on_abandoned)()
+
+    def start(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0,
+              on_abandoned: Callable[[Any], None] | None = None) -> Callable[[], Any]:
+        """``call``, started now on a call thread: returns the function that
+        waits for its result (by the deadline counted from now), so the
+        caller can work meanwhile. Call that function exactly once."""
         if self.down:
             raise BackendDown(f"{self._name} is down")
         if not self._permits.acquire(blocking=False):
@@ -105,43 +112,33 @@ class Guard:
                 if late and on_abandoned is not None:
                     on_abandoned(result)
 
+        deadline = self.deadline(nbytes)
         fut = self._pool.submit(run)
-        try:
-            result = fut.result(self.timeout_s + nbytes / MIN_RATE)
-        except FutureTimeout:
-            with self._lock:
-                if not fut.done():
-                    state["abandoned"] = True
-                    self._abandoned += 1
-            if not state["abandoned"] and fut.exception() is None:   # made it after all
-                return fut.result()
-            self.trip(f"call {getattr(fn, '__name__', fn)} timed out")
-            raise BackendDown(f"{self._name}: no answer in time", abandoned=True) from None
-        except BackendDown:
-            raise
-        except Exception as e:
-            self.trip(f"call failed: {e!r}")
-            raise BackendDown(f"{self._name}: {e!r}") from e
-        self._in_a_row = 0
+
+        def result() -> Any:
+            try:
+                value = fut.result(max(deadline - self._clock(), 0.0))
+            except FutureTimeout:
+                with self._lock:
+                    if not fut.done():
+                        state["abandoned"] = True
+                        self._abandoned += 1
+                if not state["abandoned"] and fut.exception() is None:   # made it after all
+                    return fut.result()
+                self.trip(f"call {getattr(fn, '__name__', fn)} timed out")
+                raise BackendDown(f"{self._name}: no answer in time", abandoned=True) from None
+            except BackendDown:
+                raise
+            except Exception as e:
+                self.trip(f"call failed: {e!r}")
+                raise BackendDown(f"{self._name}: {e!r}") from e
+            self._in_a_row = 0
+            return value
         return result
 
     def deadline(self, nbytes: int = 0) -> float:
         """The monotonic time a call moving ``nbytes`` must end by."""
         return self._clock() + self.timeout_s + nbytes / MIN_RATE
-
-    def call_bounded(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0) -> Any:
-        """``fn(*args, deadline)`` in this thread, for calls that end by the
-        deadline they are given: never abandoned, so they may write into
-        buffers the caller reuses after. Failures trip the breaker as in ``call``."""
-        if self.down:
-            raise BackendDown(f"{self._name} is down")
-        try:
-            result = fn(*args, self.deadline(nbytes))
-        except Exception as e:
-            self.trip(f"call failed: {e!r}")
-            raise BackendDown(f"{self._name}: {e!r}") from e
-        self._in_a_row = 0
-        return result
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -23,16 +23,17 @@ Why our own client: LMCache's ``LMCServerConnector`` sends one request at a
 time through an asyncio loop and needs an LMCache engine's allocator; here a
 batch is one pipelined exchange per connection (all requests written, then
 the replies read in order: the server answers a connection's requests in
-order), chunks are sent straight from G2 and received straight into G2:
-every read of a load waits only until the load's deadline, so no read lands
-after the tier gave up (``bounded_reads``: no staging copy). A PUT has no reply: a batch of puts ends with a HEALTH
-request, whose reply says the server has taken every put before it.
+order), chunks are sent straight from G2 and received straight into G2,
+each followed by its checksum (``inline_sums``): a load reads no checksum
+objects. A PUT has no reply: a batch of puts ends with a HEALTH request,
+whose reply says the server has taken every put before it.
 
 What the server lacks, and what we do instead: it has no delete (``remove``
 overwrites with an empty object, and every read treats an empty object as
-absent, so ``exists`` reads the object: callers ask about checksum objects,
-16 bytes); it has no capacity limit or eviction (it keeps every object in one
-dict until it exits), so size its host for the working set. LMCache's other
+absent, so ``exists`` reads the object: the tier keeps a checksum object per
+chunk, 16 bytes, for lookups and stores to ask about, ``sum_objects``); it
+has no capacity limit or eviction (it keeps every object in one dict until
+it exits), so size its host for the working set. LMCache's other
 remote backends (``redis://``, ``mooncakestore://``) would put its asyncio
 client in front of stores we already reach natively (``tiers/redis.py``,
 ``tiers/mooncake.py``); ``resp://`` deadlocks on ``destroy()`` (DESIGN.md).
@@ -44,7 +45,6 @@ import hashlib
 import queue
 import socket
 import struct
-import time
 from collections.abc import Sequence
 from urllib.parse import urlparse
 
@@ -80,30 +80,40 @@ def header(command: int, name: str, length: int = 0) -> bytes:
     return REQUEST.pack(command, length, BINARY, UINT8, 0, length, 0, 0, 0, key)
 
 
-def read_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
-    """Fill ``view`` from the socket, or ``ConnectionError``; with
-    ``deadline``, ``TimeoutError`` rather than read after it."""
-    got = 0
-    while got < len(view):
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("lmcache read past its deadline")
-            sock.settimeout(left)
+def read_into(sock: socket.socket, *views: memoryview) -> None:
+    """Fill ``views``, in order, from the socket, or ``ConnectionError``."""
+    views = [v for v in views if len(v)]
+    while views:
         # The server writes a reply's header and its bytes separately with
         # Nagle on: a delayed ACK from us would hold the bytes back 40 ms.
         # Linux leaves quick-ACK mode by itself, so set it for every read.
         sock.setsockopt(socket.IPPROTO_TCP, QUICKACK, 1)
-        n = sock.recv_into(view[got:])
+        n = sock.recvmsg_into(views)[0]
         if n == 0:
             raise ConnectionError("lmcache server closed the connection")
-        got += n
+        while n:
+            if n < len(views[0]):
+                views[0] = views[0][n:]
+                break
+            n -= len(views.pop(0))
 
 
-def read_reply(sock: socket.socket, deadline: float | None = None) -> tuple[int, int]:
+def send_all(sock: socket.socket, *parts) -> None:
+    """Write ``parts``, in order, gathered (the socket may take them piecemeal)."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        n = sock.sendmsg(views)
+        while n:
+            if n < len(views[0]):
+                views[0] = views[0][n:]
+                break
+            n -= len(views.pop(0))
+
+
+def read_reply(sock: socket.socket) -> tuple[int, int]:
     """(code, length) of the next reply header."""
     buf = bytearray(REPLY.size)
-    read_into(sock, memoryview(buf), deadline)
+    read_into(sock, memoryview(buf))
     code, length = REPLY.unpack(buf)[:2]
     return code, length
 
@@ -137,27 +147,24 @@ class LMCacheBackend(ObjectBackend):
         self._idle.put(sock)
         return result
 
-    def _get(self, names: Sequence[str], into, deadline: float | None = None) -> list:
+    def _get(self, names: Sequence[str], into) -> list:
         """Pipelined GETs; ``into(i, sock, length)`` reads item i's bytes (-1:
-        none) off the socket and returns its result. With ``deadline``, every
-        read waits only until then (``TimeoutError`` after it)."""
+        none) off the socket and returns its result."""
         def go(sock):
-            if deadline is not None:
-                sock.settimeout(max(deadline - time.monotonic(), 1e-3))
             sock.sendall(b"".join(header(GET, n) for n in names))
             out = []
             for i in range(len(names)):
-                code, length = read_reply(sock, deadline)
+                code, length = read_reply(sock)
                 out.append(into(i, sock, length if code == SUCCESS else -1))
             return out
         return self._exchange(go) if names else []
 
-    def _put(self, names: Sequence[str], values: Sequence) -> list[bool]:
+    def _put(self, names: Sequence[str], values: Sequence, sums: Sequence = ()) -> list[bool]:
+        """Pipelined PUTs, then a HEALTH request: its reply says the server
+        took every put. ``sums``: each value's checksum, after its bytes."""
         def go(sock):
-            for n, v in zip(names, values):
-                sock.sendall(header(PUT, n, len(v)))
-                if len(v):
-                    sock.sendall(v)
+            for n, v, s in zip(names, values, sums or [b""] * len(names)):
+                send_all(sock, header(PUT, n, len(v) + len(s)), v, s)
             sock.sendall(header(HEALTH, MODEL))
             return read_reply(sock)[0] == SUCCESS
         if not names:
@@ -176,23 +183,30 @@ class LMCacheBackend(ObjectBackend):
         return self._put(names, bufs)
 
     def get_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:
-        return self._get_chunks(names, bufs, None)
+        return self._get(names, lambda i, sock, length: self._read(sock, length, bufs[i]))
 
-    # Our own socket reads stop at a deadline: loads go straight into G2.
-    bounded_reads = True
+    inline_sums = True
 
-    def get_chunks_by(self, names: Sequence[str], bufs: Sequence[memoryview],
-                      deadline: float) -> list[int]:
-        return self._get_chunks(names, bufs, deadline)
+    def put_summed(self, names: Sequence[str], bufs: Sequence[memoryview],
+                   sums: Sequence[memoryview]) -> list[bool]:
+        return self._put(names, bufs, sums)
 
-    def _get_chunks(self, names, bufs, deadline: float | None) -> list[int]:
+    def get_summed(self, names: Sequence[str], bufs: Sequence[memoryview],
+                   sums: Sequence[memoryview]) -> list[int]:
         def into(i, sock, length):
-            if length == len(bufs[i]):
-                read_into(sock, bufs[i], deadline)
-            elif length > 0:        # the wrong size: read past it
-                read_into(sock, memoryview(bytearray(length)), deadline)
-            return length if length > 0 else -1
-        return self._get(names, into, deadline)
+            size = self._read(sock, length, bufs[i], sums[i])
+            return size - len(sums[i]) if size >= len(sums[i]) else -1
+        return self._get(names, into)
+
+    @staticmethod
+    def _read(sock: socket.socket, length: int, *views: memoryview) -> int:
+        """One reply's bytes into ``views`` when they fill them exactly, else
+        read past them; the object's size, or -1 (none, or empty: removed)."""
+        if length == sum(len(v) for v in views):
+            read_into(sock, *views)
+        elif length > 0:        # the wrong size
+            read_into(sock, memoryview(bytearray(length)))
+        return length if length > 0 else -1
 
     def put_small(self, names: Sequence[str], values: Sequence[bytes]) -> list[bool]:
         return self._put(names, values)

@@ -93,6 +93,7 @@ class MooncakeBackend(ObjectBackend):
         return [rc if rc > 0 else -1 for rc in rcs]
 
     inline_sums = True
+    sum_objects = False     # Mooncake shows an object only once whole: lookups ask for it
 
     def put_summed(self, names: Sequence[str], bufs: Sequence[memoryview],
                    sums: Sequence[memoryview]) -> list[bool]:
