@@ -429,17 +429,18 @@ class G3Tier(SecondaryTierManager):
             return ok
         names, chunks, sums = ([x[i] for i in todo] for x in (names, chunks, sums))
         if self._inline:
-            # A put past its deadline may read G2 slots vLLM has reused: its
-            # checksums were taken before, so such an object fails its load,
-            # and it is removed when the late put returns.
-            put = self._with_sums(b.put_summed, names, chunks, sums, [], self._forget)
+            # One call writes data (and checksum objects, after). A put past
+            # its deadline may read G2 slots vLLM has reused: its checksums
+            # were taken before, so such an object fails its load, and its
+            # objects are removed when the late put returns.
+            put = self._with_sums(b.put_summed, names, chunks, sums, [], self._forget_all)
         else:
             # Zero-copy from G2: a put past its deadline may read a slot vLLM
             # has reused. Its object then gets no checksum object (never
             # listed), and is removed when the late put returns.
             put = g.call(b.put_chunks, names, chunks, nbytes=len(names) * self._chunk,
                          on_abandoned=lambda _: self._forget(names))
-        if self._listing:           # written after the data: lookups find whole chunks
+            # Checksum objects after the data: lookups find whole chunks.
             stored = [j for j, p in enumerate(put) if p]
             listed = g.call(b.put_small, [names[j] + SUM_SUFFIX for j in stored],
                             [sums[j] for j in stored])
@@ -449,6 +450,10 @@ class G3Tier(SecondaryTierManager):
         for i, done in zip(todo, put):
             ok[i] = done
         return ok
+
+    def _forget_all(self, names: list[str]) -> None:
+        """Remove every object of these chunks, the listed one first."""
+        self._forget([o for n in names for o in reversed(self._objects(n))])
 
     def _forget(self, names: list[str]) -> None:
         try:
@@ -544,7 +549,7 @@ class G3Tier(SecondaryTierManager):
         if broken:
             logger.warning("sessionkv: %d G3 objects unreadable or failing their checksum "
                            "(%s...): recomputing, and unlisting them", len(broken), broken[0])
-            self._forget([n for b in broken for n in reversed(self._objects(b))])
+            self._forget_all(broken)
 
 
 def spec_identity(spec: "OffloadingSpec", chunk_bytes: int) -> dict:

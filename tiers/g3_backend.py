@@ -55,7 +55,9 @@ class ObjectBackend(ABC):
     def put_summed(self, names: Sequence[str], bufs: Sequence[memoryview],
                    sums: Sequence[memoryview]) -> list[bool]:
         """Store each buffer followed by its checksum as the named object
-        (``inline_sums``); ``sums`` lie in a registered buffer."""
+        (``inline_sums``); ``sums`` lie in a registered buffer. With
+        ``sum_objects``, also each checksum as its checksum object, after
+        its data object (one exchange where the backend can)."""
         raise NotImplementedError
 
     def get_summed(self, names: Sequence[str], bufs: Sequence[memoryview],

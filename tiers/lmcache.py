@@ -48,7 +48,7 @@ import struct
 from collections.abc import Sequence
 from urllib.parse import urlparse
 
-from .g3 import G3Tier, ObjectBackend
+from .g3 import SUM_SUFFIX, G3Tier, ObjectBackend
 
 # Abandoned calls (past the tier's deadline) still end: the socket times out.
 SOCKET_TIMEOUT_S = 30.0
@@ -86,9 +86,12 @@ def read_into(sock: socket.socket, *views: memoryview) -> None:
     while views:
         # The server writes a reply's header and its bytes separately with
         # Nagle on: a delayed ACK from us would hold the bytes back 40 ms.
-        # Linux leaves quick-ACK mode by itself, so set it for every read.
+        # Linux leaves quick-ACK mode by itself, so set it around every read
+        # (after it too: a segment may arrive while this thread waits for
+        # the GIL, and a G3 tier has several threads).
         sock.setsockopt(socket.IPPROTO_TCP, QUICKACK, 1)
         n = sock.recvmsg_into(views)[0]
+        sock.setsockopt(socket.IPPROTO_TCP, QUICKACK, 1)
         if n == 0:
             raise ConnectionError("lmcache server closed the connection")
         while n:
@@ -161,10 +164,13 @@ class LMCacheBackend(ObjectBackend):
 
     def _put(self, names: Sequence[str], values: Sequence, sums: Sequence = ()) -> list[bool]:
         """Pipelined PUTs, then a HEALTH request: its reply says the server
-        took every put. ``sums``: each value's checksum, after its bytes."""
+        took every put. ``sums``: each value's checksum, after its bytes,
+        and then each checksum object (the server stores in order)."""
         def go(sock):
             for n, v, s in zip(names, values, sums or [b""] * len(names)):
                 send_all(sock, header(PUT, n, len(v) + len(s)), v, s)
+            for n, s in zip(names, sums):
+                send_all(sock, header(PUT, n + SUM_SUFFIX, len(s)), s)
             sock.sendall(header(HEALTH, MODEL))
             return read_reply(sock)[0] == SUCCESS
         if not names:
@@ -212,13 +218,30 @@ class LMCacheBackend(ObjectBackend):
         return self._put(names, values)
 
     def get_small(self, names: Sequence[str]) -> list[bytes | None]:
-        def into(i, sock, length):
-            if length <= 0:
-                return None
-            buf = bytearray(length)
-            read_into(sock, memoryview(buf))
-            return bytes(buf)
-        return self._get(names, into)
+        """Pipelined GETs whose replies are read in bulk and split here: a
+        small reply each (checksum objects) would otherwise cost reads of
+        its own."""
+        def go(sock):
+            sock.sendall(b"".join(header(GET, n) for n in names))
+            buf, pos, out = bytearray(), 0, []
+
+            def have(n):
+                while len(buf) - pos < n:
+                    sock.setsockopt(socket.IPPROTO_TCP, QUICKACK, 1)
+                    got = sock.recv(max(1 << 16, n))
+                    if not got:
+                        raise ConnectionError("lmcache server closed the connection")
+                    buf.extend(got)
+            while len(out) < len(names):
+                have(REPLY.size)
+                code, length = REPLY.unpack_from(buf, pos)[:2]
+                pos += REPLY.size
+                have(length)
+                out.append(bytes(buf[pos:pos + length]) if code == SUCCESS and length > 0
+                           else None)
+                pos += length
+            return out
+        return self._exchange(go) if names else []
 
     def remove(self, names: Sequence[str]) -> list[bool]:
         return self._put(names, [b""] * len(names))
