@@ -152,7 +152,7 @@ class G3Tier(SecondaryTierManager):
         self._inline = backend.inline_sums
         # What lookups ask for: the checksum object, or the data object itself.
         self._listing = SUM_SUFFIX if backend.sum_objects else ""
-        if not (self._inline or backend.owned_reads) or not (self._inline or self._listing):
+        if not self._inline and not (backend.owned_reads and self._listing):
             raise TypeError(f"{type(backend).__name__}: a backend keeps checksums inline "
                             "(inline_sums) or in checksum objects it reads with its data "
                             "(sum_objects, owned_reads)")
@@ -375,7 +375,7 @@ class G3Tier(SecondaryTierManager):
             ok = g.call(b.pin, names, ttl_s, [bytes(c) + checksum(c) for c in self._chunks(offsets)],
                         nbytes=len(names) * self._chunk)
             return self._pinned(names, ok, ttl_s)
-        per = len(self._objects(""))
+        per = 2 if self._listing else 1         # objects per chunk
         got = g.call(b.pin, [o for n in names for o in self._objects(n)], ttl_s, None)
         return self._pinned(names, [all(got[i:i + per]) for i in range(0, len(got), per)], ttl_s)
 

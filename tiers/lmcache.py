@@ -80,45 +80,77 @@ def header(command: int, name: str, length: int = 0) -> bytes:
     return REQUEST.pack(command, length, BINARY, UINT8, 0, length, 0, 0, 0, key)
 
 
-def read_into(sock: socket.socket, *views: memoryview) -> None:
-    """Fill ``views``, in order, from the socket, or ``ConnectionError``."""
-    views = [v for v in views if len(v)]
-    while views:
-        # The server writes a reply's header and its bytes separately with
-        # Nagle on: a delayed ACK from us would hold the bytes back 40 ms.
-        # Linux leaves quick-ACK mode by itself, so set it around every read
-        # (after it too: a segment may arrive while this thread waits for
-        # the GIL, and a G3 tier has several threads).
-        sock.setsockopt(socket.IPPROTO_TCP, QUICKACK, 1)
-        n = sock.recvmsg_into(views)[0]
-        sock.setsockopt(socket.IPPROTO_TCP, QUICKACK, 1)
-        if n == 0:
-            raise ConnectionError("lmcache server closed the connection")
-        while n:
-            if n < len(views[0]):
-                views[0] = views[0][n:]
-                break
-            n -= len(views.pop(0))
+def recv_some(sock: socket.socket, views: list[memoryview] | None = None, n: int = 0):
+    """One read: into ``views`` (the count read), else up to ``n`` new bytes;
+    ``ConnectionError`` when the server closed the connection."""
+    # The server writes a reply's header and its bytes separately with
+    # Nagle on: a delayed ACK from us would hold the bytes back 40 ms.
+    # Linux leaves quick-ACK mode by itself, so set it around every read
+    # (after it too: a segment may arrive while this thread waits for the
+    # GIL, and a G3 tier has several threads).
+    sock.setsockopt(socket.IPPROTO_TCP, QUICKACK, 1)
+    got = sock.recvmsg_into(views)[0] if views is not None else sock.recv(n)
+    sock.setsockopt(socket.IPPROTO_TCP, QUICKACK, 1)
+    if not got:
+        raise ConnectionError("lmcache server closed the connection")
+    return got
+
+
+def advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of ``views`` (filled or sent)."""
+    while n:
+        if n < len(views[0]):
+            views[0] = views[0][n:]
+            return
+        n -= len(views.pop(0))
+
+
+class Replies:
+    """A connection's replies, in order: headers and small bodies read in
+    bulk and split here (one read for many checksum objects), a body that
+    fills the caller's buffers read straight into them past what is
+    already here."""
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+        self._buf = bytearray()
+        self._pos = 0
+
+    def _have(self, n: int) -> None:
+        while len(self._buf) - self._pos < n:
+            self._buf += recv_some(self._sock, n=max(1 << 16, n))
+
+    def take(self, n: int) -> bytes:
+        self._have(n)
+        self._pos += n
+        return bytes(self._buf[self._pos - n:self._pos])
+
+    def header(self) -> tuple[int, int]:
+        """(code, length) of the next reply."""
+        self._have(REPLY.size)
+        code, length = REPLY.unpack_from(self._buf, self._pos)[:2]
+        self._pos += REPLY.size
+        return code, length
+
+    def into(self, *views: memoryview) -> None:
+        """Fill ``views``, in order, with the next bytes."""
+        views = [v for v in views if len(v)]
+        while views and self._pos < len(self._buf):     # what is here already
+            n = min(len(views[0]), len(self._buf) - self._pos)
+            views[0][:n] = self._buf[self._pos:self._pos + n]
+            self._pos += n
+            advance(views, n)
+        if self._pos == len(self._buf):
+            self._buf, self._pos = bytearray(), 0
+        while views:
+            advance(views, recv_some(self._sock, views))
 
 
 def send_all(sock: socket.socket, *parts) -> None:
     """Write ``parts``, in order, gathered (the socket may take them piecemeal)."""
     views = [memoryview(p).cast("B") for p in parts if len(p)]
     while views:
-        n = sock.sendmsg(views)
-        while n:
-            if n < len(views[0]):
-                views[0] = views[0][n:]
-                break
-            n -= len(views.pop(0))
-
-
-def read_reply(sock: socket.socket) -> tuple[int, int]:
-    """(code, length) of the next reply header."""
-    buf = bytearray(REPLY.size)
-    read_into(sock, memoryview(buf))
-    code, length = REPLY.unpack(buf)[:2]
-    return code, length
+        advance(views, sock.sendmsg(views))
 
 
 class LMCacheBackend(ObjectBackend):
@@ -151,14 +183,14 @@ class LMCacheBackend(ObjectBackend):
         return result
 
     def _get(self, names: Sequence[str], into) -> list:
-        """Pipelined GETs; ``into(i, sock, length)`` reads item i's bytes (-1:
-        none) off the socket and returns its result."""
+        """Pipelined GETs; ``into(i, replies, length)`` reads item i's bytes
+        (-1: none) and returns its result."""
         def go(sock):
             sock.sendall(b"".join(header(GET, n) for n in names))
-            out = []
+            replies, out = Replies(sock), []
             for i in range(len(names)):
-                code, length = read_reply(sock)
-                out.append(into(i, sock, length if code == SUCCESS else -1))
+                code, length = replies.header()
+                out.append(into(i, replies, length if code == SUCCESS else -1))
             return out
         return self._exchange(go) if names else []
 
@@ -172,7 +204,7 @@ class LMCacheBackend(ObjectBackend):
             for n, s in zip(names, sums):
                 send_all(sock, header(PUT, n + SUM_SUFFIX, len(s)), s)
             sock.sendall(header(HEALTH, MODEL))
-            return read_reply(sock)[0] == SUCCESS
+            return Replies(sock).header()[0] == SUCCESS
         if not names:
             return []
         return [self._exchange(go)] * len(names)
@@ -189,7 +221,7 @@ class LMCacheBackend(ObjectBackend):
         return self._put(names, bufs)
 
     def get_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:
-        return self._get(names, lambda i, sock, length: self._read(sock, length, bufs[i]))
+        return self._get(names, lambda i, r, length: self._read(r, length, bufs[i]))
 
     inline_sums = True
 
@@ -199,49 +231,26 @@ class LMCacheBackend(ObjectBackend):
 
     def get_summed(self, names: Sequence[str], bufs: Sequence[memoryview],
                    sums: Sequence[memoryview]) -> list[int]:
-        def into(i, sock, length):
-            size = self._read(sock, length, bufs[i], sums[i])
+        def into(i, r, length):
+            size = self._read(r, length, bufs[i], sums[i])
             return size - len(sums[i]) if size >= len(sums[i]) else -1
         return self._get(names, into)
 
     @staticmethod
-    def _read(sock: socket.socket, length: int, *views: memoryview) -> int:
+    def _read(replies: Replies, length: int, *views: memoryview) -> int:
         """One reply's bytes into ``views`` when they fill them exactly, else
         read past them; the object's size, or -1 (none, or empty: removed)."""
         if length == sum(len(v) for v in views):
-            read_into(sock, *views)
+            replies.into(*views)
         elif length > 0:        # the wrong size
-            read_into(sock, memoryview(bytearray(length)))
+            replies.take(length)
         return length if length > 0 else -1
 
     def put_small(self, names: Sequence[str], values: Sequence[bytes]) -> list[bool]:
         return self._put(names, values)
 
     def get_small(self, names: Sequence[str]) -> list[bytes | None]:
-        """Pipelined GETs whose replies are read in bulk and split here: a
-        small reply each (checksum objects) would otherwise cost reads of
-        its own."""
-        def go(sock):
-            sock.sendall(b"".join(header(GET, n) for n in names))
-            buf, pos, out = bytearray(), 0, []
-
-            def have(n):
-                while len(buf) - pos < n:
-                    sock.setsockopt(socket.IPPROTO_TCP, QUICKACK, 1)
-                    got = sock.recv(max(1 << 16, n))
-                    if not got:
-                        raise ConnectionError("lmcache server closed the connection")
-                    buf.extend(got)
-            while len(out) < len(names):
-                have(REPLY.size)
-                code, length = REPLY.unpack_from(buf, pos)[:2]
-                pos += REPLY.size
-                have(length)
-                out.append(bytes(buf[pos:pos + length]) if code == SUCCESS and length > 0
-                           else None)
-                pos += length
-            return out
-        return self._exchange(go) if names else []
+        return self._get(names, lambda i, r, length: r.take(length) if length > 0 else None)
 
     def remove(self, names: Sequence[str]) -> list[bool]:
         return self._put(names, [b""] * len(names))
@@ -264,7 +273,7 @@ def health(url: str, timeout_s: float = 1.0) -> bool:
     try:
         with socket.create_connection(parse_url(url), timeout=timeout_s) as sock:
             sock.sendall(header(HEALTH, MODEL))
-            return read_reply(sock)[0] == SUCCESS
+            return Replies(sock).header()[0] == SUCCESS
     except (OSError, struct.error, ValueError):
         return False
 
