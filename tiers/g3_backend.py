@@ -43,7 +43,10 @@ class ObjectBackend(ABC):
     #: bytes, then ``SUM.size`` bytes of checksum, written and read in the same
     #: call (scatter/gather: ``put_summed``, ``get_summed``). Loads read
     #: straight into G2 slots and verify them there; the slots are held in
-    #: quarantine while a call past its deadline may still write them.
+    #: quarantine while a call past its deadline may still write them. A
+    #: ``put_summed`` of a name that exists keeps one whole object, the old
+    #: one (Mooncake) or the new (LMCache), so vLLM's cascades put without
+    #: asking first.
     inline_sums: ClassVar[bool] = False
 
     #: Each chunk also has a checksum object (``name + SUM_SUFFIX``), written

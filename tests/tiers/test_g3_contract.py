@@ -339,13 +339,23 @@ def test_a_read_past_its_deadline_keeps_its_g2_slots_until_it_ends(name, tmp_pat
             s.stop()
 
 
-def test_storing_what_is_there_succeeds_and_keeps_the_first_bytes(make):
+def test_storing_what_is_there_succeeds_and_a_move_keeps_it(make):
+    """vLLM's cascade of a chunk that is there (another engine's, in a race)
+    succeeds, and loads read one whole version; a hint's move asks first
+    and keeps what is there."""
     tier, region = make()
-    fill(region, [0, 1], seed=3)
+    fill(region, [0, 1, 2], seed=3)
     assert run(tier, KEYS[:1], [0], False).success
-    assert run(tier, KEYS[:1], [1], False).success          # other bytes, same key: kept
-    assert run(tier, KEYS[:1], [2], True).success
-    assert np.array_equal(region[2], region[0])
+    assert run(tier, KEYS[:1], [1], False).success          # other bytes, same key
+    assert run(tier, KEYS[:1], [4], True).success
+    there = region[4].copy()
+    assert np.array_equal(there, region[0]) or np.array_equal(there, region[1])
+    done = []
+    tier.move(False, KEYS[:1], [2], done.append)            # other bytes again
+    tier.drain_jobs()
+    assert done == [[True]]
+    assert run(tier, KEYS[:1], [5], True).success
+    assert np.array_equal(region[5], there)
 
 
 def test_missing_objects_fail_their_load_and_only_theirs(make):
