@@ -103,7 +103,8 @@ def measure(backend: str, where, chunk: int, repeat: int) -> list[dict]:
     from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.tiering.base import TransferJob
 
-    from sessionkv.tiers.g3 import checksum, standalone_spec
+    from sessionkv.tiers.g3 import checksum
+    from sessionkv.tiers.g3_spec import standalone_spec
     init_none_hash(sha256)
     n = max(1, BATCH_BYTES // chunk)
     region = np.random.default_rng(0).integers(0, 256, (2 * n, chunk), dtype=np.uint8)

@@ -70,9 +70,10 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from .fingerprint import fingerprint, identity_fields, weights_digest
+from .fingerprint import fingerprint
 from .g3_backend import SUM, SUM_SUFFIX, ObjectBackend, address_of, checksum
 from .g3_io import BackendDown, Guard, Lapses, Quarantine, Staging
+from .g3_spec import spec_identity
 
 __all__ = ["SUM_SUFFIX", "BackendDown", "G3Tier", "Guard", "ObjectBackend", "Quarantine",
            "Staging", "address_of", "checksum"]
@@ -436,7 +437,7 @@ class G3Tier(SecondaryTierManager):
         have = (g.start(b.exists, [n + self._listing for n in names]) if ask
                 else lambda: [False] * len(names))
         chunks = self._chunks(offsets)
-        sums = [checksum(c) for c in chunks]    # while the existence check runs
+        sums = [checksum(c) for c in chunks]    # while an existence check runs
         have = have()
         todo = [i for i, h in enumerate(have) if not h]
         ok = list(have)
@@ -565,39 +566,3 @@ class G3Tier(SecondaryTierManager):
             logger.warning("sessionkv: %d G3 objects unreadable or failing their checksum "
                            "(%s...): recomputing, and unlisting them", len(broken), broken[0])
             self._forget_all(broken)
-
-
-def spec_identity(spec: "OffloadingSpec", chunk_bytes: int) -> dict:
-    """The identity fields of this engine's chunks (``tiers.fingerprint``),
-    ``none_hash`` left empty: vLLM sets it after it built the scheduler."""
-    cfg = spec.config
-    par = cfg.parallel
-    return identity_fields(
-        weights=weights_digest(cfg.model.name), dtype=str(cfg.model.dtype),
-        block_size=cfg.cache.tokens_per_hash, blocks_per_chunk=cfg.cache.blocks_per_chunk,
-        layout=f"{cfg.kv_cache_layout}/canonical={cfg.canonical_layout}"
-               f"/replicated={cfg.replicated_layout}",
-        tp=par.tp_size, pp=par.pp_size, pcp=par.pcp_size, dcp=par.dcp_size,
-        none_hash=b"", chunk_bytes=chunk_bytes)
-
-
-def standalone_spec(model: str, chunk_bytes: int, block_size: int = 32, dtype: str = "float32"):
-    """What a ``G3Tier`` reads of vLLM's ``OffloadingSpec``, for a tier used
-    outside an engine (the contract tests, the tier bench): one full-attention
-    group, one block per chunk, no parallelism."""
-    import types
-
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-    cfg = OffloadingConfig(
-        groups=(OffloadingGroupConfig(block_size, ("layer.0",), 0),),
-        worker_kv_bytes_per_block=chunk_bytes, enable_kv_cache_events=False, extra_config={},
-        engine_id="standalone", model=OffloadingModelConfig(model, dtype),
-        cache=OffloadingCacheConfig(block_size, 1),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True))
-    return types.SimpleNamespace(config=cfg)

@@ -17,7 +17,8 @@ from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
-from sessionkv.tiers.g3 import SUM_SUFFIX, checksum, standalone_spec
+from sessionkv.tiers.g3 import SUM_SUFFIX, checksum
+from sessionkv.tiers.g3_spec import standalone_spec
 
 from conftest import MODELS
 
