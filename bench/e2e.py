@@ -49,16 +49,16 @@ from pathlib import Path
 import numpy as np
 import requests
 
+from replay_trace import load_trace
+
+from sessionkv.devtools.engines import MODELS
+from sessionkv.devtools.router_process import RouterProcess
+from sessionkv.devtools.server import ServerProcess, free_port, remove_offload_region
+from sessionkv.devtools.services import start_redis
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-from replay_trace import load_trace  # noqa: E402
-from router_process import RouterProcess  # noqa: E402
 
-from sessionkv.server import ServerProcess, free_port, remove_offload_region  # noqa: E402
-from sessionkv.services import start_redis  # noqa: E402
-
-MODEL = str(ROOT / ".cache" / "models" / "realistic")
+MODEL = str(MODELS / "realistic")
 TRACE = "/work/shared/traces/mooncake/conversation_trace.jsonl"
 MODES = ("no_connector", "connector_no_hints", "connector_hints")
 SECRET = b"bench-e2e-secret-0123456789abcdef"

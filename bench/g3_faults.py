@@ -15,15 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 
@@ -32,7 +26,9 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     ap.add_argument("--backend", choices=["mooncake", "redis", "lmcache"], action="append")
     args = ap.parse_args()
-    from g3_faults import BACKENDS, scenario
+    from sessionkv.devtools.engines import use_engine_env
+    from sessionkv.devtools.g3_faults import BACKENDS, scenario
+    use_engine_env()
 
     result = {}
     for backend in args.backend or BACKENDS:

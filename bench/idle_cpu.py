@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,11 +20,9 @@ from pathlib import Path
 import psutil
 import requests
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
-from engines import TINY, kv_transfer_config, new_engine_id  # noqa: E402
-from sessionkv.server import ServerProcess, remove_offload_region  # noqa: E402
+from sessionkv.devtools.engines import TINY, kv_transfer_config, new_engine_id
+from sessionkv.devtools.server import ServerProcess, remove_offload_region
 
 ARGS = ["--enforce-eager", "--block-size", "32", "--max-model-len", "1024", "--dtype", "float32"]
 

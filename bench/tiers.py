@@ -104,7 +104,7 @@ def measure(backend: str, where, chunk: int, repeat: int) -> list[dict]:
     from vllm.v1.kv_offload.tiering.base import TransferJob
 
     from sessionkv.tiers.g3 import checksum
-    from sessionkv.tiers.g3_spec import standalone_spec
+    from sessionkv.devtools.g3_spec import standalone_spec
     init_none_hash(sha256)
     n = max(1, BATCH_BYTES // chunk)
     region = np.random.default_rng(0).integers(0, 256, (2 * n, chunk), dtype=np.uint8)
@@ -112,7 +112,7 @@ def measure(backend: str, where, chunk: int, repeat: int) -> list[dict]:
     ns = f"bench-{uuid.uuid4().hex[:8]}"
     spec = standalone_spec(str(ROOT / ".cache" / "models" / "tiny"), chunk)
     if backend == "mooncake":
-        from sessionkv.services import lan_address
+        from sessionkv.devtools.services import lan_address
         from sessionkv.tiers.mooncake import MooncakeTier
         tier = MooncakeTier(spec, view, "mooncake", master=where.master,
                             metadata_server=where.metadata_url, local_hostname=lan_address(),
@@ -190,7 +190,6 @@ def measure(backend: str, where, chunk: int, repeat: int) -> list[dict]:
 
 
 def main() -> None:
-    sys.path.insert(0, str(ROOT / "tests" / "e2e"))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True)
     ap.add_argument("--backend", choices=["mooncake", "redis", "lmcache"], action="append")
@@ -212,7 +211,7 @@ def main() -> None:
                 rows += json.loads(part.read_text())["rows"]
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))
         return
-    from sessionkv.services import start_lmcache, start_mooncake, start_redis
+    from sessionkv.devtools.services import start_lmcache, start_mooncake, start_redis
 
     rows = []
     with tempfile.TemporaryDirectory() as logs:

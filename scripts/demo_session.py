@@ -25,7 +25,7 @@ import numpy as np
 import requests
 
 from sessionkv.report import RequestReport
-from sessionkv.server import ServerProcess, remove_offload_region
+from sessionkv.devtools.server import ServerProcess, remove_offload_region
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = str(ROOT / ".cache" / "models" / "realistic")

@@ -1,7 +1,5 @@
 """What a G3 tier reads of vLLM's ``OffloadingSpec``: the identity of this
-engine's chunks (``spec_identity``, for ``tiers.fingerprint``), and a spec
-for a tier used outside an engine (``standalone_spec``: the contract tests,
-the tier bench)."""
+engine's chunks (``spec_identity``, for ``tiers.fingerprint``)."""
 
 from __future__ import annotations
 
@@ -25,25 +23,3 @@ def spec_identity(spec: "OffloadingSpec", chunk_bytes: int) -> dict:
                f"/replicated={cfg.replicated_layout}",
         tp=par.tp_size, pp=par.pp_size, pcp=par.pcp_size, dcp=par.dcp_size,
         none_hash=b"", chunk_bytes=chunk_bytes)
-
-
-def standalone_spec(model: str, chunk_bytes: int, block_size: int = 32, dtype: str = "float32"):
-    """What a ``G3Tier`` reads of vLLM's ``OffloadingSpec``, for a tier used
-    outside an engine (the contract tests, the tier bench): one full-attention
-    group, one block per chunk, no parallelism."""
-    import types
-
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-    cfg = OffloadingConfig(
-        groups=(OffloadingGroupConfig(block_size, ("layer.0",), 0),),
-        worker_kv_bytes_per_block=chunk_bytes, enable_kv_cache_events=False, extra_config={},
-        engine_id="standalone", model=OffloadingModelConfig(model, dtype),
-        cache=OffloadingCacheConfig(block_size, 1),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True))
-    return types.SimpleNamespace(config=cfg)

@@ -7,7 +7,7 @@ import zmq
 
 from sessionkv.connectors.fetch import Fetcher
 from sessionkv.hints import Action, Bounds, HashesTarget, KvHint, Status
-from sessionkv.server import free_port
+from sessionkv.devtools.server import free_port
 
 
 def fetch_from(source: str, secret: bytes = b"s" * 32):

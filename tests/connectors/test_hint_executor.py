@@ -6,15 +6,16 @@ from hypothesis import given, settings
 
 from sessionkv.config import Limits
 from sessionkv.connectors.hint_executor import HintExecutor, read_request_hints
-from hint_cases import expected_count
+from sessionkv.devtools.hint_cases import expected_count
 from sessionkv.hints import SIG_PARAM, Status, sign
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers.g2_policy import SessionCachePolicy
 from sessionkv.types import Tier
+from sessionkv.devtools.keys import block_key
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 
 SECRET = b"0123456789abcdef-secret"
-A, B, C = (bytes([i]) * 32 + bytes(4) for i in (1, 2, 3))
+A, B, C = (block_key(i) for i in (1, 2, 3))
 
 
 class Clock:

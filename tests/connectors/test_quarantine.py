@@ -12,13 +12,10 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from sessionkv.connectors.manager import SessionPrimaryTier
 from sessionkv.index.prefix_index import SessionPrefixIndex
+from sessionkv.devtools.keys import block_key
 
 CTX = ReqContext(req_id="r")
 N = 4
-
-
-def key(i):
-    return bytes([i]) * 32 + bytes(4)
 
 
 @pytest.fixture
@@ -32,14 +29,14 @@ def g2():
 
 
 def store(g2, *ids):
-    out = g2.prepare_store([key(i) for i in ids], CTX)
+    out = g2.prepare_store([block_key(i) for i in ids], CTX)
     return None if out is None else sorted(int(c) for c in out.store_spec.chunk_ids)
 
 
 def test_a_held_slot_is_not_reused_until_its_read_ends(g2):
     a, b = store(g2, 1, 2)
     g2.quarantine.hold([a])                        # a load into a is past its deadline
-    g2.complete_store([key(1), key(2)], CTX, False)    # the load failed: both freed
+    g2.complete_store([block_key(1), block_key(2)], CTX, False)    # the load failed: both freed
     assert g2.quarantine.held == {a}
     got = store(g2, 3, 4, 5)                       # three slots free, not a
     assert a not in got and len(got) == 3
@@ -52,13 +49,13 @@ def test_a_slot_held_while_still_in_use_is_freed_normally(g2):
     (a,) = store(g2, 1)
     g2.quarantine.hold([a])
     g2.quarantine.release([a])                     # the read ended before the job was done
-    g2.complete_store([key(1)], CTX, False)
+    g2.complete_store([block_key(1)], CTX, False)
     assert store(g2, 2, 3, 4, 5) is not None       # every slot free again
 
 
 def test_reset_leaves_held_slots_out_until_released(g2):
     ids = store(g2, 1, 2, 3)
-    g2.complete_store([key(1), key(2)], CTX, True)
+    g2.complete_store([block_key(1), block_key(2)], CTX, True)
     g2.quarantine.hold([ids[2]])                   # key 3's load is past its deadline
     g2.reset_cache()
     got = store(g2, 4, 5, 6)

@@ -16,7 +16,7 @@ import zmq
 from sessionkv import control as wire
 from sessionkv.client import AsyncHintClient, ControlError, HintClient
 from sessionkv.events import KINDS
-from sessionkv.server import remove_offload_region
+from sessionkv.devtools.server import remove_offload_region
 from test_pin_retain import (SECRET, cold, engine, flood_then_serve,  # noqa: F401
                              in_g2, make_engine, reset_g1, run)
 

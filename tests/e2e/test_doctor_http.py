@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from engines import TINY, kv_transfer_config, new_engine_id
-from sessionkv.server import ServerProcess, free_port, remove_offload_region
+from sessionkv.devtools.engines import TINY, kv_transfer_config, new_engine_id
+from sessionkv.devtools.server import ServerProcess, free_port, remove_offload_region
 from test_hints_http import ARGS, SECRET
 
 

@@ -15,9 +15,9 @@ import pytest
 from vllm import LLM, SamplingParams
 from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 
-from engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id, poison_g2, serve
+from sessionkv.devtools.engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id, poison_g2, serve
 from sessionkv.hints import sign
-from sessionkv.server import remove_offload_region
+from sessionkv.devtools.server import remove_offload_region
 from sessionkv.tiers.g2_policy import SessionCachePolicy
 
 BLOCK = 32

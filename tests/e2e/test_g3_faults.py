@@ -6,7 +6,7 @@ step figures."""
 
 import pytest
 
-from g3_faults import BACKENDS, scenario_process
+from sessionkv.devtools.g3_faults import BACKENDS, scenario_process
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,7 +1,7 @@
 """Cross-engine sharing through G3 on real vLLM (tiny model), on each backend:
 Mooncake Store, Redis and LMCache's lm:// server.
 
-Each engine is its own process (``g3_engine.py``); the backend (Mooncake's
+Each engine is its own process (``devtools/g3_engine.py``); the backend (Mooncake's
 standalone store process, the Redis server, the LMCache server) holds the
 objects after an engine exits. Engines that read from G3
 start with G1 and G2 full of garbage, so only a correct load gives the cold
@@ -13,8 +13,8 @@ import shutil
 import numpy as np
 import pytest
 
-from engines import MODELS, TINY, engine_process
-from sessionkv.services import lan_address
+from sessionkv.devtools.engines import MODELS, TINY, engine_process
+from sessionkv.devtools.services import lan_address
 
 RNG = np.random.default_rng(11)
 # 200 tokens: 6 full blocks and a partial one (see test_pin_retain).

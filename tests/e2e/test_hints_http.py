@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import requests
 
-from engines import TINY, kv_transfer_config, new_engine_id
-from hint_cases import expected_count, hostile_envelope, hostile_kvcr
+from sessionkv.devtools.engines import TINY, kv_transfer_config, new_engine_id
+from sessionkv.devtools.hint_cases import expected_count, hostile_envelope, hostile_kvcr
 from sessionkv.hints import sign
 from sessionkv.report import RequestReport
-from sessionkv.server import ServerProcess, remove_offload_region
+from sessionkv.devtools.server import ServerProcess, remove_offload_region
 
 SECRET = b"router-secret-for-tests-0123456789"
 ARGS = ["--enforce-eager", "--block-size", "32", "--max-model-len", "1024",

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import requests
 
-from engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id
-from sessionkv.server import ServerProcess, remove_offload_region
+from sessionkv.devtools.engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id
+from sessionkv.devtools.server import ServerProcess, remove_offload_region
 from sessionkv.report import RequestReport
 
 BLOCK = 32

@@ -10,12 +10,11 @@ and from the primary tier (G2).
 import numpy as np
 import pytest
 from vllm import LLM, SamplingParams
-from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_utils import hash_block_tokens
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
-from engines import TINY, kv_transfer_config, new_engine_id
-from sessionkv.server import remove_offload_region
+from sessionkv.devtools.keys import keys_of
+from sessionkv.devtools.engines import TINY, kv_transfer_config, new_engine_id
+from sessionkv.devtools.server import remove_offload_region
 from sessionkv.types import Tier
 
 BLOCK = 32
@@ -47,16 +46,6 @@ def parts(llm):
     core = llm.llm_engine.engine_core.engine_core
     conn = core.scheduler.connector
     return conn.index, conn.scheduler.manager, core.scheduler.kv_cache_manager.block_pool
-
-
-def keys_of(llm, tokens):
-    """The offload keys vLLM computes for a prompt's full blocks."""
-    algo = llm.llm_engine.vllm_config.cache_config.prefix_caching_hash_algo
-    fn, parent, out = get_hash_fn_by_name(algo), None, []
-    for i in range(len(tokens) // BLOCK):
-        parent = hash_block_tokens(fn, parent, tokens[i * BLOCK:(i + 1) * BLOCK])
-        out.append(parent + bytes(4))
-    return out
 
 
 def run(llm, session, prompt):

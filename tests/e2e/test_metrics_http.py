@@ -10,9 +10,9 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines import TINY, kv_transfer_config, new_engine_id
+from sessionkv.devtools.engines import TINY, kv_transfer_config, new_engine_id
 from sessionkv.hints import sign
-from sessionkv.server import ServerProcess, remove_offload_region
+from sessionkv.devtools.server import ServerProcess, remove_offload_region
 from test_hints_http import ARGS, SECRET, complete, pin
 
 P = np.random.default_rng(5).integers(10, 4000, 100).tolist()     # 3 full blocks + 4 tokens

@@ -2,7 +2,7 @@
 Redis with ``write_through: false``), each compared with the same run
 without the hint. Engine A runs in this process and gets its hints over the
 control channel while idle (no step runs between ``serve`` calls); engine B,
-which receives a Share, is its own process (``g3_engine.py``). G1 is
+which receives a Share, is its own process (``devtools/g3_engine.py``). G1 is
 poisoned before every measured turn, and G2 before a copy into it, so a hint
 that answers without moving bytes fails; outputs equal cold references in
 tokens and logprobs.
@@ -14,12 +14,12 @@ import uuid
 import pytest
 from vllm import LLM
 
-from engines import (POISON_EXT, TINY, control_hint, engine_process, kv_transfer_config,
+from sessionkv.devtools.engines import (POISON_EXT, TINY, control_hint, engine_process, kv_transfer_config,
                      new_engine_id, poison_g2)
 from sessionkv.client import HintClient
 from sessionkv.index.prefix_index import alias64
-from sessionkv.server import remove_offload_region
-from test_index_e2e import keys_of
+from sessionkv.devtools.server import remove_offload_region
+from sessionkv.devtools.keys import keys_of
 from test_pin_retain import CHUNK_BYTES, G2_CHUNKS, P, SECRET, cold, in_g2, reset_g1, run
 
 POLICY = ("g2: {eviction: session}\ng3: {write_through: false}\n"
@@ -214,7 +214,7 @@ def test_pin_holds_the_session_in_g3_too(engine, tier):
 
 
 def test_prefetches_past_the_transfer_capacity_wait_then_finish(engine):
-    from engines import final_outcome
+    from sessionkv.devtools.engines import final_outcome
     from sessionkv.hints import envelope, hint_action
     a = engine
     run(a, "S", session="cap")

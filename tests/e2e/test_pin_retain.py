@@ -12,9 +12,9 @@ import pytest
 from vllm import LLM, SamplingParams
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
-from engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id, serve
+from sessionkv.devtools.engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id, serve
 from sessionkv.hints import sign
-from sessionkv.server import remove_offload_region
+from sessionkv.devtools.server import remove_offload_region
 
 BLOCK = 32
 CHUNK_BYTES = 2 * 2 * 2 * 64 * BLOCK * 4
@@ -93,7 +93,7 @@ def manager(llm):
 
 def in_g2(llm, name):
     """How many of a prompt's full blocks the primary tier holds."""
-    from test_index_e2e import keys_of     # vLLM's own block hashing
+    from sessionkv.devtools.keys import keys_of
     ctx = ReqContext(req_id="probe")
     tier = manager(llm).primary_tier
     return sum(tier.lookup(k, ctx) is LookupResult.HIT for k in keys_of(llm, P[name]))

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import requests
 
-from engines import TINY
-from router_process import RouterProcess, engine_pair
-from sessionkv.server import free_port
+from sessionkv.devtools.engines import TINY
+from sessionkv.devtools.router_process import RouterProcess, engine_pair
+from sessionkv.devtools.server import free_port
 
 SECRET = b"router-failover-secret-0123456789ab"
 RNG = np.random.default_rng(11)

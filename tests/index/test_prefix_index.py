@@ -4,13 +4,10 @@ import pytest
 
 from sessionkv.index.prefix_index import SessionPrefixIndex, alias64
 from sessionkv.types import Tier
+from sessionkv.devtools.keys import block_key
 
 
-def key(name: str) -> bytes:
-    return name.encode().rjust(32, b".") + bytes(4)
-
-
-A, AB, ABC, AD, AE = key("A"), key("AB"), key("ABC"), key("AD"), key("AE")
+A, AB, ABC, AD, AE = block_key("A"), block_key("AB"), block_key("ABC"), block_key("AD"), block_key("AE")
 
 
 def test_shared_prefix_stored_once_and_branches_are_frontiers():
@@ -92,7 +89,7 @@ def test_g1_evictions_are_seen_lazily_through_the_probe():
 def test_sweep_prunes_what_g1_dropped_round_robin():
     pool = {}
     idx = SessionPrefixIndex(g1_probe=lambda keys: [pool.get(k, 0) for k in keys])
-    chain = [key(f"k{i}") for i in range(10)]
+    chain = [block_key(f"k{i}") for i in range(10)]
     pool.update(dict.fromkeys(chain, 1))
     idx.admit(None, chain, Tier.G1)
     pool.clear()
@@ -131,7 +128,7 @@ def test_a_chain_that_is_not_a_prefix_chain_is_refused():
     idx = SessionPrefixIndex()
     idx.admit(None, [A, AB], Tier.G1)
     with pytest.raises(ValueError, match="prefix chain"):
-        idx.admit(None, [key("X"), AB], Tier.G1)
+        idx.admit(None, [block_key("X"), AB], Tier.G1)
 
 
 def test_chain_to_and_clear_tier():

@@ -9,6 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from reference import RefIndex
 from sessionkv.index.prefix_index import SessionPrefixIndex, alias64
 from sessionkv.types import Tier
+from sessionkv.devtools.keys import block_key
 
 SESSIONS = ["s0", "s1", "s2", "s3"]
 TIER = st.sampled_from(list(Tier))
@@ -28,7 +29,7 @@ class IndexMachine(RuleBasedStateMachine):
     def fresh(self):
         self.counter += 1
         # 32-byte hash + 4-byte group, as vLLM's OffloadKey
-        return self.counter.to_bytes(32, "big") + (0).to_bytes(4, "big")
+        return block_key(self.counter)
 
     def all_keys(self):
         return sorted({k for c in self.chains for k in c})

@@ -8,6 +8,7 @@ from sessionkv.events import Association, Eviction, Residency, Transfer
 from sessionkv.router.overlap import (PROBE_TOKENS, BlockHasher, OverlapIndex, ProbeMismatch,
                                       score)
 from sessionkv.router import parse_config
+from sessionkv.devtools.keys import block_key
 
 
 def vllm_hashes(tokens, block_size, algo, salt=None):
@@ -55,7 +56,7 @@ def test_probe_verifies_or_refuses():
 
 
 def test_index_follows_events():
-    keys = [bytes([i]) * 36 for i in range(1, 9)]
+    keys = [block_key(i) for i in range(1, 9)]
     idx = OverlapIndex(g1_keys=2)
     assert idx.held(keys) == (0, 0)
     idx.apply(Association(session_id="s", op="extend", tier="G1", blocks=3, frontier=keys[2]))

@@ -11,12 +11,9 @@ from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
 from sessionkv.tiers.g2_policy import SessionCachePolicy
+from sessionkv.devtools.keys import block_key
 
 CTX = ReqContext(req_id="r")
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(32, "big") + bytes(4)
 
 
 def ready(i: int) -> ChunkStatus:
@@ -28,7 +25,7 @@ def ready(i: int) -> ChunkStatus:
 def filled(cls, n=8, **kw):
     p = cls(cache_capacity=n, **kw)
     for i in range(n):
-        p.insert(key(i), ready(i))
+        p.insert(block_key(i), ready(i))
     return p
 
 
@@ -45,25 +42,25 @@ class TestPolicyContract:
 
     def test_protected_and_in_use_chunks_are_never_evicted(self, cls):
         p = filled(cls)
-        busy = p.get(key(1))
+        busy = p.get(block_key(1))
         busy.ref_cnt = 1
-        p.mark_non_evictable(key(1))
-        got = p.evict(6, {key(0)})
-        assert {k for k, _ in got} == {key(i) for i in range(2, 8)}
+        p.mark_non_evictable(block_key(1))
+        got = p.evict(6, {block_key(0)})
+        assert {k for k, _ in got} == {block_key(i) for i in range(2, 8)}
 
     def test_impossible_eviction_changes_nothing(self, cls):
         p = filled(cls)
-        assert p.evict(8, {key(0)}) is None
-        assert all(p.get(key(i)) is not None for i in range(8))
-        assert len(p.evict(7, {key(0)})) == 7
+        assert p.evict(8, {block_key(0)}) is None
+        assert all(p.get(block_key(i)) is not None for i in range(8))
+        assert len(p.evict(7, {block_key(0)})) == 7
 
     def test_remove_and_clear(self, cls):
         p = filled(cls)
-        p.remove(key(2))
-        assert p.get(key(2)) is None
-        assert key(2) not in {k for k, _ in p.evict(7, set())}
+        p.remove(block_key(2))
+        assert p.get(block_key(2)) is None
+        assert block_key(2) not in {k for k, _ in p.evict(7, set())}
         p.clear()
-        assert p.get(key(0)) is None
+        assert p.get(block_key(0)) is None
 
 
 # ---- SessionCachePolicy ------------------------------------------------------
@@ -84,16 +81,16 @@ def test_unhinted_traffic_evicts_exactly_as_vllms_lru(script):
     for op in script:
         results = []
         for p in (lru, ours):
-            if op[0] == "insert" and p.get(key(op[1])) is None:
-                p.insert(key(op[1]), ready(op[1]))
+            if op[0] == "insert" and p.get(block_key(op[1])) is None:
+                p.insert(block_key(op[1]), ready(op[1]))
             elif op[0] == "touch":
-                p.touch([key(i) for i in op[1]], CTX)
+                p.touch([block_key(i) for i in op[1]], CTX)
             elif op[0] == "finish":
-                p.on_request_finished([[key(i) for i in op[1]]], set(), set(), CTX)
-            elif op[0] == "remove" and p.get(key(op[1])) is not None:
-                p.remove(key(op[1]))
+                p.on_request_finished([[block_key(i) for i in op[1]]], set(), set(), CTX)
+            elif op[0] == "remove" and p.get(block_key(op[1])) is not None:
+                p.remove(block_key(op[1]))
             elif op[0] == "evict":
-                got = p.evict(op[1], {key(i) for i in op[2]})
+                got = p.evict(op[1], {block_key(i) for i in op[2]})
                 results.append(None if got is None else [k for k, _ in got])
         if results:
             assert results[0] == results[1]
@@ -119,61 +116,61 @@ def evicted(p, n, protected=()):
 
 
 def test_pinned_chunks_survive_ordinary_eviction(policy):
-    assert policy.pin([key(0), key(1)], ttl_s=10) == 2
-    assert evicted(policy, 6) == [key(i) for i in range(2, 8)]
+    assert policy.pin([block_key(0), block_key(1)], ttl_s=10) == 2
+    assert evicted(policy, 6) == [block_key(i) for i in range(2, 8)]
     assert policy.take_clipped() == []
 
 
 def test_pins_lapse_at_their_ttl(policy):
-    policy.pin([key(0)], ttl_s=10)
+    policy.pin([block_key(0)], ttl_s=10)
     policy.clock.t += 10
-    assert evicted(policy, 1) == [key(0)]
+    assert evicted(policy, 1) == [block_key(0)]
 
 
 def test_retain_orders_by_priority_after_plain_chunks(policy):
-    policy.retain([key(0), key(1)], priority=5, ttl_s=None)
-    policy.retain([key(2)], priority=1, ttl_s=None)
+    policy.retain([block_key(0), block_key(1)], priority=5, ttl_s=None)
+    policy.retain([block_key(2)], priority=1, ttl_s=None)
     # plain LRU first (3..7), then priority 1, then priority 5 by recency
-    assert evicted(policy, 5) == [key(i) for i in (3, 4, 5, 6, 7)]
-    assert [evicted(policy, 1) for _ in range(3)] == [[key(2)], [key(0)], [key(1)]]
+    assert evicted(policy, 5) == [block_key(i) for i in (3, 4, 5, 6, 7)]
+    assert [evicted(policy, 1) for _ in range(3)] == [[block_key(2)], [block_key(0)], [block_key(1)]]
 
 
 def test_retain_ttl_lapses(policy):
-    policy.retain([key(0)], priority=9, ttl_s=5)
+    policy.retain([block_key(0)], priority=9, ttl_s=5)
     policy.clock.t += 6
-    assert evicted(policy, 1) == [key(0)]
+    assert evicted(policy, 1) == [block_key(0)]
 
 
 def test_when_only_pins_are_left_the_oldest_are_clipped_never_a_stall(policy):
-    policy.pin([key(5)], ttl_s=60)
+    policy.pin([block_key(5)], ttl_s=60)
     policy.clock.t += 1
-    policy.pin([key(i) for i in range(8) if i != 5], ttl_s=60)
-    assert evicted(policy, 1) == [key(5)]             # the oldest pin first
-    assert evicted(policy, 1) == [key(0)]             # then by recency among equals
-    assert policy.take_clipped() == [key(5), key(0)]
+    policy.pin([block_key(i) for i in range(8) if i != 5], ttl_s=60)
+    assert evicted(policy, 1) == [block_key(5)]             # the oldest pin first
+    assert evicted(policy, 1) == [block_key(0)]             # then by recency among equals
+    assert policy.take_clipped() == [block_key(5), block_key(0)]
     assert policy.take_clipped() == []
-    assert key(5) not in policy.pinned() and len(policy.pinned()) == 6
+    assert block_key(5) not in policy.pinned() and len(policy.pinned()) == 6
 
 
 def test_impossible_eviction_with_hints_changes_nothing(policy):
-    policy.pin([key(0)], ttl_s=60)
-    policy.retain([key(1)], priority=3, ttl_s=None)
-    assert evicted(policy, 8, protected=[key(7)]) is None
-    assert policy.pinned() == {key(0)} and policy.take_clipped() == []
-    assert set(evicted(policy, 7, protected=[key(7)])) == {key(i) for i in range(7)}
-    assert policy.take_clipped() == [key(0)]
+    policy.pin([block_key(0)], ttl_s=60)
+    policy.retain([block_key(1)], priority=3, ttl_s=None)
+    assert evicted(policy, 8, protected=[block_key(7)]) is None
+    assert policy.pinned() == {block_key(0)} and policy.take_clipped() == []
+    assert set(evicted(policy, 7, protected=[block_key(7)])) == {block_key(i) for i in range(7)}
+    assert policy.take_clipped() == [block_key(0)]
 
 
 def test_release_drops_only_what_the_owner_retains_last(policy):
-    policy.retain([key(0), key(1), key(2)], priority=5, ttl_s=None, owner="a")
-    policy.retain([key(3), key(4)], priority=5, ttl_s=None, owner="b")
-    policy.retain([key(2)], priority=7, ttl_s=None, owner="b")     # b retains it last
-    policy.retain([key(5)], priority=2, ttl_s=1, owner="a")
-    policy.clock.t += 2                                                # key(5)'s lapses
-    assert evicted(policy, 3) == [key(5), key(6), key(7)]             # plain ones go first
-    policy.remove(key(1))
-    assert policy.release_retains("a") == 1                           # key(0) alone
+    policy.retain([block_key(0), block_key(1), block_key(2)], priority=5, ttl_s=None, owner="a")
+    policy.retain([block_key(3), block_key(4)], priority=5, ttl_s=None, owner="b")
+    policy.retain([block_key(2)], priority=7, ttl_s=None, owner="b")     # b retains it last
+    policy.retain([block_key(5)], priority=2, ttl_s=1, owner="a")
+    policy.clock.t += 2                                                # block_key(5)'s lapses
+    assert evicted(policy, 3) == [block_key(5), block_key(6), block_key(7)]             # plain ones go first
+    policy.remove(block_key(1))
+    assert policy.release_retains("a") == 1                           # block_key(0) alone
     assert policy.release_retains("a") == 0
-    assert evicted(policy, 1) == [key(0)]                              # plain again
+    assert evicted(policy, 1) == [block_key(0)]                              # plain again
     assert policy.release_retains("b") == 3
-    assert evicted(policy, 3) == [key(2), key(3), key(4)]
+    assert evicted(policy, 3) == [block_key(2), block_key(3), block_key(4)]

@@ -18,9 +18,10 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from sessionkv.tiers.g3 import SUM_SUFFIX, checksum
-from sessionkv.tiers.g3_spec import standalone_spec
+from sessionkv.devtools.g3_spec import standalone_spec
+from sessionkv.devtools.engines import MODELS
+from sessionkv.devtools.keys import block_key
 
-from conftest import MODELS
 
 CHUNK = 4096
 N_CHUNKS = 16
@@ -41,13 +42,13 @@ class Mooncake:
 
     @staticmethod
     def own(log_dir):
-        from sessionkv.services import start_mooncake
+        from sessionkv.devtools.services import start_mooncake
         ports, master, store = start_mooncake(log_dir)
         return ports, master, [store, master]
 
     @staticmethod
     def tier(ports, spec_, view, namespace, **kw):
-        from sessionkv.services import lan_address
+        from sessionkv.devtools.services import lan_address
         from sessionkv.tiers.mooncake import MooncakeTier
         return MooncakeTier(spec_, view, "mooncake", master=ports.master,
                             metadata_server=ports.metadata_url, local_hostname=lan_address(),
@@ -63,7 +64,7 @@ class Redis:
 
     @staticmethod
     def own(log_dir):
-        from sessionkv.services import start_redis
+        from sessionkv.devtools.services import start_redis
         url, server = start_redis(log_dir)
         return url, server, [server]
 
@@ -82,7 +83,7 @@ class LMCache:
 
     @staticmethod
     def own(log_dir):
-        from sessionkv.services import start_lmcache
+        from sessionkv.devtools.services import start_lmcache
         url, server = start_lmcache(log_dir)
         return url, server, [server]
 
@@ -129,7 +130,7 @@ def faulty(request, tmp_path):
         s.stop()
 
 
-KEYS = [bytes([i]) * 32 + bytes(4) for i in range(1, 9)]
+KEYS = [block_key(i) for i in range(1, 9)]
 _jobs = iter(range(1, 1 << 30))
 
 
@@ -279,7 +280,7 @@ def test_redis_pins_persist_then_the_ttl_comes_back(request):
 
 
 def test_mooncake_soft_pins_survive_eviction(tmp_path):
-    from sessionkv.services import start_mooncake
+    from sessionkv.devtools.services import start_mooncake
     ports, master, store = start_mooncake(tmp_path, store_size="16MB")
     region = np.zeros((N_CHUNKS, CHUNK), np.uint8)
     tier = Mooncake.tier(ports, spec(), memoryview(region), "pins")

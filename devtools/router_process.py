@@ -75,9 +75,9 @@ def engine_pair(d, mooncake, secret: bytes, multiprocessing: str = "1"):
     """Two tiny vLLM servers ``a`` and ``b`` with G3 on one Mooncake Store
     (a fresh namespace) and control channels keyed by ``secret`` (written to
     ``d/secret``): (router worker entries, {name: ServerProcess})."""
-    from engines import TINY, kv_transfer_config, new_engine_id
-    from sessionkv.server import ServerProcess, remove_offload_region
-    from sessionkv.services import lan_address
+    from sessionkv.devtools.engines import TINY, kv_transfer_config, new_engine_id
+    from sessionkv.devtools.server import ServerProcess, remove_offload_region
+    from sessionkv.devtools.services import lan_address
     (d / "secret").write_bytes(secret)
     (d / "tiers.yaml").write_text(
         "version: 1\nlimits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n"

@@ -1,7 +1,7 @@
 """One engine process for the G3 tests: serve prompts serially through a
 SessionTierConnector with the given G3 tiers, then exit.
 
-    python g3_engine.py SPEC_JSON OUT_JSON
+    python -m sessionkv.devtools.g3_engine SPEC_JSON OUT_JSON
 
 SPEC: {"model", "block_size", "tiers", "prompts": [[token ids]...], "poison": bool,
 "policy": YAML text of the tier policy (optional), "prefetch": {"keys": [hex],
@@ -23,21 +23,17 @@ whether G3 holds every prompt's full blocks at the end (with
 """
 
 import json
-import os
 import sys
 import time
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
-    from engines import (POISON_EXT, control_hint, kv_transfer_config, new_engine_id,
+    from sessionkv.devtools.engines import (POISON_EXT, control_hint, kv_transfer_config, new_engine_id,
                          poison_g2, serve)
-    from test_index_e2e import keys_of
-    from sessionkv.server import remove_offload_region
+    from sessionkv.devtools.keys import keys_of
+    from sessionkv.devtools.server import remove_offload_region
 
     spec = json.load(open(spec_path))
     extra = {"secondary_tiers": spec["tiers"]}
@@ -97,7 +93,7 @@ def fetch(llm, connector, f: dict) -> list:
     blocks_affected, reason] of the first outcome, of the final one]."""
     from vllm import SamplingParams
 
-    from engines import serve
+    from sessionkv.devtools.engines import serve
     from sessionkv.client import HintClient
     from sessionkv.hints import sign
     secret = bytes.fromhex(f["secret"])
@@ -116,4 +112,6 @@ def fetch(llm, connector, f: dict) -> list:
 
 
 if __name__ == "__main__":
+    from sessionkv.devtools.engines import use_engine_env
+    use_engine_env()
     main(sys.argv[1], sys.argv[2])

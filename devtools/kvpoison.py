@@ -3,8 +3,8 @@
 Freed G1 blocks keep the KV they last held, so a worker that loaded nothing
 would still produce the right output. Tests poison the blocks a load must
 overwrite; if the load read the wrong place (or nothing), the output changes.
-Loaded with ``worker_extension_cls="kvpoison.KVPoisonExtension"`` (the tests'
-e2e folder is on ``PYTHONPATH``); arguments are strings so that the dev-mode
+Loaded with ``worker_extension_cls="sessionkv.devtools.kvpoison.KVPoisonExtension"``
+(``devtools.engines.POISON_EXT``); arguments are strings so that the dev-mode
 HTTP ``/collective_rpc`` endpoint can call it too.
 """
 

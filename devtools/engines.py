@@ -1,4 +1,4 @@
-"""Helpers for tests that run real vLLM engines with SessionTierConnector."""
+"""Helpers for tests and benches that run real vLLM engines with SessionTierConnector."""
 
 from __future__ import annotations
 
@@ -11,12 +11,22 @@ from pathlib import Path
 import numpy as np
 
 from sessionkv.report import RequestReport
-from sessionkv.server import offload_region_path
+from sessionkv.devtools.server import offload_region_path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 MODELS = Path(os.environ.get("SESSIONKV_MODELS", ROOT / ".cache" / "models"))
 TINY = str(MODELS / "tiny")
-POISON_EXT = "kvpoison.KVPoisonExtension"
+POISON_EXT = "sessionkv.devtools.kvpoison.KVPoisonExtension"
+# In-process engines start in ~10 s instead of ~35 s; a small G1 lets several
+# of them fit next to each other.
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def use_engine_env() -> None:
+    """Set ``ENGINE_ENV`` in this process (where not set already): call it
+    before the first engine starts (vLLM reads these at engine start)."""
+    for key, value in ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 def kv_transfer_config(engine_id: str, cpu_bytes: int = 64 << 20, **extra) -> dict:
@@ -83,7 +93,7 @@ def control_hint(client, verb, session, **kw):
 
 
 def engine_process(tmp_path, spec: dict) -> dict:
-    """Run ``g3_engine.py`` (its own process: vLLM keeps one worker-side KV
+    """Run ``devtools/g3_engine.py`` (its own process: vLLM keeps one worker-side KV
     connector per process, so engines sharing KV cannot share a process) on
     ``spec``; its output, with ``log``: the tail of the engine's stderr (for
     failure messages)."""
@@ -92,7 +102,7 @@ def engine_process(tmp_path, spec: dict) -> dict:
     import sys
     spec_path, out = tmp_path / "spec.json", tmp_path / "out.json"
     spec_path.write_text(json.dumps(spec))
-    p = subprocess.run([sys.executable, str(Path(__file__).parent / "g3_engine.py"),
+    p = subprocess.run([sys.executable, "-m", "sessionkv.devtools.g3_engine",
                         str(spec_path), str(out)], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     return {**json.loads(out.read_text()), "log": p.stderr[-4000:]}

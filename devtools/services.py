@@ -222,7 +222,7 @@ def lmcache_server(log_dir: Path, port: int = 65432) -> Service:
 def start_mooncake(log_dir: Path, store_size: str = "512MB",
                    ) -> tuple[MooncakePorts, Service, Service]:
     """A master and one store process on free ports, started: (ports, master, store)."""
-    from sessionkv.server import free_port
+    from sessionkv.devtools.server import free_port
     ports = MooncakePorts(rpc=free_port(), metadata=free_port(), metrics=free_port(),
                           store=free_port())
     master = mooncake_master(log_dir, ports).start()
@@ -235,14 +235,14 @@ def start_mooncake(log_dir: Path, store_size: str = "512MB",
 
 def start_redis(log_dir: Path, maxmemory: str = "256mb") -> tuple[str, Service]:
     """redis-server on a free port, started: (its URL, the service)."""
-    from sessionkv.server import free_port
+    from sessionkv.devtools.server import free_port
     port = free_port()
     return f"redis://127.0.0.1:{port}/0", redis(log_dir, port, maxmemory).start()
 
 
 def start_lmcache(log_dir: Path) -> tuple[str, Service]:
     """An LMCache server on a free port, started: (its lm:// URL, the service)."""
-    from sessionkv.server import free_port
+    from sessionkv.devtools.server import free_port
     port = free_port()
     return f"lm://127.0.0.1:{port}", lmcache_server(log_dir, port).start(timeout_s=60)
 

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id, poison_g2
-from test_index_e2e import keys_of
+from sessionkv.devtools.engines import (POISON_EXT, TINY, kv_transfer_config, new_engine_id,
+                                        poison_g2, use_engine_env)
+from sessionkv.devtools.keys import keys_of
 from sessionkv.report import RequestReport
 from sessionkv.tiers.g3 import Guard
 
@@ -169,8 +170,8 @@ def run(llm, engine_id, victims) -> dict:
 
 def scenario(log_dir: Path, backend: str) -> dict:
     """Own backend processes and engine, the whole run, everything stopped after."""
-    from sessionkv.server import remove_offload_region
-    from sessionkv.services import lan_address, start_lmcache, start_mooncake, start_redis
+    from sessionkv.devtools.server import remove_offload_region
+    from sessionkv.devtools.services import lan_address, start_lmcache, start_mooncake, start_redis
 
     if backend == "mooncake":
         ports, master, store = start_mooncake(log_dir)
@@ -199,8 +200,8 @@ def scenario(log_dir: Path, backend: str) -> dict:
 
 
 def scenario_process(log_dir: Path, backend: str) -> dict:
-    """``scenario`` in a process of its own (``python g3_faults.py BACKEND
-    LOG_DIR OUT``): its backend clients, their threads and whatever a killed
+    """``scenario`` in a process of its own (``python -m
+    sessionkv.devtools.g3_faults BACKEND LOG_DIR OUT``): its backend clients, their threads and whatever a killed
     backend leaves running in them (a Mooncake read busy-polling a core)
     end with it, and nothing earlier tests left in this process slows it."""
     import subprocess
@@ -208,15 +209,14 @@ def scenario_process(log_dir: Path, backend: str) -> dict:
     out = log_dir / "scenario.json"
     log = log_dir / "scenario.log"
     with log.open("w") as f:
-        p = subprocess.run([sys.executable, __file__, backend, str(log_dir), str(out)],
+        p = subprocess.run([sys.executable, "-m", "sessionkv.devtools.g3_faults", backend,
+                            str(log_dir), str(out)],
                            stdout=f, stderr=subprocess.STDOUT, timeout=1200)
     assert p.returncode == 0, log.read_text()[-8000:]
     return json.loads(out.read_text())
 
 
 if __name__ == "__main__":
-    import os
     import sys
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    use_engine_env()
     Path(sys.argv[3]).write_text(json.dumps(scenario(Path(sys.argv[2]), sys.argv[1])))
