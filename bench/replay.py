@@ -22,11 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from replay_plot import write_plot  # noqa: E402
-from replay_sim import ALL_POLICIES, RunSpec, gap_breakdown, run_policy  # noqa: E402
-from replay_trace import load_trace  # noqa: E402
+from replay_plot import write_plot
+from replay_sim import ALL_POLICIES, RunSpec, gap_breakdown, run_policy
+from replay_trace import load_trace
 
 SHARING_G2 = 4096
 SHARING_WORKERS = 8

@@ -21,14 +21,24 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
+from typing import Protocol
 
 import msgspec
 import numpy as np
 
-from replay_sim import SimClock, Worker, key_of
-from replay_trace import BLOCK_TOKENS, Trace
+from replay_trace import BLOCK_TOKENS, SimClock, Trace, key_of
 from sessionkv.config import Limits
+from sessionkv.connectors.hint_executor import HintExecutor
 from sessionkv.hints import Action, KvHint, envelope, hint_action, parse_envelope
+from sessionkv.index.prefix_index import SessionPrefixIndex
+
+
+class Worker(Protocol):
+    """What a router reaches of a simulated engine (``replay_sim.Worker``):
+    the product's executor and index, as the control channel would."""
+
+    executor: HintExecutor
+    index: SessionPrefixIndex
 
 
 def make_hint(action: Action, session: str, **kw) -> KvHint:

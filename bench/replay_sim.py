@@ -32,10 +32,11 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-from replay_trace import BLOCK_TOKENS, Trace
+from replay_router import make_router
+from replay_trace import BLOCK_TOKENS, SimClock, Trace, key_of
 from sessionkv.config import Limits
 from sessionkv.connectors.hint_executor import HintExecutor
 from sessionkv.index.prefix_index import SessionPrefixIndex
@@ -53,21 +54,6 @@ G2_POLICIES = {
 }
 ALL_POLICIES = ("lru", "arc", "session", "opt", "naive", "session-oracle")
 DEFAULT_KV_BYTES_PER_TOKEN = 131_072    # Llama-3-8B in bf16: 32 layers x 8 KV heads x 128 x 2 x 2 B
-
-
-def key_of(block_id: int) -> bytes:
-    """The OffloadKey of a trace block: its id as an 8-byte hash, KV group 0."""
-    return make_offload_key(block_id.to_bytes(8, "big"), 0)
-
-
-class SimClock:
-    """Trace time in seconds, injected wherever the real classes read a clock."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class G1Cache:
@@ -388,8 +374,6 @@ def run_policy(trace: Trace, spec: RunSpec, progress: Progress | None = None) ->
     """Replay ``trace`` through ``spec.workers`` engines with the named G2
     policy (``lru``, ``arc``, ``session``, ``naive``); the hint policy of
     ``session`` and ``naive`` is in ``replay_router``."""
-    from replay_router import make_router
-
     if spec.policy == "opt":
         return run_opt(trace, spec, progress)
     t0 = time.perf_counter()

@@ -25,9 +25,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from vllm.v1.kv_offload.base import make_offload_key
 
 BLOCK_TOKENS = 512
 NEVER = np.iinfo(np.int64).max     # next use of a block that is never used again
+
+
+def key_of(block_id: int) -> bytes:
+    """The OffloadKey of a trace block: its id as an 8-byte hash, KV group 0."""
+    return make_offload_key(block_id.to_bytes(8, "big"), 0)
+
+
+class SimClock:
+    """Trace time in seconds, injected wherever the real classes read a clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 @dataclass

@@ -11,7 +11,7 @@ no steps, so this thread applies hints itself, under the tier manager's lock:
 metadata (pins, priorities, TTLs, session ends), and the start and finish of
 Demote/Prefetch/Share copies (``connectors.moves``: reservations through the
 primary tier, the copy itself on the G3 tier's threads); it never calls
-``lookup`` (DESIGN.md, "Threads"). The reply is sent after the hint took
+``lookup`` (ARCHITECTURE.md, "Threads"). The reply is sent after the hint took
 effect: a request sent after the reply sees it.
 
 Bounds: ZMQ queues at most ``QUEUE_FRAMES`` requests (then the sender
@@ -37,6 +37,7 @@ import zmq
 from vllm.logger import init_logger
 
 from sessionkv import control as wire
+from sessionkv.events import Via
 from sessionkv.events import encode as encode_event
 from sessionkv.hints import MAX_ID_LEN, MAX_KEYS, HintOutcome, Status, parse_envelope
 
@@ -64,7 +65,7 @@ class ControlChannel:
         probe: Callable[[list[int]], dict[str, Any]] | None = None,
     ):
         if manager.event_log is None:
-            raise ValueError("the manager must have an event log (enable_events)")
+            raise ValueError("the manager must have an event log (the policy names a secret)")
         self._manager = manager
         self._probe = probe
         self._events = manager.event_log
@@ -204,7 +205,7 @@ class ControlChannel:
             outcome = HintOutcome("end_session", "end_session",
                                   Status.ACCEPTED if live else Status.MISSING,
                                   reason="" if live else "unknown or already ended session")
-            self._manager.emit_outcomes([outcome], "control", req.session_id, client)
+            self._manager.emit_outcomes([outcome], Via.CONTROL, req.session_id, client)
             reply.outcomes = [outcome]
         elif req.op == "events":
             limit = max(0, min(req.limit, wire.MAX_EVENTS_PER_REPLY))

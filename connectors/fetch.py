@@ -65,7 +65,7 @@ class Fetcher:
 
     @staticmethod
     def _outcome(hint: KvHint, status: Status, reason: str, asked: int) -> HintOutcome:
-        return HintOutcome(hint.hint_id, f"kv.{hint.action.value}", status, asked, 0, reason)
+        return HintOutcome(hint.hint_id, hint.action.action_type, status, asked, 0, reason)
 
     def _run(self, hint: KvHint, asked: int) -> None:
         try:

@@ -10,7 +10,7 @@ Prefetch and Share are copies between G2 and G3 (``connectors.moves.Mover``):
 they answer ``deferred`` and get their final outcome when the copy ended (on
 the event stream). A Prefetch naming exact keys fetches them from G3 even when
 this engine never saw them (the receiving side of a Share). Pins the policy
-later clips under pressure come back from ``take_late_outcomes`` as ``clipped``.
+later clips under pressure come back from ``collect_clipped`` as ``clipped``.
 
 Request-borne hints act when their request finishes (the turn's blocks are all
 in the index by then); the outcomes go back in that response. Control-channel
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -54,7 +53,6 @@ from .fetch import Fetcher
 from .moves import Mover
 
 KVCR_SIG_PARAM = "kv_hint_sig"
-MAX_LATE_OUTCOMES = 10_000
 
 
 class TokenBuckets:
@@ -105,7 +103,11 @@ def _mark(h: KvHint, signed: bool) -> KvHint:
 
 
 class HintExecutor:
-    """Gives every hint one outcome (see the module docstring)."""
+    """Gives every hint one outcome (see the module docstring).
+
+    ``mover``: the G2 <-> G3 copies (None without a G3 tier: Demote, Prefetch
+    and Share are rejected); ``fetcher``: kv.fetch (None without a G3 tier
+    and a control secret)."""
 
     def __init__(
         self,
@@ -115,6 +117,8 @@ class HintExecutor:
         g2_chunks: int = 0,
         blocks_per_chunk: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        mover: Mover | None = None,
+        fetcher: Fetcher | None = None,
     ):
         self._index = index
         self._limits = limits
@@ -126,11 +130,8 @@ class HintExecutor:
         self._cap_global = cap(limits.pin_fraction_global)
         self._cap_unsigned = cap(limits.unsigned_pin_fraction)
         self._pins: dict[bytes, tuple[str, str, bool]] = {}   # chunk -> (owner, hint, signed)
-        self._late: deque[HintOutcome] = deque(maxlen=MAX_LATE_OUTCOMES)
-        self.mover: Mover | None = None          # set when the engine has a G3 tier
-        self.fetcher: Fetcher | None = None      # ...and a control secret (kv.fetch)
-        # Called with every late outcome as it is made (the event stream).
-        self.on_late_outcome: Callable[[HintOutcome], None] | None = None
+        self._mover = mover
+        self._fetcher = fetcher
 
     def execute_all(
         self, items: list[KvHint | HintOutcome], session_id: str | None,
@@ -144,7 +145,7 @@ class HintExecutor:
         """One hint's outcome. ``session_id`` is the request's (or the control
         request's) session; ``client`` names the rate-limit bucket (default:
         the session)."""
-        name = f"kv.{hint.action.value}"
+        name = hint.action.action_type
 
         def outcome(status: Status, reason: str, asked: int = 0, affected: int = 0):
             return HintOutcome(hint.hint_id, name, status, asked, affected, reason)
@@ -158,12 +159,12 @@ class HintExecutor:
             # KVCR's kv.fetch: only the source can map its 64-bit hashes to keys.
             asked = len(hint.target.block_hashes)
             limit = min(self._limits.max_blocks_per_hint, hint.bounds.max_blocks or asked)
-            if self.fetcher is None:
+            if self._fetcher is None:
                 return outcome(Status.REJECTED, "kv.fetch needs a G3 tier and a control "
                                "secret the source trusts", asked)
             if asked > limit:
                 return outcome(Status.REJECTED, f"kv.fetch of more than {limit} blocks", asked)
-            return self.fetcher.start(hint)
+            return self._fetcher.start(hint)
         if hint.action is Action.PREFETCH and isinstance(hint.target, KeysTarget):
             asked, keys, reason = len(hint.target.keys), list(hint.target.keys), ""
         else:
@@ -180,12 +181,12 @@ class HintExecutor:
             clipped.append(f"ttl clipped to {self._limits.max_ttl_s:g} s")
             ttl = self._limits.max_ttl_s
         if hint.action in (Action.DEMOTE, Action.PREFETCH, Action.SHARE):
-            if self.mover is None:
+            if self._mover is None:
                 return outcome(Status.REJECTED, "Demote, Prefetch and Share need a G3 tier",
                                asked)
             if not isinstance(hint.target, KeysTarget) or hint.action is not Action.PREFETCH:
                 keys = self._index.chunk_keys(keys, self._bpc)
-            return self.mover.start(hint.action, hint.hint_id, keys, asked,
+            return self._mover.start(hint.action, hint.hint_id, keys, asked,
                                     self._owner(hint, session_id), "; ".join(clipped))
         if hint.action not in (Action.PIN, Action.RETAIN):
             return outcome(Status.REJECTED, "not implemented", asked)
@@ -193,8 +194,8 @@ class HintExecutor:
             return outcome(Status.REJECTED, "Pin and Retain need g2.eviction: session", asked)
         chunks = [k for k in keys if self._policy.get(k) is not None]
         # A Pin also holds the target's objects in G3 (the backend's own pins).
-        g3 = (self.mover.in_g3(self._index.chunk_keys(keys, self._bpc))
-              if hint.action is Action.PIN and self.mover is not None else [])
+        g3 = (self._mover.in_g3(self._index.chunk_keys(keys, self._bpc))
+              if hint.action is Action.PIN and self._mover is not None else [])
         if not chunks and not g3:
             return outcome(Status.MISSING, "none of the target is in G2", asked)
         if hint.action is Action.PIN and ttl is None:
@@ -208,7 +209,7 @@ class HintExecutor:
                 clipped.append(why)
         affected = self._blocks_in(done, keys)
         if g3:
-            return self.mover.start(Action.PIN, hint.hint_id, g3, asked,
+            return self._mover.start(Action.PIN, hint.hint_id, g3, asked,
                                     self._owner(hint, session_id), "; ".join(clipped),
                                     ttl_s=ttl, g2_blocks=affected)
         status = Status.CLIPPED if clipped else Status.ACCEPTED
@@ -283,29 +284,20 @@ class HintExecutor:
         for k in [k for k in self._pins if k not in live]:
             del self._pins[k]
 
-    def take_late_outcomes(self) -> list[HintOutcome]:
+    def collect_clipped(self) -> list[HintOutcome]:
         """Pins the policy clipped under G2 pressure since the last call, one
-        ``clipped`` outcome per hint (the newest 10,000 are kept)."""
-        self.collect_clipped()
-        out = list(self._late)
-        self._late.clear()
-        return out
-
-    def collect_clipped(self) -> None:
-        """Turn the policy's clipped pins into outcomes; the owner calls this
-        every step so that nothing grows without bound."""
-        if self._policy is not None:
-            lost: dict[str, int] = {}
-            for k in self._policy.take_clipped():
-                entry = self._pins.pop(k, None)
-                if entry is not None:
-                    lost[entry[1]] = lost.get(entry[1], 0) + 1
-            for hint_id, n in lost.items():
-                late = HintOutcome(hint_id, "kv.pin", Status.CLIPPED, 0, n,
-                                   f"{n} pinned chunks evicted: G2 had nothing else left")
-                self._late.append(late)
-                if self.on_late_outcome is not None:
-                    self.on_late_outcome(late)
+        ``clipped`` outcome per hint; the owner calls this every step, so the
+        policy's list of clipped pins stays short."""
+        if self._policy is None:
+            return []
+        lost: dict[str, int] = {}
+        for k in self._policy.take_clipped():
+            entry = self._pins.pop(k, None)
+            if entry is not None:
+                lost[entry[1]] = lost.get(entry[1], 0) + 1
+        return [HintOutcome(hint_id, Action.PIN.action_type, Status.CLIPPED, 0, n,
+                            f"{n} pinned chunks evicted: G2 had nothing else left")
+                for hint_id, n in lost.items()]
 
     def _unsigned_ok(self, hint: KvHint, session_id: str | None) -> bool:
         """Unsigned Pins of the request's own session, when the operator

@@ -14,7 +14,13 @@ G2 slots that a G3 load abandoned past its deadline may still write stay
 out of the primary tier's free list until that load ends (``quarantine``,
 shared with every G3 tier; ``tiers/g3_io.Quarantine``).
 
-Threading (DESIGN.md, "Threads"): ``SessionTierManager.lock`` is the one lock.
+Wiring (ARCHITECTURE.md, "One composition root"): ``SessionTierSpec.get_manager``
+builds the index, the quarantine, the event log and the G3 copy queue first and
+hands them to the tiers and the manager as constructor arguments; the manager
+builds the hint parts (``Mover``, ``Fetcher``, ``HintExecutor``) the same way.
+Nothing is set on a part after it was built.
+
+Threading (ARCHITECTURE.md, "Threads"): ``SessionTierManager.lock`` is the one lock.
 vLLM 0.32 calls managers on the scheduler thread, where ``SessionTierConnector``
 holds the lock from its first scheduler-side call of a ``schedule()`` pass
 until ``build_connector_meta`` returns, and around its other scheduler-side
@@ -22,16 +28,17 @@ calls; so a chunk found by ``lookup`` cannot vanish before ``prepare_load``.
 Every other thread takes the lock and only changes metadata (pins, priorities,
 TTLs, session ends): never evicts, allocates or calls ``lookup``.
 
-Events (``sessionkv.events``) are appended to ``SessionTierManager.event_log``
-when it is set (the control channel runs): residency and eviction from the
-primary tier, transfers and outcomes from the manager.
+Events (``sessionkv.events``) are appended to the event log when the engine
+has one (the policy names a secret, so the control channel runs): residency
+and eviction from the primary tier, transfers and outcomes from the manager.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from typing import NamedTuple
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
@@ -39,7 +46,6 @@ from vllm.v1.kv_offload.base import (
     OffloadKey,
     PrepareStoreOutput,
     ReqContext,
-    RequestOffloadingContext,
 )
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 from vllm.v1.kv_offload.tiering.manager import (
@@ -48,19 +54,51 @@ from vllm.v1.kv_offload.tiering.manager import (
 )
 
 from sessionkv.config import SessionKVConfig
-from sessionkv.events import Association, EventLog, Eviction, Outcome, Residency, Transfer
+from sessionkv.events import (
+    Association,
+    EventLog,
+    Eviction,
+    Op,
+    Outcome,
+    Residency,
+    Transfer,
+    Via,
+)
 from sessionkv.hints import Action, HintOutcome, KvHint, Status
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers.g3 import G3Tier, Quarantine
 from sessionkv.types import Tier
 
 from .fetch import Fetcher
-from .hint_executor import HintExecutor, read_request_hints
+from .hint_executor import HintExecutor
 from .metrics import SessionStats
 from .moves import Mover
 
 logger = init_logger(__name__)
-G1, G2 = Tier.G1.name, Tier.G2.name
+
+
+class G3Copy(NamedTuple):
+    """A copy a G3 tier's I/O thread saw end: a load (G3 -> G2) or a store."""
+
+    load: bool
+    keys: list[OffloadKey]
+    ok: list[bool]
+
+
+class G3Copies:
+    """The G3 copies the tiers' I/O threads saw end (every G3 tier's
+    ``observer``), indexed later by the manager under its lock. Appending
+    never blocks; the manager drains it at the start of every scheduler pass."""
+
+    def __init__(self):
+        self._seen: deque[G3Copy] = deque()
+
+    def observe(self, load: bool, keys: list[OffloadKey], ok: list[bool]) -> None:
+        self._seen.append(G3Copy(load, keys, ok))
+
+    def drain(self) -> Iterator[G3Copy]:
+        while self._seen:
+            yield self._seen.popleft()
 
 
 class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
@@ -72,12 +110,13 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
         """The G2 cache policy vLLM built (``SessionCachePolicy`` by default)."""
         return self._policy
 
-    def __init__(self, *args, index: SessionPrefixIndex, blocks_per_chunk: int, **kwargs):
+    def __init__(self, *args, index: SessionPrefixIndex, blocks_per_chunk: int,
+                 quarantine: Quarantine, event_log: EventLog | None, **kwargs):
         super().__init__(*args, **kwargs)
         self._index = index
         self._bpc = blocks_per_chunk
-        self.event_log: EventLog | None = None     # vLLM's own list is ``events``
-        self.quarantine = Quarantine()
+        self.event_log = event_log      # vLLM's own list is ``events``
+        self.quarantine = quarantine
 
     # ---- G2 slots: held ones stay out of the free list (``Quarantine``) ----------
 
@@ -96,6 +135,11 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
     @property
     def blocks_per_chunk(self) -> int:
         return self._bpc
+
+    @property
+    def num_chunks(self) -> int:
+        """G2's size in chunks."""
+        return self._num_chunks
 
     @property
     def index(self) -> SessionPrefixIndex:
@@ -121,7 +165,8 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
         if out is not None and out.evicted_keys:
             self._set_g2(out.evicted_keys, 0)
             if self.event_log is not None:
-                self.event_log.append(Eviction(tier=G2, keys=list(out.evicted_keys)))
+                self.event_log.append(
+                    Eviction(tier=Tier.G2.name, keys=list(out.evicted_keys)))
         return out
 
     def complete_store(
@@ -140,7 +185,8 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
         if self.event_log is not None:
             for ks, present in ((stored, True), (dropped, False)):
                 if ks:
-                    self.event_log.append(Residency(tier=G2, keys=ks, present=present))
+                    self.event_log.append(
+                        Residency(tier=Tier.G2.name, keys=ks, present=present))
 
     def reset_cache(self) -> None:
         super().reset_cache()
@@ -150,17 +196,12 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
             self._free_list[:] = [c for c in reversed(range(self._num_chunks)) if c not in held]
         self._index.clear_tier(Tier.G2)
         if self.event_log is not None:     # no keys: everything in the tier
-            self.event_log.append(Eviction(tier=G2, keys=[], reason="reset"))
-
-
-class RequestHints(tuple):
-    """A request's hints, parsed once (``ReqContext`` state): ``KvHint``s and
-    the ``rejected`` outcomes of actions that did not parse."""
+            self.event_log.append(Eviction(tier=Tier.G2.name, keys=[], reason="reset"))
 
 
 class SessionTierManager(TieringOffloadingManager):
     """vLLM's tiering manager that owns the lock, the SessionPrefixIndex and
-    the HintExecutor, and parses each request's hints once.
+    the HintExecutor, and executes each request's hints when it finishes.
 
     Lock rule: the scheduler thread holds ``lock`` for each ``schedule()``
     pass (first scheduler-side connector call until ``build_connector_meta``
@@ -172,40 +213,30 @@ class SessionTierManager(TieringOffloadingManager):
         primary_tier: SessionPrimaryTier,
         secondary_tiers: list[SecondaryTierManager],
         index: SessionPrefixIndex,
-        executor: HintExecutor,
         config: SessionKVConfig,
+        g3_copies: G3Copies,
+        event_log: EventLog | None,
     ):
+        """``g3_copies``: the queue every G3 tier observes into; ``event_log``:
+        the primary tier's too (None: no event stream)."""
         super().__init__(primary_tier=primary_tier, secondary_tiers=secondary_tiers)
         self.lock = threading.RLock()
         self.index = index
-        self.executor = executor
         self.config = config
-        # G3 copies seen by the tiers' I/O threads, indexed under the lock.
-        self._g3_seen: deque[tuple[bool, list[OffloadKey], list[bool]]] = deque()
+        self.event_log = event_log
+        self._g3_copies = g3_copies
+        self.stats = SessionStats(primary_tier.get_kv_memoryview().strides[0],
+                                  primary_tier.blocks_per_chunk)
         g3 = [t for t in secondary_tiers if isinstance(t, G3Tier)]
-        for t in g3:
-            t.observer = lambda load, keys, ok: self._g3_seen.append((load, keys, ok))
-            t.quarantine = primary_tier.quarantine
         # Demote/Prefetch/Share copy to and from the first G3 tier.
         self.mover = Mover(primary_tier, g3[0], self.emit) if g3 else None
-        executor.mover = self.mover
-        self._secret = config.policy.trust.secret
+        secret = config.policy.trust.secret
         # kv.fetch asks the source engine's control channel, with our secret.
-        self.fetcher = (Fetcher(self._secret, self._fetched, self._emit_final)
-                        if self.mover is not None and self._secret is not None else None)
-        executor.fetcher = self.fetcher
-        self.stats = SessionStats(
-            primary_tier.get_kv_memoryview().strides[0], primary_tier.blocks_per_chunk,
-            lambda: (len(index), len(index.sessions()), executor.pinned_chunks))
-        executor.on_late_outcome = lambda o: self.emit(Outcome(outcome=o, via="policy"))
-        # req_id -> (session, hints) until the request finishes
-        self._request_hints: dict[str, tuple[str | None, RequestHints]] = {}
-        self.event_log: EventLog | None = None
-
-    def enable_events(self, events: EventLog) -> None:
-        """Append every event to ``events`` from now on."""
-        self.event_log = events
-        self.primary_tier.event_log = events
+        self.fetcher = (Fetcher(secret, self._fetched, self._emit_final)
+                        if self.mover is not None and secret is not None else None)
+        self.executor = HintExecutor(
+            index, config.policy.limits, primary_tier.policy, primary_tier.num_chunks,
+            primary_tier.blocks_per_chunk, mover=self.mover, fetcher=self.fetcher)
 
     def emit(self, event) -> None:
         """Count ``event`` in the metrics; append it to the event log, if any."""
@@ -213,7 +244,7 @@ class SessionTierManager(TieringOffloadingManager):
         if self.event_log is not None:
             self.event_log.append(event)
 
-    def emit_outcomes(self, outcomes, via: str, session: str | None,
+    def emit_outcomes(self, outcomes, via: Via, session: str | None,
                       client: str | None = None) -> None:
         for o in outcomes:
             self.emit(Outcome(outcome=o, via=via, session_id=session, client=client))
@@ -247,7 +278,8 @@ class SessionTierManager(TieringOffloadingManager):
         """vLLM's offloading stats, with sessionkv's (``connectors.metrics``)."""
         stats = super().get_stats()
         with self.lock:
-            mine = self.stats.take()
+            mine = self.stats.take(len(self.index), len(self.index.sessions()),
+                                   self.executor.pinned_chunks)
         return mine if stats is None else stats.aggregate(mine)
 
     # ---- out-of-band (any thread) ---------------------------------------
@@ -257,7 +289,7 @@ class SessionTierManager(TieringOffloadingManager):
         """Execute hints from the control channel now, under the lock."""
         with self.lock:
             outcomes = self.executor.execute_all(items, session, client=client)
-            self.emit_outcomes(outcomes, "control", session, client)
+            self.emit_outcomes(outcomes, Via.CONTROL, session, client)
             return outcomes
 
     def end_session(self, session: str, reason: str = "hint", now: float = 0.0) -> bool:
@@ -267,7 +299,7 @@ class SessionTierManager(TieringOffloadingManager):
             live = self.index.end_session(session, now)
             self.executor.release(session)
             if live:
-                self.emit(Association(session_id=session, op="end", reason=reason))
+                self.emit(Association(session_id=session, op=Op.END, reason=reason))
             return live
 
     def expire_sessions(self, now: float) -> None:
@@ -275,20 +307,27 @@ class SessionTierManager(TieringOffloadingManager):
         with self.lock:
             for s in self.index.expire(now):
                 self.executor.release(s)
-                self.emit(Association(session_id=s, op="end", reason="idle"))
+                self.emit(Association(session_id=s, op=Op.END, reason="idle"))
+
+    def collect_clipped(self) -> None:
+        """Emit the pins the G2 policy clipped since the last call, one
+        ``clipped`` outcome per hint (scheduler thread, every pass)."""
+        for late in self.executor.collect_clipped():
+            self.emit(Outcome(outcome=late, via=Via.POLICY))
 
     def apply_moves(self) -> None:
         """Index the G3 copies the tiers reported and finish the hint copies
         that ended (``Mover.apply``). Under the lock: the scheduler calls it
         at the start of each pass, the control channel when the mover wakes it."""
         with self.lock:
-            while self._g3_seen:
-                load, keys, ok = self._g3_seen.popleft()
-                self.stats.moved(*(("G3", "G2") if load else ("G2", "G3")), sum(ok))
-                self.primary_tier.set_copies(Tier.G3, [k for k, o in zip(keys, ok) if o], 1)
-                if load:     # a load that failed: the object is not there for us
+            for copy in self._g3_copies.drain():
+                src, dst = (Tier.G3, Tier.G2) if copy.load else (Tier.G2, Tier.G3)
+                self.stats.moved(src.name, dst.name, sum(copy.ok))
+                found = [k for k, o in zip(copy.keys, copy.ok) if o]
+                self.primary_tier.set_copies(Tier.G3, found, 1)
+                if copy.load:     # a load that failed: the object is not there for us
                     self.primary_tier.set_copies(
-                        Tier.G3, [k for k, o in zip(keys, ok) if not o], 0)
+                        Tier.G3, [k for k, o in zip(copy.keys, copy.ok) if not o], 0)
             if self.mover is not None:
                 self.mover.apply()
 
@@ -303,13 +342,13 @@ class SessionTierManager(TieringOffloadingManager):
         """A kv.fetch's source published ``keys``: prefetch them here."""
         with self.lock:
             first = self.mover.start(Action.PREFETCH, hint.hint_id, keys, asked, None,
-                                     name=f"kv.{hint.action.value}")
+                                     name=hint.action.action_type)
             if first.status is not Status.DEFERRED:
                 self._emit_final(first)
 
     def _emit_final(self, outcome: HintOutcome) -> None:
         with self.lock:
-            self.emit(Outcome(outcome=outcome, via="transfer"))
+            self.emit(Outcome(outcome=outcome, via=Via.TRANSFER))
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -317,6 +356,8 @@ class SessionTierManager(TieringOffloadingManager):
             self.fetcher.close()
         if self.mover is not None:
             self.mover.close()
+        if self.event_log is not None:
+            self.event_log.close()
 
     def reset_cache(self) -> None:
         # Hint copies end before the primary tier forgets its chunks, so that
@@ -337,49 +378,26 @@ class SessionTierManager(TieringOffloadingManager):
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
         super().complete_store(keys, req_context, success)
-        self.emit(Transfer(src=G1, dst=G2, keys=list(keys), ok=success,
+        self.emit(Transfer(src=Tier.G1.name, dst=Tier.G2.name, keys=list(keys), ok=success,
                            req_id=req_context.req_id))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         super().complete_load(keys, req_context)
-        self.emit(Transfer(src=G2, dst=G1, keys=list(keys), req_id=req_context.req_id))
+        self.emit(Transfer(src=Tier.G2.name, dst=Tier.G1.name, keys=list(keys),
+                           req_id=req_context.req_id))
 
-    def on_new_request(
-        self, req_context: ReqContext, *, exclude_tier_idx: int | None = None
-    ) -> RequestOffloadingContext:
-        ctx = super().on_new_request(req_context, exclude_tier_idx=exclude_tier_idx)
-        if exclude_tier_idx is None:        # a request, not a tier's own job
-            params = req_context.kv_transfer_params or {}
-            session = params.get("session_id")
-            session = session if isinstance(session, str) else None
-            try:
-                hints = RequestHints(read_request_hints(
-                    params, req_context.kv_hints, session, self._secret))
-            except Exception:       # a parser bug must cost one hint, never the engine
-                logger.exception("sessionkv: hints of request %s unreadable", req_context.req_id)
-                hints = RequestHints([HintOutcome("kv_hints", None, Status.REJECTED,
-                                                  reason="internal error reading hints")])
-            if hints:
-                req_context.set_state(hints)
-                self._request_hints[req_context.req_id] = (session, hints)
-        return ctx
-
-    def finish_request_hints(self, req_id: str) -> tuple[HintOutcome, ...]:
-        """Execute a finished request's hints: one outcome each."""
-        session, hints = self._request_hints.pop(req_id, (None, RequestHints()))
-        items: list[KvHint | HintOutcome] = list(hints)
+    def execute_request_hints(self, hints: tuple[KvHint | HintOutcome, ...],
+                              session: str | None) -> tuple[HintOutcome, ...]:
+        """Execute a finished request's hints (parsed when it arrived, the
+        outcomes of unparsable ones included): one outcome each."""
+        if not hints:
+            return ()
         try:
-            outcomes = tuple(self.executor.execute_all(items, session))
+            outcomes = tuple(self.executor.execute_all(list(hints), session))
         except Exception:           # an executor bug must cost the hints, never the engine
-            logger.exception("sessionkv: hints of request %s failed", req_id)
+            logger.exception("sessionkv: hints of a request of session %r failed", session)
             outcomes = tuple(i if isinstance(i, HintOutcome) else HintOutcome(
-                i.hint_id, f"kv.{i.action.value}", Status.REJECTED, reason="internal error")
-                for i in items)
-        self.emit_outcomes(outcomes, "request", session)
+                i.hint_id, i.action.action_type, Status.REJECTED, reason="internal error")
+                for i in hints)
+        self.emit_outcomes(outcomes, Via.REQUEST, session)
         return outcomes
-
-    def on_request_finished(
-        self, req_context: ReqContext, *, exclude_tier_idx: int | None = None
-    ) -> None:
-        self._request_hints.pop(req_context.req_id, None)
-        super().on_request_finished(req_context, exclude_tier_idx=exclude_tier_idx)

@@ -20,7 +20,6 @@ Prometheus adds ``_total`` to counter names. Threading: ``record`` and
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -62,12 +61,9 @@ DEFINITIONS: dict[str, OffloadingMetricMetadata] = {
 class SessionStats:
     """Observations for vLLM's stats (see the module docstring)."""
 
-    def __init__(self, chunk_bytes: int, blocks_per_chunk: int,
-                 gauges: Callable[[], tuple[int, int, int]]):
-        """``gauges()``: (index blocks, live sessions, pinned chunks), read at ``take``."""
+    def __init__(self, chunk_bytes: int, blocks_per_chunk: int):
         self._chunk_bytes = chunk_bytes
         self._bpc = blocks_per_chunk
-        self._gauges = gauges
         self._lock = threading.Lock()
         self._stats = OffloadingConnectorStats()
         self._tokens = dict.fromkeys(SOURCES, 0)        # since start, for the ratio
@@ -113,9 +109,9 @@ class SessionStats:
         with self._lock:
             return dict(sorted(self._outcomes.items()))
 
-    def take(self) -> OffloadingConnectorStats:
-        """The observations since the last call, with the gauges read now."""
-        blocks, sessions, pinned = self._gauges()
+    def take(self, blocks: int, sessions: int, pinned: int) -> OffloadingConnectorStats:
+        """The observations since the last call, with the gauges as read now
+        by the caller: index blocks, live sessions, pinned chunks."""
         with self._lock:
             stats, self._stats = self._stats, OffloadingConnectorStats()
         stats.set_gauge(INDEX_BLOCKS, blocks)

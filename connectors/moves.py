@@ -1,7 +1,7 @@
 """Hint-driven copies between G2 and G3: Demote, Prefetch, Share.
 
-These run outside vLLM's job table, so they work on an idle engine (DESIGN.md,
-"Threads"), in three phases:
+These run outside vLLM's job table, so they work on an idle engine
+(ARCHITECTURE.md, "Threads"), in three phases:
 
 1. ``start`` (under the tier manager's lock): reserve through the primary tier
    (``prepare_read`` pins the G2 chunks a store copies from; ``prepare_write``
@@ -44,14 +44,13 @@ from dataclasses import dataclass, field
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
 
-from sessionkv.events import Outcome, Transfer
+from sessionkv.events import Outcome, Transfer, Via
 from sessionkv.hints import Action, HintOutcome, Status
 from sessionkv.tiers.g3 import G3Tier
 from sessionkv.types import Tier
 
 logger = init_logger(__name__)
 MAX_MOVES = 4
-G2, G3 = Tier.G2.name, Tier.G3.name
 
 
 @dataclass
@@ -76,7 +75,7 @@ class Move:
 
     @property
     def name(self) -> str:
-        return self.label or f"kv.{self.action.value}"
+        return self.label or self.action.action_type
 
     @property
     def is_load(self) -> bool:
@@ -170,8 +169,9 @@ class Mover:
             move.keys = [k for k, r in zip(move.keys, resident) if r is LookupResult.HIT]
             if not move.keys:
                 if move.present:     # the event names them: a Share's receiver needs the keys
-                    self._emit(Transfer(src=G2, dst=G3, keys=[], req_id=move.ctx.req_id,
-                                        hint_id=move.hint_id, already=in_g3))
+                    self._emit(Transfer(src=Tier.G2.name, dst=Tier.G3.name, keys=[],
+                                        req_id=move.ctx.req_id, hint_id=move.hint_id,
+                                        already=in_g3))
                     return self._outcome(move, Status.ACCEPTED, "already in G3",
                                          self._blocks(move.present))
                 return self._outcome(move, Status.MISSING, "none of the target is in G2")
@@ -198,7 +198,7 @@ class Mover:
             except Exception:       # a bug costs this hint, never the engine or the thread
                 logger.exception("sessionkv: finishing %s %s failed", move.name, move.hint_id)
                 self._emit(Outcome(outcome=self._outcome(move, Status.REJECTED, "internal error"),
-                                   via="transfer", session_id=move.session))
+                                   via=Via.TRANSFER, session_id=move.session))
         while self._waiting and len(self._running) < self._max:
             move = self._waiting.popleft()
             try:
@@ -207,7 +207,7 @@ class Mover:
                 logger.exception("sessionkv: starting %s %s failed", move.name, move.hint_id)
                 first = self._outcome(move, Status.REJECTED, "internal error")
             if first.status is not Status.DEFERRED:      # decided at once: final
-                self._emit(Outcome(outcome=first, via="transfer", session_id=move.session))
+                self._emit(Outcome(outcome=first, via=Via.TRANSFER, session_id=move.session))
 
     def _finish(self, move: Move) -> None:
         ok = move.ok or [False] * len(move.keys)
@@ -217,7 +217,7 @@ class Mover:
             self._primary.complete_read(move.keys, move.ctx)
         if move.action is Action.PIN:
             final = self._pin_outcome(move, good)
-            self._emit(Outcome(outcome=final, via="transfer", session_id=move.session))
+            self._emit(Outcome(outcome=final, via=Via.TRANSFER, session_id=move.session))
             return
         if move.is_load:
             if good:
@@ -228,8 +228,8 @@ class Mover:
             demote = getattr(self._primary.policy, "demote", None)
             if move.action is Action.DEMOTE and good and demote is not None:
                 demote(good)
-        src, dst = (G3, G2) if move.is_load else (G2, G3)
-        self._emit(Transfer(src=src, dst=dst, keys=good, ok=not bad, req_id=move.ctx.req_id,
+        src, dst = (Tier.G3, Tier.G2) if move.is_load else (Tier.G2, Tier.G3)
+        self._emit(Transfer(src=src.name, dst=dst.name, keys=good, ok=not bad, req_id=move.ctx.req_id,
                             hint_id=move.hint_id, already=move.already))
         done = self._blocks(len(good) + move.present)
         if not bad:
@@ -241,7 +241,7 @@ class Mover:
             final = self._outcome(move, Status.MISSING, "not readable from G3", done)
         else:
             final = self._outcome(move, Status.REJECTED, "G3 store failed", done)
-        self._emit(Outcome(outcome=final, via="transfer", session_id=move.session))
+        self._emit(Outcome(outcome=final, via=Via.TRANSFER, session_id=move.session))
 
     def _pin_outcome(self, move: Move, pinned: list[OffloadKey]) -> HintOutcome:
         """A Pin's outcome once its G3 side is known."""

@@ -7,7 +7,9 @@ platform (where vLLM's refuses to start) it is ``TorchCopyWorker`` over the
 same shared region.
 
 The spec is built in the scheduler process and in every worker process; it
-parses the configuration in each (once per process, at start).
+parses the configuration in each (once per process, at start). In the
+scheduler process ``get_manager`` is the composition root: it builds every
+scheduler-side part and hands each its collaborators as constructor arguments.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from sessionkv.config import SessionKVConfig, parse_extra_config
+from sessionkv.events import EventLog
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers.g2_policy import SessionCachePolicy
+from sessionkv.tiers.g3 import G3Tier, Quarantine
 
 from .cpu_worker import TorchCopyWorker
-from .hint_executor import HintExecutor
-from .manager import SessionPrimaryTier, SessionTierManager
+from .manager import G3Copies, SessionPrimaryTier, SessionTierManager
 from .metrics import DEFINITIONS as METRICS
 
 
@@ -56,14 +59,19 @@ class SessionTierSpec(TieringOffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         """vLLM's tiering manager built from our parts: the same shared region,
         primary tier and secondary tiers as ``TieringOffloadingSpec``, with the
-        primary tier and the manager keeping the SessionPrefixIndex in step."""
+        primary tier and the manager keeping the SessionPrefixIndex in step.
+        The G2 quarantine, the G3 copy queue and the event log (when the
+        policy names a secret: the control channel streams it) are built
+        first and shared by the parts that use them."""
         if self._manager is not None:
             return self._manager
         if int(self.extra_config.get("store_threshold", 0)) >= 2:
             raise ValueError("store_threshold is not supported with SessionTierConnector")
-        sessions = self.sessionkv.policy.sessions
-        index = SessionPrefixIndex(
-            idle_timeout_s=sessions.idle_timeout_s, max_tombstones=sessions.max_tombstones)
+        policy = self.sessionkv.policy
+        index = SessionPrefixIndex(idle_timeout_s=policy.sessions.idle_timeout_s,
+                                   max_tombstones=policy.sessions.max_tombstones)
+        quarantine, g3_copies = Quarantine(), G3Copies()
+        events = EventLog() if policy.trust.secret is not None else None
         region = SharedOffloadRegion(
             engine_id=self._engine_id, num_chunks=self.num_chunks, rank=None,
             kv_bytes_per_chunk=self.kv_bytes_per_chunk,
@@ -78,16 +86,13 @@ class SessionTierSpec(TieringOffloadingSpec):
                 cache_policy_module_path=self.cache_policy_module_path,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 index=index, blocks_per_chunk=self.blocks_per_chunk,
+                quarantine=quarantine, event_log=events,
             )
             view = primary.get_kv_memoryview()
             for tier_config in self.secondary_tier_configs:
-                secondary.append(SecondaryTierFactory.create_secondary_tier(tier_config, view, self))
-            policy = self.sessionkv.policy
-            self._manager = SessionTierManager(
-                primary, secondary, index,
-                HintExecutor(index, policy.limits, primary.policy, self.num_chunks,
-                             self.blocks_per_chunk),
-                self.sessionkv)
+                secondary.append(self._secondary_tier(tier_config, view, quarantine, g3_copies))
+            self._manager = SessionTierManager(primary, secondary, index, self.sessionkv,
+                                               g3_copies=g3_copies, event_log=events)
         except Exception:
             for tier in reversed(secondary):
                 tier.shutdown()
@@ -98,6 +103,19 @@ class SessionTierSpec(TieringOffloadingSpec):
             raise
         self._scheduler_mmap = region
         return self._manager
+
+    def _secondary_tier(self, tier_config: dict, view: memoryview, quarantine: Quarantine,
+                        g3_copies: G3Copies):
+        """One of vLLM's secondary tiers; a G3 tier also gets the G2
+        quarantine and reports its copies to ``g3_copies``."""
+        if issubclass(SecondaryTierFactory.get_tier_class(tier_config), G3Tier):
+            for key in ("quarantine", "observer"):
+                if key in tier_config:
+                    raise ValueError(f"secondary_tiers: {key} is set by sessionkv; remove "
+                                     f"it from the {tier_config['type']} tier")
+            tier_config = {**tier_config, "quarantine": quarantine,
+                           "observer": g3_copies.observe}
+        return SecondaryTierFactory.create_secondary_tier(tier_config, view, self)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if has_device_worker():

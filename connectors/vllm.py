@@ -9,8 +9,10 @@
 It is vLLM's ``OffloadingConnector`` over ``SessionTierSpec`` (G2 = the CPU
 primary tier, G3 = secondary tiers), plus:
 
-- the request's ``session_id`` copied into its ``kv_transfer_params``, so every
-  offloading manager sees it through ``ReqContext`` (vLLM 0.32 does not pass it);
+- each request's session (``Request.session_id``, else
+  ``kv_transfer_params["session_id"]``) and hints, read once when it arrives
+  and kept with everything else the connector follows of it (``_Tracked``);
+  the hints act when it finishes (``SessionTierManager.execute_request_hints``);
 - generated tokens offloaded too (agentic turns reuse them), unless the user
   sets vLLM's ``offload_prompt_only``;
 - a per-request report (``sessionkv.report.RequestReport``) returned from
@@ -50,12 +52,14 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from sessionkv.events import Association, EventLog
+from sessionkv.events import Association, Op
+from sessionkv.hints import HintOutcome, KvHint, Status
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.report import RequestReport
 from sessionkv.types import Tier
 
 from .control import ControlChannel
+from .hint_executor import read_request_hints
 from .manager import SessionTierManager
 from .probe import Probe, make_probe
 from .spec import SessionTierSpec, has_device_worker
@@ -139,7 +143,6 @@ def start_control(manager: SessionTierManager, engine_id: str | None, dp_rank: i
     secret = cfg.policy.trust.secret
     if secret is None:
         return None
-    manager.enable_events(EventLog())
     port = cfg.control.port + 2 * dp_rank if cfg.control.port else 0
     channel = ControlChannel(
         manager, secret, host=cfg.control.host, port=port,
@@ -163,6 +166,7 @@ class _Tracked:
 
     request: "Request"
     session: str | None
+    hints: tuple[KvHint | HintOutcome, ...] = ()      # parsed on arrival, run at the end
     keys: list[bytes] = field(default_factory=list)   # OffloadKey per full block
     admitted: int = 0            # leading blocks the index holds as computed in G1
     g1_tokens: int = 0           # G1 prefix hits of the last scheduling attempt
@@ -241,15 +245,26 @@ class SessionTierConnector(OffloadingConnector):
             self.index.bind_g1_probe(g1_probe(kv_cache_manager.block_pool))
 
     def on_new_request(self, request: "Request") -> None:
-        if request.session_id is not None:
-            params = dict(request.kv_transfer_params or {})
-            params[SESSION_PARAM] = request.session_id
-            request.kv_transfer_params = params
-        session = (request.kv_transfer_params or {}).get(SESSION_PARAM)
+        params = request.kv_transfer_params
+        params = params if isinstance(params, dict) else {}
+        session = request.session_id if request.session_id is not None \
+            else params.get(SESSION_PARAM)
+        session = session if isinstance(session, str) else None
         self._tracked[request.request_id] = _Tracked(
-            request, session if isinstance(session, str) else None)
+            request, session, self._read_hints(request, params, session))
         with self._locked():
             super().on_new_request(request)
+
+    def _read_hints(self, request: "Request", params: dict,
+                    session: str | None) -> tuple[KvHint | HintOutcome, ...]:
+        """Everything the request carries, parsed once (``read_request_hints``)."""
+        try:
+            return tuple(read_request_hints(params, request.kv_hints, session,
+                                            self.manager.config.policy.trust.secret))
+        except Exception:       # a parser bug must cost one hint, never the engine
+            logger.exception("sessionkv: hints of request %s unreadable", request.request_id)
+            return (HintOutcome("kv_hints", None, Status.REJECTED,
+                                reason="internal error reading hints"),)
 
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int
@@ -314,7 +329,7 @@ class SessionTierConnector(OffloadingConnector):
                 tr.admitted = full
                 self._associated(tr, full, Tier.G1)
         index.sweep_g1(G1_SWEEP_PER_STEP)
-        self.manager.executor.collect_clipped()
+        self.manager.collect_clipped()
         if now >= self._next_expiry:
             self.manager.expire_sessions(now)
             self._next_expiry = now + EXPIRE_EVERY_S
@@ -323,7 +338,7 @@ class SessionTierConnector(OffloadingConnector):
     def _associated(self, tr: _Tracked, n_blocks: int, tier: Tier) -> None:
         events = self.manager.event_log
         if events is not None and tr.session is not None:
-            events.append(Association(session_id=tr.session, op="extend", tier=tier.name,
+            events.append(Association(session_id=tr.session, op=Op.EXTEND, tier=tier.name,
                                       blocks=n_blocks, frontier=tr.keys[n_blocks - 1]))
 
     def _report(self, request: "Request") -> RequestReport:
@@ -332,7 +347,7 @@ class SessionTierConnector(OffloadingConnector):
         g2 = sources.get(CacheHitSource.HOST, 0)
         g3 = sum(sources.values()) - g2
         report = RequestReport.build(
-            hints=self.manager.finish_request_hints(request.request_id),
+            hints=self.manager.execute_request_hints(tr.hints, tr.session) if tr else (),
             session_id=tr.session if tr else None,
             block_size=self._block_size,
             prompt_tokens=request.num_prompt_tokens,

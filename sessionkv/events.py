@@ -3,16 +3,19 @@
 Every event carries ``seq``, a number that grows by one per event of an
 engine (per DP rank), and ``ts`` (``time.time()``). Kinds:
 
-- ``association``: a session's branch grew (``op="extend"``: ``blocks`` is the
+- ``association``: a session's branch grew (``Op.EXTEND``: ``blocks`` is the
   chain's length, ``frontier`` its deepest key, ``tier`` where the new blocks
-  are) or the session ended (``op="end"``, ``reason`` ``"hint"`` or ``"idle"``);
+  are) or the session ended (``Op.END``, ``reason`` ``"hint"`` or ``"idle"``);
 - ``residency``: chunks became resident in a tier (``present=True``) or a
   store into it failed (``present=False``);
 - ``eviction``: chunks a tier evicted to make room (or dropped on reset);
 - ``transfer``: a copy between tiers finished (``src`` -> ``dst``, ``ok``);
-- ``outcome``: a hint's outcome (``via`` ``"request" | "control" | "policy"``;
-  ``policy`` is a pin clipped later under pressure, or a deferred hint's final
-  outcome).
+- ``outcome``: a hint's outcome (``via``: ``Via.REQUEST``, ``CONTROL``,
+  ``POLICY`` (a pin clipped later under pressure) or ``TRANSFER`` (a deferred
+  hint's final outcome)).
+
+Tiers are named as ``Tier``'s names (``TierName``); ``Op`` and ``Via`` are
+string enums, so the wire carries the same strings as the values.
 
 Chunk keys are vLLM ``OffloadKey`` bytes (a chunk is keyed by its last block).
 G1 evictions are not reported here: vLLM reports no G1 evictions to
@@ -31,12 +34,31 @@ import os
 import threading
 import time
 from collections import deque
+from enum import Enum
+from typing import Literal
 
 import msgspec
 
 from sessionkv.hints import HintOutcome
+from sessionkv.types import TierName
 
 DEFAULT_CAPACITY = 65_536
+
+
+class Op(str, Enum):
+    """What happened to a session (``Association``)."""
+
+    EXTEND = "extend"
+    END = "end"
+
+
+class Via(str, Enum):
+    """How an outcome was made (``Outcome``)."""
+
+    REQUEST = "request"      # a request's hints, when it finished
+    CONTROL = "control"      # the control channel
+    POLICY = "policy"        # a pin clipped later under pressure
+    TRANSFER = "transfer"    # a deferred hint's final outcome
 
 
 class Event(msgspec.Struct, tag_field="kind", kw_only=True):
@@ -46,28 +68,28 @@ class Event(msgspec.Struct, tag_field="kind", kw_only=True):
 
 class Association(Event, tag="association"):
     session_id: str
-    op: str                       # "extend" | "end"
-    tier: str | None = None
+    op: Op
+    tier: TierName | None = None
     blocks: int = 0
     frontier: bytes | None = None
-    reason: str = ""
+    reason: Literal["", "hint", "idle"] = ""
 
 
 class Residency(Event, tag="residency"):
-    tier: str
+    tier: TierName
     keys: list[bytes]
     present: bool = True
 
 
 class Eviction(Event, tag="eviction"):
-    tier: str
+    tier: TierName
     keys: list[bytes]
-    reason: str = "capacity"      # "capacity" | "reset"
+    reason: Literal["capacity", "reset"] = "capacity"
 
 
 class Transfer(Event, tag="transfer"):
-    src: str
-    dst: str
+    src: TierName
+    dst: TierName
     keys: list[bytes]             # chunks copied
     ok: bool = True
     req_id: str | None = None
@@ -77,7 +99,7 @@ class Transfer(Event, tag="transfer"):
 
 class Outcome(Event, tag="outcome"):
     outcome: HintOutcome
-    via: str                      # "request" | "control" | "policy" | "transfer" (a final outcome)
+    via: Via
     session_id: str | None = None
     client: str | None = None
 

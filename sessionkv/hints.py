@@ -55,8 +55,13 @@ class Action(str, Enum):
     PREFETCH = "prefetch"
     SHARE = "share"
 
+    @property
+    def action_type(self) -> str:
+        """The action's name on the wire and in outcomes: ``kv.<action>``."""
+        return f"kv.{self.value}"
 
-ACTION_TYPES = {f"kv.{a.value}": a for a in Action}
+
+ACTION_TYPES = {a.action_type: a for a in Action}
 
 
 class Status(str, Enum):
@@ -312,7 +317,7 @@ def hint_action(
                                  ("priority", priority), ("destination", destination),
                                  ("max_blocks", max_blocks)) if v is not None}
     return {"action_id": action_id or f"{action.value}-{uuid.uuid4().hex[:12]}",
-            "action_type": f"kv.{action.value}", "action_version": ACTION_VERSION,
+            "action_type": action.action_type, "action_version": ACTION_VERSION,
             "payload": payload}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Literal
 
 
 class Tier(IntEnum):
@@ -14,3 +15,5 @@ class Tier(IntEnum):
 
 
 TIERS = tuple(Tier)
+#: A tier as events and reports name it: ``Tier.G2.name``.
+TierName = Literal["G1", "G2", "G3"]

@@ -1,8 +1,8 @@
 """The fingerprint in every G3 object key: which engines' bytes are interchangeable.
 
 A G3 key is ``namespace / fingerprint / OffloadKey hex``. Two engines share a
-chunk only when they agree on everything that shapes its bytes (DESIGN.md,
-"Identity"): the model (a digest of its weights and config, not its path),
+chunk only when they agree on everything that shapes its bytes (ARCHITECTURE.md,
+"Never wrong KV"): the model (a digest of its weights and config, not its path),
 the KV dtype, the block size, blocks per chunk, the KV layout, the parallel
 sizes, and the block hash function and its seed (``NONE_HASH`` is the hash
 function applied to the seed, so it stands for both). Anything else is a miss.

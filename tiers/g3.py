@@ -83,6 +83,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 logger = init_logger(__name__)
+#: Told of a copy as it ends: ``(load, keys, ok per key)``; runs on an I/O
+#: thread and must not block (the tier manager indexes G3 copies from it).
+Observer = Callable[[bool, list[OffloadKey], list[bool]], None]
 MISS_AFTER_FAILURE_S = 30.0
 MAX_FAILED = 65_536
 SUM_SLOTS = 4096                    # checksums in flight in inline-sum calls (64 KiB)
@@ -108,9 +111,6 @@ class G3Tier(SecondaryTierManager):
 
     medium: ClassVar[Medium] = Medium.STORAGE
     backend_class: ClassVar[type[ObjectBackend] | None] = None
-    #: Told of every copy as it ends, on an I/O thread: ``(load, keys, ok per
-    #: key)``; must not block (the tier manager keeps the index's G3 copies).
-    observer: Callable[[bool, list[OffloadKey], list[bool]], None] | None = None
 
     def __init__(
         self,
@@ -123,8 +123,13 @@ class G3Tier(SecondaryTierManager):
         timeout_s: float = 2.0,
         retry_s: float = 1.0,
         backpressure_detector: "BackpressureDetector | None" = None,
+        quarantine: Quarantine | None = None,
+        observer: Observer | None = None,
         **backend_config: Any,
     ):
+        """``quarantine``: the G2 slots abandoned reads may still write (the
+        primary tier's, in an engine; a tier's own otherwise). ``observer``:
+        told of every copy as it ends, on an I/O thread."""
         if backend is None:
             if self.backend_class is None:
                 raise TypeError(f"{type(self).__name__} names no backend_class")
@@ -132,6 +137,8 @@ class G3Tier(SecondaryTierManager):
         try:
             self._setup(offloading_spec, primary_kv_view, tier_type, backend, namespace,
                         io_threads, timeout_s, retry_s, backpressure_detector)
+            self.quarantine = quarantine if quarantine is not None else Quarantine()
+            self._observer = observer
         except Exception:
             backend.close()
             raise
@@ -166,9 +173,6 @@ class G3Tier(SecondaryTierManager):
         backend.register(self._region)
         if self._sums is not None:
             backend.register(self._sums.view)
-        #: G2 slots an abandoned read may still write (the primary tier's own
-        #: when the engine runs: it keeps them out of its free list).
-        self.quarantine = Quarantine()
         self.guard = Guard(tier_type, float(timeout_s), float(retry_s))
         self._pool = ThreadPoolExecutor(max_workers=int(io_threads),
                                         thread_name_prefix=f"sessionkv-{tier_type}")
@@ -333,8 +337,8 @@ class G3Tier(SecondaryTierManager):
             ok = [False] * len(keys)
         if fn == self._load and not down and not all(ok):
             self._remember_failed([n for n, o in zip(names, ok) if not o])
-        if self.observer is not None:
-            self.observer(fn == self._load, keys, ok)
+        if self._observer is not None:
+            self._observer(fn == self._load, keys, ok)
         return ok
 
     # ---- copies and pins outside vLLM's job table (hints) ---------------------------

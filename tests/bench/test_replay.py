@@ -2,15 +2,9 @@
 hand: session reconstruction, prefix semantics, LRU, the offline reference,
 G1 in front of G2, shared G3, and hints reaching the real policy."""
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from replay_sim import DEFAULT_KV_BYTES_PER_TOKEN, RunSpec, run_policy  # noqa: E402
-from replay_trace import NEVER, parse_rows  # noqa: E402
+from replay_sim import DEFAULT_KV_BYTES_PER_TOKEN, RunSpec, run_policy
+from replay_trace import NEVER, parse_rows
 
 B = 512
 

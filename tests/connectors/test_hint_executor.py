@@ -182,6 +182,6 @@ def test_pins_clipped_under_pressure_come_back_as_late_outcomes():
     assert o.blocks_affected == 3
     policy = ex._policy
     assert len(policy.evict(2, set())) == 2              # nothing but pins left: clipped
-    (late,) = ex.take_late_outcomes()
+    (late,) = ex.collect_clipped()
     assert (late.hint_id, late.status, late.blocks_affected) == ("h0", Status.CLIPPED, 2)
-    assert ex.take_late_outcomes() == []
+    assert ex.collect_clipped() == []

@@ -12,7 +12,7 @@ from sessionkv.report import RequestReport
 
 
 def test_counts_outcomes_moves_and_tokens_then_starts_over():
-    s = SessionStats(chunk_bytes=1000, blocks_per_chunk=2, gauges=lambda: (7, 2, 1))
+    s = SessionStats(chunk_bytes=1000, blocks_per_chunk=2)
     s.record(Outcome(outcome=HintOutcome("h", "kv.pin", Status.ACCEPTED), via="request"))
     s.record(Outcome(outcome=HintOutcome("d", "kv.demote", Status.DEFERRED), via="control"))
     s.record(Outcome(outcome=HintOutcome("d", "kv.demote", Status.CLIPPED), via="transfer"))
@@ -20,7 +20,7 @@ def test_counts_outcomes_moves_and_tokens_then_starts_over():
     s.record(Transfer(src="G2", dst="G3", keys=[b"a"], ok=True))     # counted by moved()
     s.moved("G2", "G3", 3)
     s.tokens(RequestReport.build("s", 32, 100, 32, 32, 0))
-    got = s.take().reduce()
+    got = s.take(7, 2, 1).reduce()
     assert got == {
         "sessionkv:hint_outcomes:('kv.pin', 'accepted')": 1,
         "sessionkv:hint_outcomes:('kv.demote', 'clipped')": 1,
@@ -31,17 +31,17 @@ def test_counts_outcomes_moves_and_tokens_then_starts_over():
         "sessionkv:hit_ratio:('g1',)": 0.32, "sessionkv:hit_ratio:('g2',)": 0.32,
         "sessionkv:hit_ratio:('g3',)": 0.0,
         "sessionkv:index_blocks": 7, "sessionkv:index_sessions": 2, "sessionkv:pinned_chunks": 1}
-    again = s.take().reduce()
+    again = s.take(7, 2, 1).reduce()
     assert again == {"sessionkv:index_blocks": 7, "sessionkv:index_sessions": 2,
                      "sessionkv:pinned_chunks": 1}
 
 
 def test_every_name_it_emits_is_declared_for_vllm():
-    s = SessionStats(1, 1, lambda: (0, 0, 0))
+    s = SessionStats(1, 1)
     s.record(Outcome(outcome=HintOutcome("h", "kv.pin", Status.ACCEPTED), via="request"))
     s.moved("G3", "G2", 1)
     s.tokens(RequestReport.build("s", 32, 64, 32, 0, 32))
-    stats = s.take()
+    stats = s.take(0, 0, 0)
     assert isinstance(stats, OffloadingConnectorStats)
     for name, labels in stats.data["data"].items():
         assert name in DEFINITIONS

@@ -11,8 +11,9 @@ from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from sessionkv.connectors.manager import SessionPrimaryTier
-from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.devtools.keys import block_key
+from sessionkv.index.prefix_index import SessionPrefixIndex
+from sessionkv.tiers.g3 import Quarantine
 
 CTX = ReqContext(req_id="r")
 N = 4
@@ -23,7 +24,7 @@ def g2():
     region = SharedOffloadRegion(engine_id=f"quarantine-{uuid.uuid4().hex[:8]}", num_chunks=N,
                                  rank=None, kv_bytes_per_chunk=4096, cpu_page_size=4096)
     tier = SessionPrimaryTier(num_chunks=N, mmap_region=region, index=SessionPrefixIndex(),
-                              blocks_per_chunk=1)
+                              blocks_per_chunk=1, quarantine=Quarantine(), event_log=None)
     yield tier
     tier.shutdown()
 

@@ -13,8 +13,9 @@ from vllm import LLM, SamplingParams
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
 from sessionkv.devtools.engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id, serve
-from sessionkv.hints import sign
 from sessionkv.devtools.server import remove_offload_region
+from sessionkv.events import Outcome, Via
+from sessionkv.hints import sign
 
 BLOCK = 32
 CHUNK_BYTES = 2 * 2 * 2 * 64 * BLOCK * 4
@@ -136,13 +137,15 @@ def test_retain_the_lower_priority_goes_first(engine):
 def test_pin_everything_then_keep_serving_pins_are_clipped(engine):
     llm = engine
     refs = cold(llm, "X", "Y", "F")
+    events = manager(llm).event_log
+    _, _, start = events.since(0, 0)
     for name in "SL":
         assert run(llm, name, session=name, hint=pin())[2].hints[0].blocks_affected == 6
     for name in "XYF":                           # G2 is all pins: no stall, pins clipped
         tok, lps, _ = run(llm, name)
         assert (tok, lps) == refs[name]
-    with manager(llm).lock:
-        late = manager(llm).executor.take_late_outcomes()
+    late = [e.outcome for e in events.since(start - 1, 1 << 20)[0]
+            if isinstance(e, Outcome) and e.via is Via.POLICY]
     assert late and all(o.status == "clipped" and o.action == "kv.pin" for o in late)
     assert sum(o.blocks_affected for o in late) >= 6
 
@@ -168,7 +171,7 @@ def test_hints_racing_the_scheduler(engine):
                                      priority=int(rng.integers(0, 9))), signed=True)
                 with mgr.lock:
                     mgr.executor.execute(hint, s)
-                    mgr.executor.take_late_outcomes()
+                    mgr.collect_clipped()
                     if rng.random() < 0.05:
                         mgr.index.end_session(s)
         except Exception as e:       # noqa: BLE001 - reported below

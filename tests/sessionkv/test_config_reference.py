@@ -16,9 +16,9 @@ from sessionkv.tiers.mooncake import MooncakeTier
 from sessionkv.tiers.redis import RedisTier
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-# G3Tier's constructor arguments that vLLM passes, not the tier entry.
+# G3Tier's constructor arguments that vLLM or sessionkv's spec pass, not the tier entry.
 FROM_VLLM = {"self", "offloading_spec", "primary_kv_view", "tier_type", "backend",
-             "backpressure_detector", "backend_config"}
+             "backpressure_detector", "backend_config", "quarantine", "observer"}
 
 
 def reference_keys() -> set[str]:

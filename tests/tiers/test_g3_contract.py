@@ -221,9 +221,8 @@ def test_a_load_with_a_gap_copies_each_chunk_to_its_slot(make):
 
 
 def test_moves_outside_the_job_table_copy_and_report_through_done(make):
-    tier, region = make()
     seen = []
-    tier.observer = lambda load, keys, ok: seen.append((load, list(keys), list(ok)))
+    tier, region = make(observer=lambda load, keys, ok: seen.append((load, list(keys), list(ok))))
     fill(region, range(3), seed=13)
     done = []
     tier.move(False, KEYS[:3], [0, 1, 2], done.append)
