@@ -189,14 +189,18 @@ def measure(backend: str, where, chunk: int, repeat: int) -> list[dict]:
         tier.shutdown()
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True)
     ap.add_argument("--backend", choices=["mooncake", "redis", "lmcache"], action="append")
     # One round's ratio varies 0.7-1.5 here (a few ms of noise on 20-40 ms):
     # the median of 15 moved ±0.06 run to run, of 45 about ±0.03.
     ap.add_argument("--repeat", type=int, default=45)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     backends = args.backend or ["mooncake", "redis", "lmcache"]
     if len(backends) > 1:
         # Each backend in a process of its own: a closed Mooncake client

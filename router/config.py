@@ -37,7 +37,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from sessionkv.config import _mapping
+from sessionkv.config import mapping_of
 
 END_ACTIONS = ("demote", "free", "none")
 MOVE_ACTIONS = ("share", "share_prefetch", "none")
@@ -142,14 +142,14 @@ def _choice(value: Any, choices: tuple[str, ...], where: str) -> str:
 
 def _section(doc: Mapping[str, Any], key: str, cls: type, spec: dict[str, Any]) -> Any:
     """``cls`` from ``doc[key]``: ``spec`` maps each field to its checker."""
-    raw = _mapping(doc.get(key), key)
+    raw = mapping_of(doc.get(key), key)
     _known(raw, tuple(spec), key)
     return cls(**{k: spec[k](v, f"{key}.{k}") for k, v in raw.items()})
 
 
 def _worker(raw: Any, i: int) -> WorkerConfig:
     where = f"workers[{i}]"
-    raw = _mapping(raw, where)
+    raw = mapping_of(raw, where)
     _known(raw, ("name", "url", "control", "endpoint_file", "plain"), where)
     for key in ("name", "url"):
         if key not in raw:
@@ -182,20 +182,20 @@ def _secret(path: Any) -> bytes:
 
 def parse_config(doc: Any) -> RouterConfig:
     """``RouterConfig`` from a parsed YAML document (see the module docstring)."""
-    doc = _mapping(doc, "router config")
+    doc = mapping_of(doc, "router config")
     _known(doc, ("version", "listen", "secret_file", "redis", "workers", "routing", "policy"),
            "router config")
     if doc.get("version", 1) != 1:
         raise ValueError(f"version must be 1, got {doc.get('version')!r}")
     if "secret_file" not in doc:
         raise ValueError("secret_file is required (the engines' trust.secret_file key)")
-    listen = _mapping(doc.get("listen"), "listen")
+    listen = mapping_of(doc.get("listen"), "listen")
     _known(listen, ("host", "port"), "listen")
     host = _string(listen.get("host", "127.0.0.1"), "listen.host")
     port = listen.get("port", 8100)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"listen.port must be an integer in [0, 65535], got {port!r}")
-    if "url" not in _mapping(doc.get("redis"), "redis"):
+    if "url" not in mapping_of(doc.get("redis"), "redis"):
         raise ValueError("redis.url is required (session state lives in Redis)")
     redis_cfg = _section(doc, "redis", RedisConfig, {
         "url": _string, "namespace": _string, "state_ttl_s": _positive})
@@ -210,7 +210,7 @@ def parse_config(doc: Any) -> RouterConfig:
         "max_load": lambda v, w: _positive(v, w, integer=True),
         "load_poll_s": _positive, "request_timeout_s": _positive, "overlap": _flag,
         "overlap_g2_weight": _positive, "retry": _flag})
-    policy_doc = _mapping(doc.get("policy"), "policy")
+    policy_doc = mapping_of(doc.get("policy"), "policy")
     policy = _section({"policy": {k: v for k, v in policy_doc.items()
                                   if k not in ("tool_call", "warmup")}},
                       "policy", HintPolicy, {

@@ -116,7 +116,8 @@ def _reject_unknown(section: Mapping[str, Any], known: tuple[str, ...], where: s
             )
 
 
-def _mapping(value: Any, where: str) -> Mapping[str, Any]:
+def mapping_of(value: Any, where: str) -> Mapping[str, Any]:
+    """A YAML section as a mapping (absent: empty); a clear error naming ``where`` else."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -137,7 +138,7 @@ def _fraction(value: Any, where: str) -> float:
 
 
 def _parse_limits(raw: Any, source: str) -> Limits:
-    raw = _mapping(raw, f"{source}: limits")
+    raw = mapping_of(raw, f"{source}: limits")
     d = Limits()
     kinds = {"max_ttl_s": _positive_number, "max_blocks_per_hint": _positive_int,
              "pin_fraction_session": _fraction, "pin_fraction_global": _fraction,
@@ -148,7 +149,7 @@ def _parse_limits(raw: Any, source: str) -> Limits:
 
 
 def _parse_trust(raw: Any, source: str) -> Trust:
-    raw = _mapping(raw, f"{source}: trust")
+    raw = mapping_of(raw, f"{source}: trust")
     _reject_unknown(raw, ("secret_file",), f"{source}: trust.")
     path = raw.get("secret_file")
     if path is None:
@@ -172,12 +173,12 @@ def _positive_int(value: Any, where: str) -> int:
 
 def parse_policy(doc: Any, source: str = "policy") -> TierPolicy:
     """Parse a tier policy document (the YAML file's content)."""
-    doc = _mapping(doc, source)
+    doc = mapping_of(doc, source)
     _reject_unknown(doc, ("version", "g2", "g3", "sessions", "limits", "trust"), f"{source}: ")
     version = doc.get("version", 1)
     if version != 1:
         raise ValueError(f"{source}: version must be 1, got {version!r}")
-    g2 = _mapping(doc.get("g2"), f"{source}: g2")
+    g2 = mapping_of(doc.get("g2"), f"{source}: g2")
     _reject_unknown(g2, ("eviction",), f"{source}: g2.")
     eviction = g2.get("eviction", G2Policy.eviction)
     if eviction not in G2_EVICTION_POLICIES:
@@ -185,12 +186,12 @@ def parse_policy(doc: Any, source: str = "policy") -> TierPolicy:
             f"{source}: g2.eviction must be one of {', '.join(G2_EVICTION_POLICIES)},"
             f" got {eviction!r}"
         )
-    g3 = _mapping(doc.get("g3"), f"{source}: g3")
+    g3 = mapping_of(doc.get("g3"), f"{source}: g3")
     _reject_unknown(g3, ("write_through",), f"{source}: g3.")
     write_through = g3.get("write_through", G3Policy.write_through)
     if not isinstance(write_through, bool):
         raise ValueError(f"{source}: g3.write_through must be true or false, got {write_through!r}")
-    sess = _mapping(doc.get("sessions"), f"{source}: sessions")
+    sess = mapping_of(doc.get("sessions"), f"{source}: sessions")
     _reject_unknown(sess, ("idle_timeout_s", "max_tombstones"), f"{source}: sessions.")
     defaults = SessionPolicy()
     sessions = SessionPolicy(
@@ -242,7 +243,7 @@ def parse_extra_config(extra_config: Mapping[str, Any]) -> SessionKVConfig:
                 f"({SUBKEY}.policy_file) instead"
             )
 
-    ours = _mapping(extra_config.get(SUBKEY), SUBKEY)
+    ours = mapping_of(extra_config.get(SUBKEY), SUBKEY)
     _reject_unknown(ours, ("policy_file", "control"), f"{SUBKEY}.")
     control = _parse_control(ours.get("control"))
     policy_file = ours.get("policy_file")
@@ -256,7 +257,7 @@ def parse_extra_config(extra_config: Mapping[str, Any]) -> SessionKVConfig:
 
 def _parse_control(raw: Any) -> ControlConfig:
     where = f"{SUBKEY}.control"
-    raw = _mapping(raw, where)
+    raw = mapping_of(raw, where)
     _reject_unknown(raw, ("host", "port", "endpoint_file"), f"{where}.")
     host = raw.get("host", ControlConfig.host)
     if not isinstance(host, str) or not host:

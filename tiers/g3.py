@@ -22,10 +22,14 @@ what lookups and stores ask for (else the data object itself). Stores of
 vLLM's cascades (chunks just computed) ask only where a second put could
 hurt: with checksum objects, which loads check (Redis).
 
+The backend's modes are strategy objects chosen once (``tiers/g3_layout``):
+its ``Layout`` (``InlineSums`` or ``SumObjects``: where checksums live, how
+stores write and loads verify them) and its ``Pins``.
+
 Never wrong KV. A load verifies the bytes against their checksum before the
 chunk counts as loaded: bytes read into buffers of the backend's own
-(``owned_reads``) are verified and then copied into the G2 slot; bytes read
-straight into the G2 slot (``inline_sums``) are verified there, and a failed
+(``SumObjects``) are verified and then copied into the G2 slot; bytes read
+straight into the G2 slot (``InlineSums``) are verified there, and a failed
 slot is never made readable. A chunk whose checksum is
 missing, or whose data is missing, short or different, fails its load and
 vLLM recomputes it. A chunk that failed is a
@@ -71,8 +75,9 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .fingerprint import fingerprint
-from .g3_backend import SUM, SUM_SUFFIX, ObjectBackend, address_of, checksum
-from .g3_io import BackendDown, Guard, Lapses, Quarantine, Staging
+from .g3_backend import SUM_SUFFIX, ObjectBackend, address_of, checksum
+from .g3_io import BackendDown, Guard, Quarantine, Staging
+from .g3_layout import layout_for, pins_for
 from .g3_spec import spec_identity
 
 __all__ = ["SUM_SUFFIX", "BackendDown", "G3Tier", "Guard", "ObjectBackend", "Quarantine",
@@ -88,7 +93,6 @@ logger = init_logger(__name__)
 Observer = Callable[[bool, list[OffloadKey], list[bool]], None]
 MISS_AFTER_FAILURE_S = 30.0
 MAX_FAILED = 65_536
-SUM_SLOTS = 4096                    # checksums in flight in inline-sum calls (64 KiB)
 ABANDONED_WAIT_S = 5.0              # shutdown waits this long for abandoned calls
 
 
@@ -135,10 +139,10 @@ class G3Tier(SecondaryTierManager):
                 raise TypeError(f"{type(self).__name__} names no backend_class")
             backend = self.backend_class(**backend_config)
         try:
-            self._setup(offloading_spec, primary_kv_view, tier_type, backend, namespace,
-                        io_threads, timeout_s, retry_s, backpressure_detector)
             self.quarantine = quarantine if quarantine is not None else Quarantine()
             self._observer = observer
+            self._setup(offloading_spec, primary_kv_view, tier_type, backend, namespace,
+                        io_threads, timeout_s, retry_s, backpressure_detector)
         except Exception:
             backend.close()
             raise
@@ -159,21 +163,10 @@ class G3Tier(SecondaryTierManager):
         self._namespace = namespace
         self._prefix: str | None = None
         self._backend = backend
-        self._inline = backend.inline_sums
-        # What lookups ask for: the checksum object, or the data object itself.
-        self._listing = SUM_SUFFIX if backend.sum_objects else ""
-        if not self._inline and not (backend.owned_reads and self._listing):
-            raise TypeError(f"{type(backend).__name__}: a backend keeps checksums inline "
-                            "(inline_sums) or in checksum objects it reads with its data "
-                            "(sum_objects, owned_reads)")
-        if backend.pin_needs_bytes and self._listing:
-            raise TypeError(f"{type(backend).__name__}: pins that rewrite objects "
-                            "(pin_needs_bytes) need inline checksums, no checksum objects")
-        self._sums = Staging(SUM_SLOTS, SUM.size) if self._inline else None
-        backend.register(self._region)
-        if self._sums is not None:
-            backend.register(self._sums.view)
         self.guard = Guard(tier_type, float(timeout_s), float(retry_s))
+        backend.register(self._region)
+        self._layout = layout_for(backend, self.guard, self._chunk, self.quarantine)
+        self._pins = pins_for(backend, self.guard, self._layout, time.monotonic)
         self._pool = ThreadPoolExecutor(max_workers=int(io_threads),
                                         thread_name_prefix=f"sessionkv-{tier_type}")
         self._pending: set[Future] = set()
@@ -181,7 +174,6 @@ class G3Tier(SecondaryTierManager):
         self._failed: dict[str, float] = {}     # name -> until when it is a miss
         self._lock = threading.Lock()
         self._lookups = _Lookups(self)
-        self._lapses = Lapses(self._unpin)
 
     # ---- names ----------------------------------------------------------------
 
@@ -204,10 +196,7 @@ class G3Tier(SecondaryTierManager):
 
     def objects(self, key: OffloadKey) -> list[str]:
         """The names of every object that holds the chunk ``key``."""
-        return self._objects(self.name(key))
-
-    def _objects(self, name: str) -> list[str]:
-        return [name, name + SUM_SUFFIX] if self._listing else [name]
+        return self._layout.objects(self.name(key))
 
     # ---- vLLM's contract (scheduler thread) ------------------------------------
 
@@ -232,10 +221,14 @@ class G3Tier(SecondaryTierManager):
         self._lookups.cleanup(req_context.req_id)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        self._submit(self._cascade, job_metadata)
+        # vLLM's cascade: chunks this engine just computed, which another
+        # engine has stored as well only in a race. Whether a second put is
+        # harmless is the layout's (asking cost 7 % of an LMCache put of
+        # 1 MiB chunks): ``Layout.cascade_asks``.
+        self._submit(False, job_metadata)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        self._submit(self._load, job_metadata)
+        self._submit(True, job_metadata)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         with self._lock:
@@ -260,7 +253,7 @@ class G3Tier(SecondaryTierManager):
     def shutdown(self) -> None:
         self._lookups.shutdown()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._lapses.close()
+        self._pins.close()
         # An abandoned call may still write G2 or the checksum slots, unmapped next.
         until = time.monotonic() + ABANDONED_WAIT_S
         while self.guard.abandoned and time.monotonic() < until:
@@ -270,8 +263,7 @@ class G3Tier(SecondaryTierManager):
                            "running past their deadline", self.tier_type, self.guard.abandoned)
         self.guard.shutdown()
         self._backend.close()
-        if self._sums is not None:
-            self._sums.release()
+        self._layout.close()
         self._region.release()      # else the primary tier cannot unmap G2
 
     def health(self) -> str:
@@ -288,7 +280,7 @@ class G3Tier(SecondaryTierManager):
     def listed(self, keys: list[OffloadKey]) -> list[bool]:
         """Whether each chunk's checksum object (or, with inline checksums, its
         object) exists; False when the backend does not answer in time."""
-        names = [self.prefix + bytes(k).hex() + self._listing for k in keys]
+        names = [self.prefix + bytes(k).hex() + self._layout.listing for k in keys]
         try:
             return self.guard.call(self._backend.exists, names)
         except BackendDown:
@@ -296,11 +288,11 @@ class G3Tier(SecondaryTierManager):
 
     # ---- I/O threads ----------------------------------------------------------------
 
-    def _submit(self, fn, job: TransferJob) -> None:
+    def _submit(self, load: bool, job: TransferJob) -> None:
         keys = list(job.keys)
         names = [self.name(k) for k in keys]
         offsets = [int(c) * self._chunk for c in job.chunk_ids]
-        fut = self._pool.submit(self._run, fn, job.job_id, keys, names, offsets)
+        fut = self._pool.submit(self._run, load, job.job_id, keys, names, offsets)
         with self._lock:
             self._pending.add(fut)
         fut.add_done_callback(self._finished)
@@ -309,12 +301,13 @@ class G3Tier(SecondaryTierManager):
         with self._lock:
             self._pending.discard(fut)
 
-    def _run(self, fn, job_id: int, keys: list[OffloadKey], names: list[str],
+    def _run(self, load: bool, job_id: int, keys: list[OffloadKey], names: list[str],
              offsets: list[int]) -> None:
         start = time.monotonic()
-        ok = self._copy(fn, f"job {job_id}", keys, names, offsets)
+        ok = self._copy(load, f"job {job_id}", keys, names, offsets,
+                        ask=self._layout.cascade_asks)
         good = [k for k, o in zip(keys, ok) if o]
-        failed_loads = [k for k, o in zip(keys, ok) if not o] if fn == self._load else []
+        failed_loads = [k for k, o in zip(keys, ok) if not o] if load else []
         result = JobResult(job_id=job_id, success=len(good) == len(keys),
                            successful_keys=good if len(good) < len(keys) else None,
                            transfer_time=time.monotonic() - start,
@@ -322,23 +315,24 @@ class G3Tier(SecondaryTierManager):
         with self._lock:
             self._done.append((result, failed_loads))
 
-    def _copy(self, fn, what: str, keys: list[OffloadKey], names: list[str],
-              offsets: list[int]) -> list[bool]:
-        """One store or load; ok per key, never raises. A load that failed
-        with the backend up is remembered (a miss for a while)."""
+    def _copy(self, load: bool, what: str, keys: list[OffloadKey], names: list[str],
+              offsets: list[int], ask: bool = True) -> list[bool]:
+        """One load, or a store (``ask``: of chunks the backend does not have
+        yet); ok per key, never raises. A load that failed with the backend
+        up is remembered (a miss for a while)."""
         down = False
         try:
-            ok = fn(names, offsets)
+            ok = self._load(names, offsets) if load else self._store(names, offsets, ask)
         except BackendDown as e:    # the breaker covers it: no per-chunk memory
             logger.debug("sessionkv: G3 %s: %s", what, e)
             ok, down = [False] * len(keys), True
         except Exception:           # a backend bug fails the copy, never the engine
             logger.exception("sessionkv: G3 %s failed", what)
             ok = [False] * len(keys)
-        if fn == self._load and not down and not all(ok):
+        if load and not down and not all(ok):
             self._remember_failed([n for n, o in zip(names, ok) if not o])
         if self._observer is not None:
-            self._observer(fn == self._load, keys, ok)
+            self._observer(load, keys, ok)
         return ok
 
     # ---- copies and pins outside vLLM's job table (hints) ---------------------------
@@ -346,7 +340,7 @@ class G3Tier(SecondaryTierManager):
     @property
     def pin_needs_bytes(self) -> bool:
         """Whether ``pin`` needs the chunks' G2 slots (the backend rewrites them)."""
-        return self._backend.pin_needs_bytes
+        return self._pins.needs_bytes
 
     def pin(self, keys: list[OffloadKey], ttl_s: float, chunk_ids: Sequence[int] | None,
             done: Callable[[list[bool]], None]) -> None:
@@ -357,11 +351,12 @@ class G3Tier(SecondaryTierManager):
         ``pin_needs_bytes``. ``done`` as for ``move``."""
         keys = list(keys)
         names = [self.name(k) for k in keys]
-        offsets = None if chunk_ids is None else [int(c) * self._chunk for c in chunk_ids]
+        chunks = (None if chunk_ids is None
+                  else self._chunks([int(c) * self._chunk for c in chunk_ids]))
 
         def run():
             try:
-                ok = self._pin(names, offsets, ttl_s)
+                ok = self._pins.pin(names, chunks, ttl_s)
             except BackendDown as e:
                 logger.debug("sessionkv: G3 pin: %s", e)
                 ok = [False] * len(keys)
@@ -374,27 +369,6 @@ class G3Tier(SecondaryTierManager):
             self._pending.add(fut)
         fut.add_done_callback(self._finished)
 
-    def _pin(self, names: list[str], offsets: list[int] | None, ttl_s: float) -> list[bool]:
-        b, g = self._backend, self.guard
-        if b.pin_needs_bytes:       # bytes and checksum, copied: G2 may change after
-            if offsets is None:
-                raise ValueError(f"{self.tier_type}: pinning rewrites objects: G2 slots needed")
-            ok = g.call(b.pin, names, ttl_s, [bytes(c) + checksum(c) for c in self._chunks(offsets)],
-                        nbytes=len(names) * self._chunk)
-            return self._pinned(names, ok, ttl_s)
-        per = 2 if self._listing else 1         # objects per chunk
-        got = g.call(b.pin, [o for n in names for o in self._objects(n)], ttl_s, None)
-        return self._pinned(names, [all(got[i:i + per]) for i in range(0, len(got), per)], ttl_s)
-
-    def _pinned(self, names: list[str], ok: list[bool], ttl_s: float) -> list[bool]:
-        if not self._backend.pin_lapses:
-            pinned = [o for n, k in zip(names, ok) if k for o in self._objects(n)]
-            self._lapses.add(pinned, time.monotonic() + ttl_s)
-        return ok
-
-    def _unpin(self, names: list[str]) -> None:
-        self.guard.call(self._backend.unpin, names)
-
     def move(self, load: bool, keys: list[OffloadKey], chunk_ids: Sequence[int],
              done: Callable[[list[bool]], None]) -> None:
         """Copy chunks between their G2 slots (``chunk_ids``, reserved by the
@@ -406,8 +380,7 @@ class G3Tier(SecondaryTierManager):
         keys = list(keys)
         names = [self.name(k) for k in keys]
         offsets = [int(c) * self._chunk for c in chunk_ids]
-        fn = self._load if load else self._store
-        fut = self._pool.submit(lambda: done(self._copy(fn, "move", keys, names, offsets)))
+        fut = self._pool.submit(lambda: done(self._copy(load, "move", keys, names, offsets)))
         with self._lock:
             self._pending.add(fut)
         fut.add_done_callback(self._finished)
@@ -424,149 +397,32 @@ class G3Tier(SecondaryTierManager):
     def _chunks(self, offsets: list[int]) -> list[memoryview]:
         return [self._region[o:o + self._chunk] for o in offsets]
 
-    def _cascade(self, names: list[str], offsets: list[int]) -> list[bool]:
-        """vLLM's cascade: chunks this engine just computed, which another
-        engine has stored as well only in a race. With inline checksums a
-        second put of a chunk is harmless (``ObjectBackend.inline_sums``),
-        so these go without asking first (the question cost 7 % of an
-        LMCache put of 1 MiB chunks). Where loads check a chunk against its
-        checksum object, a second put would leave a moment in which the two
-        disagree (a good chunk unlisted): ask."""
-        return self._store(names, offsets, ask=not self._inline)
-
-    def _store(self, names: list[str], offsets: list[int], ask: bool = True) -> list[bool]:
+    def _store(self, names: list[str], offsets: list[int], ask: bool) -> list[bool]:
         """Store chunks; ``ask``: those the backend has already are kept, not
         sent (hint moves ask: vLLM has most often stored them already)."""
         b, g = self._backend, self.guard
-        have = (g.start(b.exists, [n + self._listing for n in names]) if ask
+        have = (g.start(b.exists, [n + self._layout.listing for n in names]) if ask
                 else lambda: [False] * len(names))
         chunks = self._chunks(offsets)
         sums = [checksum(c) for c in chunks]    # while an existence check runs
         have = have()
         todo = [i for i, h in enumerate(have) if not h]
         ok = list(have)
-        if not todo:
-            return ok
-        names, chunks, sums = ([x[i] for i in todo] for x in (names, chunks, sums))
-        if self._inline:
-            # One call writes data (and checksum objects, after). A put past
-            # its deadline may read G2 slots vLLM has reused: its checksums
-            # were taken before, so such an object fails its load, and its
-            # objects are removed when the late put returns.
-            put = self._with_sums(b.put_summed, names, chunks, sums, [], self._forget_all)
-        else:
-            # Zero-copy from G2: a put past its deadline may read a slot vLLM
-            # has reused. Its object then gets no checksum object (never
-            # listed), and is removed when the late put returns.
-            put = g.call(b.put_chunks, names, chunks, nbytes=len(names) * self._chunk,
-                         on_abandoned=lambda _: self._forget(names))
-            # Checksum objects after the data: lookups find whole chunks.
-            stored = [j for j, p in enumerate(put) if p]
-            listed = g.call(b.put_small, [names[j] + SUM_SUFFIX for j in stored],
-                            [sums[j] for j in stored])
-            put = [False] * len(put)
-            for j, done in zip(stored, listed):
-                put[j] = done
-        for i, done in zip(todo, put):
-            ok[i] = done
+        if todo:
+            put = self._layout.put([names[i] for i in todo], [chunks[i] for i in todo],
+                                   [sums[i] for i in todo])
+            for i, done in zip(todo, put):
+                ok[i] = done
         return ok
-
-    def _forget_all(self, names: list[str]) -> None:
-        """Remove every object of these chunks, the listed one first."""
-        self._forget([o for n in names for o in reversed(self._objects(n))])
-
-    def _forget(self, names: list[str]) -> None:
-        try:
-            self._backend.remove(names)
-        except Exception:           # best effort: such objects are never listed
-            pass
 
     def _load(self, names: list[str], offsets: list[int]) -> list[bool]:
-        if self._inline:
-            return self._load_inline(names, offsets)
-        return self._load_owned(names, offsets)
-
-    def _load_owned(self, names: list[str], offsets: list[int]) -> list[bool]:
-        """Data and checksum objects in one ``get_small`` call, verified bytes
-        copied straight into G2: the backend's buffers are its own, so a
-        call past its deadline writes nothing of ours."""
-        got = self.guard.call(self._backend.get_small,
-                              names + [n + SUM_SUFFIX for n in names],
-                              nbytes=len(names) * self._chunk)
-        ok, broken = [], []
-        for name, off, value, w in zip(names, offsets, got, got[len(names):]):
-            good = (value is not None and len(value) == self._chunk and w is not None
-                    and w == checksum(value))
-            if value is not None and not good:   # there, but short, long or different
-                broken.append(name)
-            if good:
-                self._region[off:off + self._chunk] = value
-            ok.append(good)
+        ok, broken = self._layout.load(names, self._chunks(offsets),
+                                       [o // self._chunk for o in offsets])
         self._unlist(broken)
         return ok
-
-    def _load_inline(self, names: list[str], offsets: list[int]) -> list[bool]:
-        """Straight into the G2 slots vLLM reserved, verified there against
-        the checksums read with them. The slots stay in quarantine while the
-        call runs, past its deadline too; a slot that fails is reported
-        failed and never becomes loadable."""
-        slots = self._chunks(offsets)
-        got = self._with_sums(self._backend.get_summed, names, slots, None,
-                              [o // self._chunk for o in offsets], None)
-        ok, broken = [], []
-        for name, (size, want), slot in zip(names, got, slots):
-            good = size == len(slot) and want == checksum(slot)
-            if size >= 0 and not good:           # there, but short, long or different
-                broken.append(name)
-            ok.append(good)
-        self._unlist(broken)
-        return ok
-
-    def _with_sums(self, fn, names: list[str], chunks: list[memoryview],
-                   values: list[bytes] | None, held: list[int], on_late) -> list:
-        """``fn(names, chunks, sums)`` of an inline-sum backend, in parts of at
-        most a quarter of the checksum slots: a put's checksums (``values``)
-        are copied into the slots first; the G2 slots ``held`` (one per chunk,
-        for a read) stay in quarantine
-        until the call ends. A call past its deadline keeps its checksum and
-        G2 slots until it ends, then ``on_late(its names)`` runs. Per chunk:
-        a put's result, or a read's (size, checksum bytes); a part with no
-        free checksum slots fails."""
-        out: list = []
-        fill = values is not None
-        step = self._sums.slots // 4
-        for i in range(0, len(names), step):
-            part, bufs, hold = names[i:i + step], chunks[i:i + step], held[i:i + step]
-            taken = self._sums.take(len(part), self.guard.timeout_s)
-            if taken is None:       # every slot kept by calls past their deadline
-                out += [False if fill else (-1, b"")] * len(part)
-                continue
-            sums = [self._sums.slot(t) for t in taken]
-            if fill:
-                for slot, value in zip(sums, values[i:i + step]):
-                    slot[:] = value
-            self.quarantine.hold(hold)
-
-            def end(late: bool, part=part, taken=taken, hold=hold) -> None:
-                if late and on_late is not None:
-                    on_late(part)
-                self.quarantine.release(hold)
-                self._sums.give(taken)
-            abandoned = False
-            try:
-                got = self.guard.call(fn, part, bufs, sums, nbytes=len(part) * self._chunk,
-                                      on_abandoned=lambda _, end=end: end(True))
-                out += got if fill else [(size, bytes(s)) for size, s in zip(got, sums)]
-            except BackendDown as e:
-                abandoned = e.abandoned
-                raise
-            finally:
-                if not abandoned:
-                    end(False)
-        return out
 
     def _unlist(self, broken: list[str]) -> None:
         if broken:
             logger.warning("sessionkv: %d G3 objects unreadable or failing their checksum "
                            "(%s...): recomputing, and unlisting them", len(broken), broken[0])
-            self._forget_all(broken)
+            self._layout.forget_all(broken)

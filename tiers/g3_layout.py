@@ -1,0 +1,273 @@
+"""The backend modes of a G3 tier as small strategy objects, chosen once from
+the backend's flags (``ObjectBackend``): where each chunk's checksum lives
+(a ``Layout``: how stores write it and loads verify it), and how a Pin holds
+objects (``Pins``). ``G3Tier`` holds one of each and never asks a flag again;
+``tiers/g3.py`` has the rules they implement (never wrong KV, never blocking).
+
+- ``InlineSums``: the checksum travels after the chunk's bytes in its own
+  object (Mooncake; LMCache also keeps checksum objects for lookups). Loads
+  read straight into the G2 slots, which stay in quarantine while a call past
+  its deadline may still write them, and verify them there. vLLM's cascades
+  put without asking first (a second put keeps one whole object).
+- ``SumObjects``: the checksum in an object of its own, written after the data
+  object (Redis). Loads read both into the backend's own buffers and copy
+  verified bytes into G2; stores ask first (a second put would leave data and
+  checksum disagreeing for a moment).
+- ``ObjectPins`` pins the objects by name; ``RewritePins`` rewrites them from
+  their G2 bytes (Mooncake sets pins only on put). Either may end by itself
+  (``pin_lapses``) or be ended by the tier at expiry (``Lapses``).
+
+Threading: every method runs on a tier's I/O thread (or the lookup thread
+for ``listing``); ``Staging`` and ``Quarantine`` are thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+from .g3_backend import SUM, SUM_SUFFIX, ObjectBackend, checksum
+from .g3_io import BackendDown, Guard, Lapses, Quarantine, Staging
+
+SUM_SLOTS = 4096                    # checksums in flight in inline-sum calls (64 KiB)
+
+Forget = Callable[[list[str]], None]
+
+
+class Layout:
+    """Where a chunk's checksum lives. ``listing``: the suffix lookups and
+    stores ask about (the checksum object, or "" for the data object)."""
+
+    cascade_asks: ClassVar[bool]
+
+    def __init__(self, backend: ObjectBackend, guard: Guard, chunk: int):
+        self._backend = backend
+        self._guard = guard
+        self._chunk = chunk
+        self.listing = SUM_SUFFIX if backend.sum_objects else ""
+
+    def objects(self, name: str) -> list[str]:
+        """Every object that holds the chunk ``name``, the data object first."""
+        return [name, name + SUM_SUFFIX] if self.listing else [name]
+
+    def forget_all(self, names: list[str]) -> None:
+        """Remove every object of these chunks, the listed one first."""
+        self._forget([o for n in names for o in reversed(self.objects(n))])
+
+    def _forget(self, names: list[str]) -> None:
+        try:
+            self._backend.remove(names)
+        except Exception:           # best effort: such objects are never listed
+            pass
+
+    def put(self, names: list[str], chunks: list[memoryview], sums: list[bytes]) -> list[bool]:
+        raise NotImplementedError
+
+    def load(self, names: list[str], slots: list[memoryview],
+             slot_ids: list[int]) -> tuple[list[bool], list[str]]:
+        """Read chunks into their G2 ``slots`` (ids ``slot_ids``), verified:
+        (ok per chunk, names of objects there but unreadable or different)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        return
+
+
+class InlineSums(Layout):
+    """Checksums after the bytes, in the chunk's own object (see the module docstring)."""
+
+    cascade_asks = False
+
+    def __init__(self, backend: ObjectBackend, guard: Guard, chunk: int,
+                 quarantine: Quarantine):
+        super().__init__(backend, guard, chunk)
+        self._quarantine = quarantine
+        self.sums = Staging(SUM_SLOTS, SUM.size)
+        backend.register(self.sums.view)
+
+    def put(self, names, chunks, sums):
+        # One call writes data (and checksum objects, after). A put past its
+        # deadline may read G2 slots vLLM has reused: its checksums were taken
+        # before, so such an object fails its load, and its objects are
+        # removed when the late put returns.
+        return self._with_sums(self._backend.put_summed, names, chunks, sums, [],
+                               self.forget_all)
+
+    def load(self, names, slots, slot_ids):
+        """Straight into the G2 slots vLLM reserved, verified there against
+        the checksums read with them. The slots stay in quarantine while the
+        call runs, past its deadline too; a slot that fails is reported
+        failed and never becomes loadable."""
+        got = self._with_sums(self._backend.get_summed, names, slots, None, slot_ids, None)
+        ok, broken = [], []
+        for name, (size, want), slot in zip(names, got, slots):
+            good = size == len(slot) and want == checksum(slot)
+            if size >= 0 and not good:           # there, but short, long or different
+                broken.append(name)
+            ok.append(good)
+        return ok, broken
+
+    def _with_sums(self, fn, names: list[str], chunks: list[memoryview],
+                   values: list[bytes] | None, held: list[int], on_late: Forget | None) -> list:
+        """``fn(names, chunks, sums)`` in parts of at most a quarter of the
+        checksum slots: a put's checksums (``values``) are copied into the
+        slots first; the G2 slots ``held`` (one per chunk, for a read) stay in
+        quarantine until the call ends. A call past its deadline keeps its
+        checksum and G2 slots until it ends, then ``on_late(its names)`` runs.
+        Per chunk: a put's result, or a read's (size, checksum bytes); a part
+        with no free checksum slots fails."""
+        out: list = []
+        fill = values is not None
+        step = self.sums.slots // 4
+        for i in range(0, len(names), step):
+            part, bufs, hold = names[i:i + step], chunks[i:i + step], held[i:i + step]
+            taken = self.sums.take(len(part), self._guard.timeout_s)
+            if taken is None:       # every slot kept by calls past their deadline
+                out += [False if fill else (-1, b"")] * len(part)
+                continue
+            sums = [self.sums.slot(t) for t in taken]
+            if fill:
+                for slot, value in zip(sums, values[i:i + step]):
+                    slot[:] = value
+            self._quarantine.hold(hold)
+
+            def end(late: bool, part=part, taken=taken, hold=hold) -> None:
+                if late and on_late is not None:
+                    on_late(part)
+                self._quarantine.release(hold)
+                self.sums.give(taken)
+            abandoned = False
+            try:
+                got = self._guard.call(fn, part, bufs, sums, nbytes=len(part) * self._chunk,
+                                       on_abandoned=lambda _, end=end: end(True))
+                out += got if fill else [(size, bytes(s)) for size, s in zip(got, sums)]
+            except BackendDown as e:
+                abandoned = e.abandoned
+                raise
+            finally:
+                if not abandoned:
+                    end(False)
+        return out
+
+    def close(self) -> None:
+        self.sums.release()
+
+
+class SumObjects(Layout):
+    """Checksums in objects of their own (see the module docstring)."""
+
+    cascade_asks = True
+
+    def put(self, names, chunks, sums):
+        b, g = self._backend, self._guard
+        # Zero-copy from G2: a put past its deadline may read a slot vLLM has
+        # reused. Its object then gets no checksum object (never listed), and
+        # is removed when the late put returns.
+        put = g.call(b.put_chunks, names, chunks, nbytes=len(names) * self._chunk,
+                     on_abandoned=lambda _: self._forget(names))
+        # Checksum objects after the data: lookups find whole chunks.
+        stored = [j for j, p in enumerate(put) if p]
+        listed = g.call(b.put_small, [names[j] + SUM_SUFFIX for j in stored],
+                        [sums[j] for j in stored])
+        ok = [False] * len(put)
+        for j, done in zip(stored, listed):
+            ok[j] = done
+        return ok
+
+    def load(self, names, slots, slot_ids):
+        """Data and checksum objects in one ``get_small`` call, verified bytes
+        copied straight into G2: the backend's buffers are its own, so a
+        call past its deadline writes nothing of ours."""
+        got = self._guard.call(self._backend.get_small,
+                               names + [n + SUM_SUFFIX for n in names],
+                               nbytes=len(names) * self._chunk)
+        ok, broken = [], []
+        for name, slot, value, want in zip(names, slots, got, got[len(names):]):
+            good = (value is not None and len(value) == self._chunk and want is not None
+                    and want == checksum(value))
+            if value is not None and not good:   # there, but short, long or different
+                broken.append(name)
+            if good:
+                slot[:] = value
+            ok.append(good)
+        return ok, broken
+
+
+def layout_for(backend: ObjectBackend, guard: Guard, chunk: int,
+               quarantine: Quarantine) -> Layout:
+    """The backend's layout; a clear error for flags no layout serves."""
+    if backend.inline_sums:
+        return InlineSums(backend, guard, chunk, quarantine)
+    if backend.owned_reads and backend.sum_objects:
+        return SumObjects(backend, guard, chunk)
+    raise TypeError(f"{type(backend).__name__}: a backend keeps checksums inline "
+                    "(inline_sums) or in checksum objects it reads with its data "
+                    "(sum_objects, owned_reads)")
+
+
+class Pins:
+    """A Pin hint's G3 side: keep chunks' objects from the backend's eviction
+    for a TTL, ended by the backend or, at expiry, by ``Lapses``."""
+
+    #: whether ``pin`` needs the chunks' G2 bytes (the backend rewrites them)
+    needs_bytes: ClassVar[bool]
+
+    def __init__(self, backend: ObjectBackend, guard: Guard, layout: Layout, clock):
+        self._backend = backend
+        self._guard = guard
+        self._layout = layout
+        self._clock = clock
+        self._lapses = None if backend.pin_lapses else Lapses(self._unpin)
+
+    def pin(self, names: list[str], chunks: list[memoryview] | None,
+            ttl_s: float) -> list[bool]:
+        ok = self._pin(names, chunks, ttl_s)
+        if self._lapses is not None:
+            pinned = [o for n, k in zip(names, ok) if k for o in self._layout.objects(n)]
+            self._lapses.add(pinned, self._clock() + ttl_s)
+        return ok
+
+    def _pin(self, names, chunks, ttl_s) -> list[bool]:
+        raise NotImplementedError
+
+    def _unpin(self, names: list[str]) -> None:
+        self._guard.call(self._backend.unpin, names)
+
+    def close(self) -> None:
+        if self._lapses is not None:
+            self._lapses.close()
+
+
+class ObjectPins(Pins):
+    """Pins by object name: every object of a chunk, the chunk pinned when all are."""
+
+    needs_bytes = False
+
+    def _pin(self, names, chunks, ttl_s):
+        per = 2 if self._layout.listing else 1          # objects per chunk
+        got = self._guard.call(self._backend.pin,
+                               [o for n in names for o in self._layout.objects(n)], ttl_s, None)
+        return [all(got[i:i + per]) for i in range(0, len(got), per)]
+
+
+class RewritePins(Pins):
+    """Pins by rewriting each object (bytes and inline checksum) from G2."""
+
+    needs_bytes = True
+
+    def _pin(self, names, chunks, ttl_s):
+        if chunks is None:
+            raise ValueError("pinning rewrites objects: G2 slots needed")
+        # Bytes and checksum copied now: G2 may change after.
+        return self._guard.call(self._backend.pin, names, ttl_s,
+                                [bytes(c) + checksum(c) for c in chunks],
+                                nbytes=sum(len(c) for c in chunks))
+
+
+def pins_for(backend: ObjectBackend, guard: Guard, layout: Layout, clock) -> Pins:
+    if not backend.pin_needs_bytes:
+        return ObjectPins(backend, guard, layout, clock)
+    if layout.listing:
+        raise TypeError(f"{type(backend).__name__}: pins that rewrite objects "
+                        "(pin_needs_bytes) need inline checksums, no checksum objects")
+    return RewritePins(backend, guard, layout, clock)
