@@ -6,12 +6,11 @@ import warnings
 
 import pytest
 
-from sessionkv.devtools.engines import use_engine_env
-
 
 def pytest_configure(config):
     """Engines in tests run in-process with a small G1 (``ENGINE_ENV``), set
     before any test module imports vLLM."""
+    from sessionkv.devtools.engines import use_engine_env
     use_engine_env()
 
 

@@ -26,6 +26,22 @@ from .g3 import G3Tier, ObjectBackend
 SOCKET_TIMEOUT_S = 30.0
 
 
+def _driver_info(redis) -> dict:
+    """The client's name and version for ``CLIENT SETINFO``, given once. Left
+    to itself, redis-py (8.x) looks its version up in the installed package
+    metadata for every new connection: a scan of every ``sys.path`` entry, on
+    the call thread, inside the call's deadline. In an engine whose scheduler
+    thread spins Python code (an idle engine stepping while lookups wait),
+    that scan waits for the GIL at every ``stat``: seen taking more than 10 s
+    (``exists timed out`` on a healthy server, thread stacks in
+    ``importlib.metadata``), enough to trip the breaker."""
+    try:
+        from redis.driver_info import DriverInfo
+    except ImportError:         # redis-py before 8: the older keyword
+        return {"lib_version": redis.__version__}
+    return {"driver_info": DriverInfo(lib_version=redis.__version__)}
+
+
 class RedisBackend(ObjectBackend):
     """``ObjectBackend`` over a Redis server (one connection pool, thread-safe)."""
 
@@ -40,7 +56,16 @@ class RedisBackend(ObjectBackend):
         self._ttl = ttl_s
         self._redis = redis.Redis.from_url(
             url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S,
-            max_connections=max_connections, health_check_interval=0)
+            max_connections=max_connections, health_check_interval=0, **_driver_info(redis))
+        # One connection made now, at engine start and outside any deadline:
+        # the first one's handshake ran 9-11 s inside an engine's first
+        # guarded call (a call thread starved of the GIL while the scheduler
+        # thread spins on a waiting request), past the tier's deadline. Best
+        # effort: a server down now is the breaker's business later.
+        try:
+            self._redis.ping()
+        except Exception:
+            pass
 
     def register(self, buf: memoryview) -> None:
         return              # no registration: the client sends from the buffer
