@@ -22,6 +22,9 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
+import tracegen
 from replay_plot import write_plot
 from replay_sim import ALL_POLICIES, RunSpec, gap_breakdown, run_policy
 from replay_trace import load_trace
@@ -30,6 +33,9 @@ SHARING_G2 = 4096
 SHARING_WORKERS = 8
 SHARING_G3 = (8192, 16384, 32768, 65536)
 SHARING_G3_TARGET = 32768
+SUITE_G2 = (1024, 4096, 16384)
+SUITE_POLICIES = ("lru", "arc", "naive", "naive-unbounded", "session")
+CONVERSATION = str(Path(__file__).resolve().parents[2] / "shared/traces/mooncake/conversation_trace.jsonl")
 
 
 def ints(text: str) -> list[int]:
@@ -64,28 +70,33 @@ def specs_from(args) -> list[RunSpec]:
     return out
 
 
-class Bar:
-    """A one-line progress bar on stderr."""
+class Progress:
+    """A tqdm bar per run over the trace's requests (plain lines when stderr
+    is not a terminal)."""
 
     def __init__(self, runs: int, requests: int):
-        self.runs, self.requests, self.k, self.label = runs, requests, 0, ""
-        self.t0 = time.perf_counter()
+        self.runs, self.requests, self.k = runs, requests, 0
+        self._bar = None
 
-    def start(self, spec: RunSpec) -> None:
+    def start(self, spec: RunSpec, trace: str = "") -> None:
+        self.done()
         self.k += 1
-        self.label = (f"{spec.policy} g2={spec.g2_blocks} w={spec.workers} "
-                      f"{spec.routing} g3={spec.shared_g3_blocks}")
-        self(0)
+        label = (f"[{self.k}/{self.runs}] {trace} {spec.policy} g2={spec.g2_blocks} "
+                 f"w={spec.workers} {spec.routing} g3={spec.shared_g3_blocks}")
+        tty = sys.stderr.isatty()
+        self._bar = tqdm(total=self.requests, desc=label, unit="req", leave=tty,
+                         mininterval=0.5 if tty else 30.0, file=sys.stderr)
+        self._at = 0
 
     def __call__(self, i: int) -> None:
-        frac = i / max(1, self.requests)
-        bar = "#" * int(30 * frac)
-        sys.stderr.write(f"\r[{self.k}/{self.runs}] {bar:<30} {frac:4.0%} {self.label:<48} "
-                         f"{time.perf_counter() - self.t0:6.0f}s")
-        sys.stderr.flush()
+        self._bar.update(i - self._at)
+        self._at = i
 
     def done(self) -> None:
-        sys.stderr.write("\n")
+        if self._bar is not None:
+            self._bar.update(self.requests - self._at)
+            self._bar.close()
+            self._bar = None
 
 
 def table(runs: list[dict]) -> str:
@@ -106,31 +117,13 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", required=True)
-    ap.add_argument("--g1-blocks", type=int, default=None,
-                    help="G1 (vLLM prefix cache) blocks per worker; default G2/4")
-    ap.add_argument("--g2-blocks", required=True, help="comma list of G2 capacities (blocks)")
-    ap.add_argument("--policies", default="lru,arc,session,opt,naive")
-    ap.add_argument("--workers", default="1")
-    ap.add_argument("--routing", default="sticky", help="sticky, random, or both")
-    ap.add_argument("--shared-g3-blocks", default="0")
-    ap.add_argument("--sharing", action="store_true",
-                    help="add the 8-worker routing and shared-G3 matrix")
-    ap.add_argument("--seed", type=int, default=0, help="random routing seed")
-    ap.add_argument("--limit", type=int, default=None, help="replay the first N requests only")
-    ap.add_argument("--json", required=True)
-    ap.add_argument("--plot", default=None)
-    args = ap.parse_args()
-
+def replay(trace, specs: list[RunSpec]) -> dict:
+    """Every run of ``specs`` on ``trace``: the JSON document (see bench/README.md)."""
     t0 = time.perf_counter()
-    trace = load_trace(args.trace, args.limit)
-    specs = specs_from(args)
-    bar = Bar(len(specs), len(trace))
+    bar = Progress(len(specs), len(trace))
     runs = []
     for spec in specs:
-        bar.start(spec)
+        bar.start(spec, trace.name)
         runs.append(run_policy(trace, spec, bar))
     bar.done()
     opt = {r["total_capacity_blocks"]: r["token_hit_ratio"] for r in runs if r["policy"] == "opt"}
@@ -141,7 +134,7 @@ def main() -> None:
     for r in runs:
         ref = next((o for o in runs if o["policy"] == "opt"
                     and o["total_capacity_blocks"] == r["total_capacity_blocks"]), None)
-        if r["policy"] in ("session", "session-oracle") and r["workers"] == 1 and ref:
+        if r["policy"] == "session" and r["workers"] == 1 and ref:
             gaps.append({"policy": r["policy"], "g2_blocks": r["g2_blocks"],
                          "lost_vs_opt": gap_breakdown(trace, r, ref)})
     for r in runs:
@@ -155,20 +148,105 @@ def main() -> None:
     if sticky and shared:
         out["sharing_ratio"] = shared["token_hit_ratio"] / sticky["token_hit_ratio"]
     out["wall_s"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def single_worker(runs: list[dict]) -> list[dict]:
+    """The one-worker runs and the references for their capacities."""
+    grid = {r["total_capacity_blocks"] for r in runs if r["workers"] == 1 and r["policy"] != "opt"}
+    return [r for r in runs if r["workers"] == 1 and (
+        r["policy"] != "opt" or r["total_capacity_blocks"] in grid)]
+
+
+def suite_traces(args) -> list[Path]:
+    """The conversation trace(s) given, then every generated trace (written
+    once into the output folder from bench/traces/*.yaml)."""
+    out = [Path(t) for t in args.trace.split(",") if t]
+    folder = Path(args.out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    for params in sorted((Path(__file__).parent / "traces").glob("*.yaml")):
+        path = folder / f"{params.stem}.jsonl"
+        if not path.exists():
+            reqs = tracegen.generate(tracegen.Params.load(str(params)))
+            path.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in reqs))
+        out.append(path)
+    return out
+
+
+def suite_table(rows: list[dict]) -> str:
+    """Ratio to opt per trace and capacity, and the shipped policy over the
+    best simple one."""
+    head = "| trace | G2 blocks | " + " | ".join(SUITE_POLICIES) + " | session / best simple |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        cells = " | ".join(f"{r['x_opt'][p]:.3f}" for p in SUITE_POLICIES)
+        lines.append(f"| {r['trace']} | {r['g2_blocks']} | {cells} | {r['session_over_best']:.3f} |")
+    return "\n".join(lines)
+
+
+def run_suite(args) -> None:
+    rows = []
+    folder = Path(args.out_dir)
+    for path in suite_traces(args):
+        trace = load_trace(path, args.limit)
+        specs = [RunSpec(p, n, args.g1_blocks, 1, "sticky", 0, args.seed)
+                 for n in SUITE_G2 for p in SUITE_POLICIES]
+        specs += [RunSpec("opt", s.total_capacity, 0, 1, "sticky", 0, args.seed)
+                  for s in specs if s.policy == "session"]
+        out = replay(trace, specs)
+        (folder / f"{path.stem}.json").write_text(json.dumps(out, indent=1))
+        print(write_plot(str(folder / f"{path.stem}.png"), single_worker(out["runs"]),
+                         title=f"{path.stem}: token hit ratio by G2 capacity"), file=sys.stderr)
+        for n in SUITE_G2:
+            x = {r["policy"]: r["ratio_to_opt"] for r in out["runs"]
+                 if r["policy"] != "opt" and r["g2_blocks"] == n}
+            best = max(x[p] for p in SUITE_POLICIES if p != "session")
+            rows.append({"trace": path.stem, "g2_blocks": n, "x_opt": x,
+                         "session_over_best": x["session"] / best if best else float("inf")})
+    (folder / "suite.json").write_text(json.dumps(rows, indent=1))
+    print(suite_table(rows))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", default=CONVERSATION,
+                    help="a Mooncake-format trace (with --suite: a comma list)")
+    ap.add_argument("--g1-blocks", type=int, default=None,
+                    help="G1 (vLLM prefix cache) blocks per worker; default G2/4")
+    ap.add_argument("--g2-blocks", default="1024,4096,16384",
+                    help="comma list of G2 capacities (blocks)")
+    ap.add_argument("--policies", default="lru,arc,naive,naive-unbounded,session,opt")
+    ap.add_argument("--workers", default="1")
+    ap.add_argument("--routing", default="sticky", help="sticky, random, or both")
+    ap.add_argument("--shared-g3-blocks", default="0")
+    ap.add_argument("--sharing", action="store_true",
+                    help="add the 8-worker routing and shared-G3 matrix")
+    ap.add_argument("--suite", action="store_true",
+                    help="the policy matrix over the given and the generated traces")
+    ap.add_argument("--out-dir", default="replay-suite", help="--suite: where JSON and plots go")
+    ap.add_argument("--seed", type=int, default=0, help="random routing seed")
+    ap.add_argument("--limit", type=int, default=None, help="replay the first N requests only")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    args = ap.parse_args()
+    if args.suite:
+        return run_suite(args)
+    if args.json is None:
+        ap.error("--json is required (or --suite)")
+    trace = load_trace(args.trace, args.limit)
+    out = replay(trace, specs_from(args))
     Path(args.json).write_text(json.dumps(out, indent=1))
-    print(table([r for r in runs if r["policy"] != "opt" or r["workers"] == 1]))
+    print(table([r for r in out["runs"] if r["policy"] != "opt" or r["workers"] == 1]))
     if "sharing_ratio" in out:
         print(f"\nrandom + shared G3 {SHARING_G3_TARGET} / sticky without G3 "
               f"(8 workers, G2 {SHARING_G2}): {out['sharing_ratio']:.3f}")
-    for g in gaps:
+    for g in out["gap_to_opt"]:
         parts = ", ".join(f"{k}: {v:.4f}" for k, v in g["lost_vs_opt"].items())
         print(f"\n{g['policy']} at G2 {g['g2_blocks']}, prompt-token share opt hits and it "
               f"misses: {parts}")
     print(f"\nwall time: {out['wall_s']} s")
     if args.plot:
-        grid = {r["total_capacity_blocks"] for r in runs if r["workers"] == 1 and r["policy"] != "opt"}
-        print(write_plot(args.plot, [r for r in runs if r["workers"] == 1 and (
-            r["policy"] != "opt" or r["total_capacity_blocks"] in grid)]))
+        print(write_plot(args.plot, single_worker(out["runs"]), title=trace.name))
 
 
 if __name__ == "__main__":

@@ -50,9 +50,9 @@ G2_POLICIES = {
     "arc": ("arc", None),
     "session": ("SessionCachePolicy", "sessionkv.tiers.g2_policy"),
     "naive": ("SessionCachePolicy", "sessionkv.tiers.g2_policy"),
-    "session-oracle": ("SessionCachePolicy", "sessionkv.tiers.g2_policy"),   # diagnostic
+    "naive-unbounded": ("SessionCachePolicy", "sessionkv.tiers.g2_policy"),
 }
-ALL_POLICIES = ("lru", "arc", "session", "opt", "naive", "session-oracle")
+ALL_POLICIES = ("lru", "arc", "naive", "naive-unbounded", "session", "opt")
 DEFAULT_KV_BYTES_PER_TOKEN = 131_072    # Llama-3-8B in bf16: 32 layers x 8 KV heads x 128 x 2 x 2 B
 
 
@@ -150,6 +150,7 @@ class Worker:
                  hinted: bool = False):
         name, module = G2_POLICIES[policy]
         self.g1 = G1Cache(g1_blocks)
+        self.g2_blocks = g2_blocks
         self.g3 = g3
         self.manager = CPUOffloadingManager(num_chunks=g2_blocks, cache_policy=name,
                                             cache_policy_module_path=module)
@@ -397,6 +398,8 @@ def run_policy(trace: Trace, spec: RunSpec, progress: Progress | None = None) ->
         if router is not None:
             router.before(i, now)
         toks = trace.tokens[i]
+        if router is not None:
+            router.start(i, w, now)
         served = workers[w].serve(ids, keys[i], toks, f"s{s}", now)
         tally.add(served, trace.input_length[i], len(ids))
         if router is not None:
@@ -405,7 +408,10 @@ def run_policy(trace: Trace, spec: RunSpec, progress: Progress | None = None) ->
             progress(i)
     if router is not None:
         tally.hints.update(router.outcomes)
-    return result(spec, tally, time.perf_counter() - t0)
+    row = result(spec, tally, time.perf_counter() - t0)
+    if router is not None and hasattr(router, "policy"):
+        row["router"] = router.policy.status()
+    return row
 
 
 def run_opt(trace: Trace, spec: RunSpec, progress: Progress | None = None) -> dict:

@@ -29,6 +29,7 @@ from vllm.v1.kv_offload.base import make_offload_key
 
 BLOCK_TOKENS = 512
 NEVER = np.iinfo(np.int64).max     # next use of a block that is never used again
+MAX_CHILDREN = 32                   # a block followed by more distinct blocks is a shared prefix
 
 
 def key_of(block_id: int) -> bytes:
@@ -116,6 +117,16 @@ def parse_rows(rows: list[dict], name: str = "") -> Trace:
     turns_of: list[int] = []           # per session: requests so far
     first_owner: dict[int, int] = {}   # block id -> first session that sent it
     shared: set[int] = set()           # block ids sent by more than one session
+    # Blocks many different blocks follow (a system prompt, a popular
+    # document) name no session either, even when one session sent them
+    # first: else a short first request would chain every later one to it.
+    children: dict[int, set[int]] = {}
+    for r in rows:
+        ids = r["hash_ids"]
+        for a, b in zip(ids, ids[1:]):
+            kids = children.setdefault(int(a), set())
+            if len(kids) <= MAX_CHILDREN:
+                kids.add(int(b))
     for r in rows:
         ids = [int(h) for h in r["hash_ids"]]
         n_in = int(r["input_length"])
@@ -132,7 +143,8 @@ def parse_rows(rows: list[dict], name: str = "") -> Trace:
         s = None
         for k in range(len(ids), 0, -1):
             s = tips.get(ids[k - 1])
-            if s is not None and ids[k - 1] not in shared:
+            if s is not None and ids[k - 1] not in shared \
+                    and len(children.get(ids[k - 1], ())) <= MAX_CHILDREN:
                 break
             s = None
         if s is None:

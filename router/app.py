@@ -14,18 +14,25 @@ dropped: only the router signs). Responses pass through unchanged, with
 
 Lifecycle to hints (``policy`` in router.yaml):
 
+- every turn start, turn end and session end goes to the hint policy
+  (``session_policy.SessionHints``: Retains of live sessions, shared
+  prefixes and ended heads, ranked by the strategy its shadow caches
+  choose per engine), whose hints leave over the control channel in
+  batches, paced to the engine's hint rate, from one sender task; a tick
+  every second drains them and re-ranks idle sessions every ``tick_s``;
 - a turn that ends in a tool call (the client says so with
-  ``X-Session-Tool-Gap: <seconds>``, which attaches a signed Pin to the
-  request, or the response finishes with ``tool_calls``, which sends the Pin
-  over the control channel) -> Pin for the expected gap x ``pin_ttl_factor``;
-  with ``warmup.enabled``, a one-token request replays the turn's prompt
-  ``lead_s`` before the gap's expected end, to bring it into G1;
+  ``X-Session-Tool-Gap: <seconds>``, or the response finishes with
+  ``tool_calls``), with ``tool_call.pin`` -> also a Pin for the expected gap
+  x ``pin_ttl_factor`` (signed, on the request, or over the control
+  channel); with ``warmup.enabled``, a one-token request replays the turn's
+  prompt ``lead_s`` before the gap's expected end, to bring it into G1;
 - a session moved (its worker overloaded) -> Share from the old worker
   (awaited, up to ``move_wait_s``), then with ``share_prefetch`` a Prefetch of
   the shared chunks on the new one, and the old worker ends the session
   (its pins go); the turn then reads the prefix from G3 (or G2 when prefetched);
 - a session ended (``POST /v1/sessions/{id}/end`` or idle for
-  ``idle_timeout_s``) -> Demote then end (``demote``), end only (``free``).
+  ``idle_timeout_s``) -> Demote then end (``demote``), end only (``free``),
+  on every worker the session went to; the policy watches its head.
 
 Overlap: for a completion whose ``prompt`` is token ids, the router hashes
 its full blocks as the engines do (``overlap.py``, checked against each
@@ -53,6 +60,7 @@ import contextlib
 import json
 import logging
 import signal
+import time
 import uuid
 from typing import Any
 
@@ -64,11 +72,13 @@ from sessionkv.report import RequestReport
 from sessionkv.router import policy as rules
 from sessionkv.router.config import RouterConfig
 from sessionkv.router.overlap import score
+from sessionkv.router.session_policy import End, Out, SessionHints
 from sessionkv.router.state import SessionStore
 from sessionkv.router.workers import Worker
 
 log = logging.getLogger("sessionkv.router")
 SESSION_HEADER = "X-Session-ID"
+OUTBOX = 10_000          # policy hints waiting for the control channel (more are dropped, counted)
 WORKER_HEADER = "X-SessionKV-Worker"
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding",
                "keep-alive"}
@@ -84,6 +94,8 @@ class Router:
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
         self.counters = rules.Counters()
+        self.policy = SessionHints(cfg.policy, time.monotonic)
+        self._outbox: asyncio.Queue[Out] = asyncio.Queue(OUTBOX)
         self.store = SessionStore(cfg.redis)
         self.workers: dict[str, Worker] = {}
         self._http: aiohttp.ClientSession | None = None
@@ -109,7 +121,15 @@ class Router:
             self.workers[w.name] = Worker(w, self.cfg.secret, self._http,
                                           self.cfg.routing.load_poll_s, self._final)
         await asyncio.gather(*(w.start() for w in self.workers.values()))
+        for w in self.workers.values():
+            if w.control is not None:
+                i = w.info
+                self.policy.add_engine(w.name, int(i.get("g2_chunks", 0)) *
+                                       int(i.get("blocks_per_chunk", 1)),
+                                       int(i.get("g1_blocks", 0)), float(i.get("hints_per_s", 100)))
         self._spawn(self._sweep_idle())
+        self._spawn(self._tick())
+        self._spawn(self._send_policy())
 
     async def close(self) -> None:
         for t in list(self._tasks):
@@ -162,6 +182,48 @@ class Router:
         except Exception as e:
             log.warning("end of %s on %s failed: %s", session_id, worker.name, e)
             self.counters.event("hint_errors")
+
+    # ---- the hint policy ---------------------------------------------------------------
+
+    def _policy(self, outs: list[Out]) -> None:
+        """Hand the policy's hints to the sender, in order."""
+        for o in outs:
+            try:
+                self._outbox.put_nowait(o)
+            except asyncio.QueueFull:
+                self.counters.event("policy_hints_dropped")
+
+    async def _send_policy(self) -> None:
+        while True:
+            o = await self._outbox.get()
+            worker = self.workers.get(o.worker)
+            if worker is None or worker.control is None:
+                continue
+            try:
+                outcomes = await worker.hints(o.session, o.actions)
+            except Exception as e:      # the engine is away: these hints are lost
+                log.warning("policy hints on %s for %s failed: %s", worker.name, o.session, e)
+                self.counters.event("hint_errors")
+                continue
+            for outcome in outcomes:
+                self._count(worker.name, o.session, outcome, "policy")
+                self.policy.outcome(outcome.action or "?",
+                                    str(getattr(outcome.status, "value", outcome.status)))
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)       # drains paced hints; re-ranks every policy.tick_s
+            self._policy(self.policy.tick())
+
+    def _prompt_keys(self, worker: Worker, body: dict[str, Any]) -> list[bytes]:
+        """The prompt's full-block keys on ``worker`` (token-id prompts; none
+        for text and chat, which the router does not tokenize)."""
+        prompt = body.get("prompt")
+        if worker.hasher is None or not isinstance(prompt, list) or not prompt \
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return []
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        return worker.hasher.keys(prompt, salt)
 
     # ---- routing --------------------------------------------------------------------
 
@@ -254,6 +316,8 @@ class Router:
                 return web.json_response({"error": {"message": str(e), "type": "Unavailable"}},
                                          status=503)
             headers = {SESSION_HEADER: session_id, WORKER_HEADER: worker.name}
+            self._policy(self.policy.turn_started(session_id, worker.name,
+                                                  self._prompt_keys(worker, body)))
             worker.inflight += 1
             try:
                 if body.get("stream"):
@@ -285,6 +349,7 @@ class Router:
             await self._hint(worker, Action.PIN, session_id,
                              ttl_s=rules.pin_ttl(self.cfg.policy, gap))
         await self.store.turn_ended(session_id, gap)
+        self._policy(self.policy.turn_ended(session_id))
         if gap is not None and self.cfg.policy.warmup.enabled:
             self._spawn(self._warmup(session_id, gap))
         return resp
@@ -385,11 +450,17 @@ class Router:
             return None
         self.counters.event(f"ended_{reason}")
         worker = self.workers.get(state.worker)
-        if worker is None or self.cfg.policy.on_end == "none":
-            return state.worker
-        if self.cfg.policy.on_end == "demote":
+        if worker is not None and self.cfg.policy.on_end == "demote":
             await self._hint(worker, Action.DEMOTE, session_id)
-        await self._end_on(worker, session_id)
+        outs = self.policy.session_ended(session_id)
+        ends = [o for o in outs if isinstance(o, End)]
+        if not ends and worker is not None:
+            ends = [End(worker.name, session_id)]      # its turns went through another replica
+        if self.cfg.policy.on_end != "none":
+            for o in ends:                             # ended when this returns
+                if o.worker in self.workers:
+                    await self._end_on(self.workers[o.worker], session_id)
+        self._policy([o for o in outs if not isinstance(o, End)])
         return state.worker
 
     async def _sweep_idle(self) -> None:
@@ -426,7 +497,7 @@ class Router:
 
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response({"workers": [w.status() for w in self.workers.values()],
-                                  **self.counters.to_dict()})
+                                  **self.counters.to_dict(), "policy": self.policy.status()})
 
     async def _health(self, request: web.Request) -> web.Response:
         ok = any(w.healthy for w in self.workers.values())

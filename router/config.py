@@ -18,7 +18,15 @@
       overlap_g2_weight: 0.5       # a G2 block counts this much of a G1 block
       retry: true                  # a turn whose worker died is sent to another one
     policy:
-      tool_call: {pin: true, expected_gap_s: 60, pin_ttl_factor: 1.5}
+      strategy: auto               # or one of session_policy.STRATEGIES: recency+shared,
+                                   # density+shared, recency, density, plain
+      tick_s: 30                   # how often idle sessions are re-ranked
+      watch_s: 600                 # router-owned Retains (shared prefixes, heads) last this long
+      shadow_blocks: 65536         # per engine and strategy, keys a shadow cache holds at most
+      max_sessions: 100000         # live sessions the policy tracks (least recent forgotten)
+      max_blocks: 1000000          # first-seen blocks remembered to find shared prefixes
+      prior_gap_s: 120             # the wait between turns assumed before any is seen
+      tool_call: {pin: false, expected_gap_s: 60, pin_ttl_factor: 1.5}
       on_end: demote               # demote | free | none
       idle_timeout_s: 600          # a session with no turn for this long ends
       on_move: share               # share | share_prefetch | none
@@ -32,6 +40,7 @@ defaults shown). An unknown key, a wrong type or a missing file is a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -40,6 +49,7 @@ import yaml
 from sessionkv.config import mapping_of
 
 END_ACTIONS = ("demote", "free", "none")
+STRATEGIES = ("auto", "recency+shared", "density+shared", "recency", "density", "plain")
 MOVE_ACTIONS = ("share", "share_prefetch", "none")
 
 
@@ -76,7 +86,7 @@ class RoutingConfig:
 
 @dataclass(frozen=True)
 class ToolCallPolicy:
-    pin: bool = True
+    pin: bool = False                # also Pin through a tool gap (Retains do by default)
     expected_gap_s: float = 60.0     # when the client does not say
     pin_ttl_factor: float = 1.5      # Pin TTL = expected gap x this
 
@@ -95,6 +105,13 @@ class HintPolicy:
     on_move: str = "share"
     move_wait_s: float = 10.0
     warmup: WarmupPolicy = WarmupPolicy()
+    strategy: str = "auto"
+    tick_s: float = 30.0
+    watch_s: float = 600.0
+    shadow_blocks: int = 65_536
+    max_sessions: int = 100_000
+    max_blocks: int = 1_000_000
+    prior_gap_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -218,14 +235,19 @@ def parse_config(doc: Any) -> RouterConfig:
         "on_end": lambda v, w: _choice(v, END_ACTIONS, w),
         "idle_timeout_s": _positive,
         "on_move": lambda v, w: _choice(v, MOVE_ACTIONS, w),
-        "move_wait_s": _positive})
+        "move_wait_s": _positive,
+        "strategy": lambda v, w: _choice(v, STRATEGIES, w),
+        "tick_s": _positive, "watch_s": _positive,
+        "shadow_blocks": lambda v, w: _positive(v, w, integer=True),
+        "max_sessions": lambda v, w: _positive(v, w, integer=True),
+        "max_blocks": lambda v, w: _positive(v, w, integer=True),
+        "prior_gap_s": _positive})
     tool_call = _section({"policy.tool_call": policy_doc.get("tool_call")}, "policy.tool_call",
                          ToolCallPolicy, {"pin": _flag, "expected_gap_s": _positive,
                                           "pin_ttl_factor": _positive})
     warmup = _section({"policy.warmup": policy_doc.get("warmup")}, "policy.warmup",
                       WarmupPolicy, {"enabled": _flag, "lead_s": _positive})
-    policy = HintPolicy(tool_call, policy.on_end, policy.idle_timeout_s, policy.on_move,
-                        policy.move_wait_s, warmup)
+    policy = dataclasses.replace(policy, tool_call=tool_call, warmup=warmup)
     return RouterConfig(_secret(doc["secret_file"]), redis_cfg, parsed, host, port,
                         routing, policy)
 

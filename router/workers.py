@@ -81,6 +81,7 @@ class Worker:
         self.index = OverlapIndex()
         self.hasher: BlockHasher | None = None
         self.probe_error: str | None = None
+        self.info: dict[str, Any] = {}       # the engine's hello
 
     @property
     def load(self) -> float:
@@ -108,6 +109,7 @@ class Worker:
         self.control = AsyncHintClient(
             endpoint, self._secret,
             client_id=f"router-{self.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.info = await self.control.hello()
         self._seq = (await self.control.events(1 << 62, 0)).next_seq - 1
         await self._verify_hashing()
         await self._catch_up_index(0, self._seq)
@@ -213,6 +215,12 @@ class Worker:
             return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
         except asyncio.TimeoutError:
             return None
+
+    async def hints(self, session_id: str, actions: list[dict[str, Any]]) -> list[HintOutcome]:
+        """Several control-channel hints in one envelope; their first outcomes."""
+        if self.control is None:
+            raise ControlError(f"worker {self.name}: no control channel")
+        return await self.control.hints(envelope(*actions), session_id)
 
     async def end_session(self, session_id: str) -> HintOutcome:
         if self.control is None:

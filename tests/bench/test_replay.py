@@ -147,7 +147,7 @@ def test_naive_pins_a_continuing_session_through_a_flood():
     rows += [req(10, [1, 2, 3])]
     tr = trace(*rows)
     lru, _ = hits(tr, "lru", 4)
-    naive, r = hits(tr, "naive", 4)
+    naive, r = hits(tr, "naive-unbounded", 4)
     assert lru[-1] == 0
     assert naive[-1] == 2 * B
     assert r["hints"]["pin:accepted"] == 1
@@ -164,41 +164,22 @@ def test_session_policy_retains_continuing_sessions_over_ended_ones():
     assert r["hints"]["end_session"] == 5
 
 
-# ---- the session hint policy ------------------------------------------------
-
-def test_gap_model_density_is_returns_per_second_held():
-    # Every gap is 100 s: a session that has just finished is reused once per
-    # ~100 s held; one idle for 50 s once per ~50 s; one idle past every gap
-    # seen is never expected back.
-    from replay_router import GapModel
-    g = GapModel(prior_weight=0.0)
-    for _ in range(50):
-        g.add(100.0)
-    g.refresh()
-    assert g.density(0.0) == pytest.approx(1 / 100, rel=0.1)
-    assert g.density(50.0) == pytest.approx(1 / 50, rel=0.15)
-    assert g.density(500.0) == 0.0
-    # Half never come back: half the hits for the same holding time, or less.
-    g.add_never()
-    for _ in range(49):
-        g.add_never()
-    g.refresh()
-    assert g.density(0.0) < 0.55 / 100
-
+# ---- the shipped router policy on trace time ----------------------------------
 
 def test_session_policy_gives_up_partial_last_blocks_first():
     # G2 of 5 blocks, no G1. A and B each send 2 full blocks and a partial
     # one, and continue; single-block sessions follow. The session policy
     # retains A and B only up to their last full block (a partial block
     # changes id when it fills), so the partial blocks and the one-off
-    # sessions are what goes: both next turns hit their 2 full blocks. Naive
-    # pins the partial blocks too, runs out of room and clips A's oldest pins.
+    # sessions are what goes: both next turns hit their 2 full blocks.
+    # Unbounded naive pins the partial blocks too, runs out of room and clips
+    # A's oldest pins.
     rows = [req(0, [1, 2, 3], 2 * B + B // 2), req(1, [10, 11, 12], 2 * B + B // 2),
             req(2, [20]), req(3, [21]), req(4, [1, 2, 4]), req(5, [10, 11, 13])]
     tr = trace(*rows)
     per, r = hits(tr, "session", 5)
     assert per == [0, 0, 0, 0, 2 * B, 2 * B]
-    naive, _ = hits(tr, "naive", 5)
+    naive, _ = hits(tr, "naive-unbounded", 5)
     assert naive == [0, 0, 0, 0, B, 2 * B]
 
 
@@ -216,3 +197,13 @@ def test_a_shared_prefix_outlives_the_sessions_that_sent_it():
     assert r["hints"]["end_session"] == 7
     lru, _ = hits(tr, "lru", 4)
     assert lru[-1] == 0
+
+
+def test_the_session_policy_reports_its_hint_traffic_and_strategy():
+    rows = [req(t, [1, 2] + list(range(100 * t, 100 * t + t))) for t in range(6)]
+    per, r = hits(trace(*rows), "session", 16)
+    eng = r["router"]["engines"]["0"]
+    assert eng["requests"] == 6 and eng["hints_sent"] >= 5 and eng["strategy"] in \
+        ("recency+shared", "density+shared", "recency", "density", "plain")
+    assert r["router"]["outcomes"]["retain:accepted"] >= 5
+    assert not any(k.endswith(":rejected") for k in r["hints"]), r["hints"]

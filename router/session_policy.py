@@ -1,0 +1,455 @@
+"""The router's hint policy: what a router sees of sessions, turned into hints.
+
+``SessionHints`` is the one policy engine: ``sessionkv router`` runs it
+against real engines (``app.py`` delivers its output over the control
+channel) and ``bench/replay.py`` runs the same class on trace time against
+the real ``HintExecutor`` (``bench/replay_router.py``). It sees only what a
+router sees: turn starts (session, engine, the prompt's full-block keys),
+turn ends, session ends, and the engines' G2 capacity and hint rate (their
+``hello``); nothing about when a session returns.
+
+What it keeps, on every engine:
+
+- a live session (between turns): Retained, owned by the session, up to its
+  prompt's last full block (the partial last block changes key when it
+  fills; earlier turns' partial blocks are dead leaves), at a priority the
+  current *strategy* gives it; re-sent only when that priority changes;
+- shared prefixes (leading blocks more than one session sent): Retained by
+  key, owned by the router (so no session's end releases them), for
+  ``watch_s``, at the highest of their own density (the wait for the next
+  new session through them, per popularity class) and any live session's
+  priority that covers them; re-claimed right after each session Retain
+  that covered them (a later Retain of a key replaces the earlier one);
+- an ended session: ended (its pins and retains go, its blocks are plain
+  LRU), except its head (the first quarter of its blocks: later sessions
+  sometimes branch from it), Retained for ``watch_s`` at the reuse rate such
+  heads have had.
+
+Strategies rank live sessions: ``recency`` (keep every live session, the
+longest idle goes first: "keep every continuing session until it returns"),
+``density`` (LHD hit density from the learned inter-turn gaps) and ``plain``
+(no session Retains: vLLM's LRU). ``auto`` (the default) keeps one
+``ShadowCache`` per strategy per engine, sized from the engine's G2 and fed
+the engine's own requests, and follows the strategy whose shadow hit the most
+lately (``Selector``); a switch re-sends the live sessions' Retains, paced.
+
+Hint traffic: hints wait in a per-engine queue (one entry per session and
+per router priority group, so bounded by the live sessions) and leave at
+most at the engine's per-client rate (a local token bucket at 80 % of it),
+batched per session. Nothing is sent twice for the same priority.
+
+Memory: ``max_sessions`` live sessions and ``max_blocks`` first-seen blocks
+(least recently seen forgotten first); per engine, shadows of at most
+``shadow_blocks`` keys each. Cost per request: O(its blocks) plus the
+shadows' evictions; per tick: O(live sessions + shared blocks).
+
+Threading: none; one caller (the router's event loop, or the replay).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from sessionkv.hints import Action, hint_action
+from sessionkv.router.config import HintPolicy
+from sessionkv.router.gaps import GapModel, density_priority
+from sessionkv.router.shadow import Selector, ShadowCache
+
+ROUTER_OWNER = "sessionkv-router"   # the owner of router-held Retains (shared prefixes, heads)
+# How live sessions are ranked, and with "+shared" whether the router also
+# holds shared prefixes and ended heads itself.
+STRATEGIES = ("recency+shared", "density+shared", "recency", "density", "plain")
+SHARED_CLASSES = (2, 3, 5, 9)       # sessions so far through a shared block -> its gap model
+HEAD_FRACTION = 0.25                # of an ended session's blocks, watched for branches
+RATE_SHARE = 0.8                    # of an engine's hint rate the policy uses
+
+
+def _router_holds(strategy: str) -> bool:
+    """Whether ``strategy`` has the router Retain shared prefixes and heads."""
+    return strategy.endswith("+shared")
+
+
+class Send(NamedTuple):
+    """Control-channel hints for ``worker``, in one envelope for ``session``."""
+
+    worker: str
+    session: str
+    actions: list[dict[str, Any]]
+
+
+class End(NamedTuple):
+    """End ``session`` on ``worker`` (its pins and retains go)."""
+
+    worker: str
+    session: str
+
+
+Out = Send | End
+
+
+@dataclass
+class _Retain:
+    """A queued Retain: of ``session`` up to ``boundary``, or of ``keys``
+    (router-owned, for ``ttl_s``)."""
+
+    session: str
+    priority: int
+    boundary: bytes | None = None
+    keys: list[bytes] | None = None
+    ttl_s: float | None = None
+
+    def action(self) -> dict[str, Any]:
+        if self.keys is not None:
+            return hint_action(Action.RETAIN, keys=self.keys, priority=self.priority,
+                               ttl_s=self.ttl_s)
+        return hint_action(Action.RETAIN, session_id=self.session, boundary=self.boundary,
+                           priority=self.priority)
+
+
+@dataclass
+class _Live:
+    worker: str
+    keys: list[bytes]                 # the last prompt's full blocks
+    head: int                         # how many leading ones are shared
+    last_t: float
+    active: bool = True
+    sent: int = -1                    # priority queued to the engine (-1: none)
+    claimed: int = 0                  # priority it claims its shared head at (0: none)
+    shadow: dict[str, int] = field(default_factory=dict)   # strategy -> priority in its shadow
+    workers: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Shared:
+    sessions: int                     # sessions seen through the block
+    last_new: float                   # when the last new one came
+    workers: set[str]
+    sent: tuple[int, float] = (0, -math.inf)   # (priority, when) last queued
+    claims: Counter[int] = field(default_factory=Counter)   # idle sessions' priorities over it
+
+
+class _Engine:
+    """One engine: its shadows, selector, hint queue and counters."""
+
+    def __init__(self, name: str, g2_blocks: int, g1_blocks: int, hints_per_s: float,
+                 cfg: HintPolicy, now: float):
+        self.name = name
+        self.rate = max(1.0, hints_per_s * RATE_SHARE)
+        self.tokens = self.rate
+        self.stamp = now
+        names = STRATEGIES if cfg.strategy == "auto" else (cfg.strategy,)
+        self.shadows = {n: ShadowCache(g2_blocks, g1_blocks, cfg.shadow_blocks) for n in names} \
+            if len(names) > 1 else {}
+        self.selector = Selector(names, half_life_refs=64.0 * g2_blocks)
+        # (owner, tag) -> the Retain to send; a re-queued entry moves last, so
+        # a session's Retain never overtakes the router's re-claim after it
+        self.pending: OrderedDict[tuple[str, Any], _Retain] = OrderedDict()
+        self.sent = 0
+        self.reranked = 0               # session Retains re-sent because their priority changed
+        self.requests = 0
+        self.first_t: float | None = None
+
+    def take(self, now: float) -> bool:
+        self.tokens = min(self.rate, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
+class SessionHints:
+    """The policy engine (see the module docstring)."""
+
+    def __init__(self, cfg: HintPolicy, clock: Callable[[], float]):
+        self.cfg = cfg
+        self._clock = clock
+        self._engines: dict[str, _Engine] = {}
+        self._live: OrderedDict[str, _Live] = OrderedDict()
+        self._first: OrderedDict[bytes, str] = OrderedDict()     # block -> first session
+        self._shared: dict[bytes, _Shared] = {}
+        self._heads: dict[bytes, float] = {}          # ended head block -> end of its watch
+        self._heads_watched = 100                     # prior: 1 reuse in 100 blocks
+        self._heads_reused = 1
+        self.gaps = GapModel(prior_median_s=cfg.prior_gap_s)
+        self.shared_gaps = [GapModel(300.0, 1.5, 5.0, 5.0) for _ in SHARED_CLASSES]
+        self._next_tick = clock() + cfg.tick_s
+        self.outcomes: Counter[str] = Counter()
+
+    # ---- engines -------------------------------------------------------------
+
+    def add_engine(self, name: str, g2_blocks: int, g1_blocks: int, hints_per_s: float) -> None:
+        """An engine the policy hints (from its ``hello``: G2 chunks x blocks
+        per chunk, G1 blocks, and its per-client hint rate)."""
+        self._engines[name] = _Engine(name, max(1, g2_blocks), max(0, g1_blocks), hints_per_s,
+                                      self.cfg, self._clock())
+
+    def strategy(self, worker: str) -> str:
+        """The strategy the policy follows on ``worker`` now."""
+        return self._engines[worker].selector.current
+
+    def _priority(self, strategy: str, s: _Live, now: float) -> int:
+        rank = strategy.split("+")[0]
+        if rank == "plain":
+            return 0
+        idle = max(0.0, now - s.last_t)
+        if rank == "density":
+            return density_priority(self.gaps.density(idle))
+        return density_priority(1.0 / (self.gaps.median() + idle))
+
+    # ---- what the router sees ---------------------------------------------------
+
+    def turn_started(self, session: str, worker: str, keys: Sequence[bytes]) -> list[Out]:
+        """A turn of ``session`` goes to ``worker``; ``keys``: its prompt's
+        full-block keys, root first (empty when the router cannot hash it)."""
+        now = self._clock()
+        eng = self._engines.get(worker)
+        s = self._live.get(session)
+        if s is not None:
+            if not s.active:
+                self.gaps.add(now - s.last_t)
+            self._live.move_to_end(session)
+        else:
+            s = self._live[session] = _Live(worker, [], 0, now)
+            while len(self._live) > self.cfg.max_sessions:
+                self._live.popitem(last=False)      # forgotten; the engine's idle timeout ends it
+        self._set_claim(s, 0)                       # a session in a turn claims nothing
+        s.active, s.last_t, s.worker = True, now, worker
+        s.workers.add(worker)
+        head = self._see_shared(session, keys, worker, now, seen=s.head if s.keys else 0)
+        s.keys, s.head = list(keys), head
+        if eng is not None:
+            eng.requests += 1
+            eng.first_t = now if eng.first_t is None else eng.first_t
+            if eng.shadows:
+                hits = {n: sh.request(sh.keys_of(keys)) for n, sh in eng.shadows.items()}
+                if eng.selector.record(len(keys), hits):
+                    for other in self._live.values():
+                        if other.worker == worker:
+                            other.sent = -2          # re-send under the new strategy
+        self._claim(keys[:head], now, force=True)
+        return self._drain(now)
+
+    def turn_ended(self, session: str) -> list[Out]:
+        """The turn finished and the session goes on (a tool call, or a chat
+        waiting for its user)."""
+        now = self._clock()
+        s = self._live.get(session)
+        if s is None:
+            return []
+        s.active, s.last_t = False, now
+        self._retain_session(session, s, now)
+        self._claim(s.keys[:s.head], now, force=True)
+        return self._drain(now)
+
+    def session_ended(self, session: str) -> list[Out]:
+        """The session is done: ended wherever it went; its head watched."""
+        now = self._clock()
+        s = self._live.pop(session, None)
+        if s is None:
+            return []
+        self._set_claim(s, 0)
+        out: list[Out] = []
+        for w in sorted(s.workers):
+            eng = self._engines.get(w)
+            if eng is not None:
+                eng.pending.pop((session, "retain"), None)
+            out.append(End(w, session))
+        full = len(s.keys)
+        head = s.keys[s.head:max(s.head, math.ceil(full * HEAD_FRACTION))]
+        eng = self._engines.get(s.worker)
+        if eng is not None:
+            for sh in eng.shadows.values():
+                sh.set(sh.keys_of(s.keys[s.head:]), 0)
+            if head:
+                until = now + self.cfg.watch_s
+                for k in head:
+                    self._heads[k] = until
+                self._heads_watched += len(head)
+                p = density_priority(self._heads_reused / (self._heads_watched * self.cfg.watch_s))
+                self._queue(eng, ("head", p), head, p)
+                for name, sh in eng.shadows.items():
+                    if _router_holds(name):
+                        sh.set(sh.keys_of(head), p)
+        return out + self._drain(now)
+
+    def tick(self) -> list[Out]:
+        """Re-rank idle sessions and shared prefixes; call every ``tick_s``
+        (more often is harmless: it only acts once per ``tick_s``)."""
+        now = self._clock()
+        if now < self._next_tick:
+            return self._drain(now)
+        self._next_tick = now + self.cfg.tick_s
+        for m in (self.gaps, *self.shared_gaps):
+            m.refresh()
+        self._heads = {k: t for k, t in self._heads.items() if t > now}
+        claimed: list[bytes] = []
+        for sid, s in self._live.items():
+            if s.active:
+                continue
+            eng = self._engines.get(s.worker)
+            for name, sh in (eng.shadows.items() if eng else ()):
+                p = self._priority(name, s, now)
+                if s.shadow.get(name) != p:
+                    s.shadow[name] = p
+                    sh.set(sh.keys_of(s.keys), p)
+            if eng is not None and self._priority(eng.selector.current, s, now) != s.sent:
+                eng.reranked += 1
+                self._retain_session(sid, s, now, shadows=False)
+                claimed.extend(s.keys[:s.head])
+        for k in [k for k, st in self._shared.items() if now - st.last_new > self.cfg.watch_s]:
+            # no new session came through it for watch_s: given up on (a
+            # "never" for its model); its Retain lapses to plain LRU
+            self._shared_model(self._shared.pop(k).sessions).add_never()
+        self._claim([k for k in claimed if k in self._shared], now, force=True)
+        self._claim(list(self._shared), now, force=False)
+        return self._drain(now)
+
+    def outcome(self, action: str, status: str) -> None:
+        """Count what one of our hints became."""
+        self.outcomes[f"{action.removeprefix('kv.')}:{status}"] += 1
+
+    def status(self) -> dict[str, Any]:
+        """Per engine: the strategy, the shadows' scores, hints sent per request
+        and per second, queued hints; and the outcomes."""
+        now = self._clock()
+        engines = {}
+        for name, e in self._engines.items():
+            span = max(1e-9, now - e.first_t) if e.first_t is not None else None
+            engines[name] = {
+                "strategy": e.selector.current, "switches": e.selector.switches,
+                "scores": {k: round(v, 1) for k, v in e.selector.scores.items()},
+                "hints_sent": e.sent, "reranked": e.reranked, "requests": e.requests,
+                "hints_per_request": e.sent / e.requests if e.requests else 0.0,
+                "hints_per_s": e.sent / span if span else 0.0, "queued": len(e.pending)}
+        return {"engines": engines, "live_sessions": len(self._live),
+                "shared_blocks": len(self._shared), "outcomes": dict(sorted(self.outcomes.items()))}
+
+    # ---- internals ---------------------------------------------------------------
+
+    def _shared_model(self, n: int) -> GapModel:
+        k = 0
+        while k + 1 < len(SHARED_CLASSES) and n >= SHARED_CLASSES[k + 1]:
+            k += 1
+        return self.shared_gaps[k]
+
+    def _see_shared(self, session: str, keys: Sequence[bytes], worker: str, now: float,
+                    seen: int) -> int:
+        """Register the prompt's blocks; how many leading ones are shared (more
+        than one session sent them: a chained key names its whole prefix, so
+        they are a leading run). ``seen``: how many of them this session
+        already came through."""
+        m = 0
+        first = self._first
+        for j, k in enumerate(keys):
+            st = self._shared.get(k)
+            if st is None:
+                owner = first.get(k)
+                if owner is None or owner == session:
+                    break
+                st = self._shared[k] = _Shared(1, now, set())
+                if self._heads.pop(k, 0.0) > now:
+                    self._heads_reused += 1
+            if j >= seen:                          # a new session through it
+                if st.sessions > 1:
+                    self._shared_model(st.sessions).add(now - st.last_new)
+                st.sessions += 1
+                st.last_new = now
+            st.workers.add(worker)
+            m += 1
+        for k in keys[m:]:
+            if k in first:
+                first.move_to_end(k)
+            else:
+                first[k] = session
+        while len(first) > self.cfg.max_blocks:
+            first.popitem(last=False)
+        return m
+
+    def _retain_session(self, sid: str, s: _Live, now: float, shadows: bool = True) -> None:
+        eng = self._engines.get(s.worker)
+        if eng is None:
+            return
+        if shadows:
+            for name, sh in eng.shadows.items():
+                p = s.shadow[name] = self._priority(name, s, now)
+                sh.set(sh.keys_of(s.keys), p)
+        p = self._priority(eng.selector.current, s, now)
+        self._set_claim(s, p)
+        if p == s.sent:
+            return
+        s.sent = p
+        eng.pending.pop((sid, "retain"), None)
+        eng.pending[(sid, "retain")] = _Retain(sid, p, boundary=s.keys[-1] if s.keys else None)
+
+    def _set_claim(self, s: _Live, p: int) -> None:
+        """Record that idle session ``s`` claims its shared head at ``p``."""
+        if p == s.claimed:
+            return
+        for k in s.keys[:s.head]:
+            st = self._shared.get(k)
+            if st is None:
+                continue
+            if s.claimed:
+                st.claims[s.claimed] -= 1
+                if st.claims[s.claimed] <= 0:
+                    del st.claims[s.claimed]
+            if p:
+                st.claims[p] += 1
+        s.claimed = p
+
+    def _claim(self, keys: Sequence[bytes], now: float, force: bool) -> None:
+        """Router-owned Retains of shared ``keys`` on every engine that saw
+        them, each at the highest priority claiming it; unchanged ones only when
+        ``force`` or half their watch passed."""
+        if not keys:
+            return
+        groups: dict[tuple[str, int], list[bytes]] = {}
+        for k in keys:
+            st = self._shared.get(k)
+            if st is None:
+                continue
+            own = density_priority(self._shared_model(st.sessions).density(now - st.last_new))
+            p = max(own, max(st.claims, default=0))
+            if not force and p == st.sent[0] and now - st.sent[1] < self.cfg.watch_s / 2:
+                continue
+            st.sent = (p, now)
+            for w in st.workers:
+                groups.setdefault((w, p), []).append(k)
+        for (w, p), ks in groups.items():
+            eng = self._engines.get(w)
+            if eng is not None:
+                self._queue(eng, ("shared", p), ks, p)
+                for name, sh in eng.shadows.items():
+                    if _router_holds(name):
+                        sh.set(sh.keys_of(ks), p)
+
+    def _queue(self, eng: _Engine, tag: Any, keys: Sequence[bytes], p: int) -> None:
+        """Queue a router-owned Retain of ``keys``, merged with the one of the
+        same group still waiting, and moved behind everything queued (when
+        the engine's strategy has the router hold them)."""
+        if not _router_holds(eng.selector.current):
+            return
+        old = eng.pending.pop((ROUTER_OWNER, tag), None)
+        merged = list(dict.fromkeys([*(old.keys if old else ()), *keys]))
+        eng.pending[(ROUTER_OWNER, tag)] = _Retain(ROUTER_OWNER, p, keys=merged,
+                                                   ttl_s=self.cfg.watch_s)
+
+    def _drain(self, now: float) -> list[Out]:
+        """What may leave now, per engine, in queue order: one envelope per
+        run of hints for the same session."""
+        out: list[Out] = []
+        for eng in self._engines.values():
+            while eng.pending and eng.take(now):
+                _, r = eng.pending.popitem(last=False)
+                if out and isinstance(out[-1], Send) and out[-1].worker == eng.name \
+                        and out[-1].session == r.session:
+                    out[-1].actions.append(r.action())
+                else:
+                    out.append(Send(eng.name, r.session, [r.action()]))
+                eng.sent += 1
+        return out
