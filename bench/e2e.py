@@ -137,6 +137,7 @@ def start_router(d: Path, workers: list[dict], redis_url: str, hints: bool) -> R
            "redis": {"url": redis_url, "namespace": f"bench-{uuid.uuid4().hex[:6]}"},
            "workers": workers, "routing": {"max_load": 6, "load_poll_s": 0.25},
            "policy": {"on_end": "free" if hints else "none",
+                      "strategy": "auto" if hints else "plain",
                       "on_move": "share" if hints else "none",
                       "tool_call": {"pin": hints, "pin_ttl_factor": 1.5}}}
     return RouterProcess(cfg, d / f"router-{cfg['listen']['port']}.yaml")

@@ -1,17 +1,23 @@
-"""Trace replay: G2 policies on a Mooncake-format trace against LRU, ARC and an
-offline reference.
+"""Trace replay: G2 policies on Mooncake-format traces against LRU, ARC, the
+simple "keep every continuing session" strategy and an offline reference.
 
-    python bench/replay.py --trace ../shared/traces/mooncake/conversation_trace.jsonl \\
-        --g2-blocks 1024,4096,16384 --policies lru,arc,session,opt,naive \\
+    python bench/replay.py [--trace ../shared/traces/mooncake/conversation_trace.jsonl] \\
+        [--g2-blocks 1024,4096,16384] [--policies lru,arc,naive,naive-unbounded,session,opt] \\
         [--g1-blocks K] [--workers W] [--routing sticky|random] [--shared-g3-blocks M] \\
         [--sharing] --json OUT [--plot OUT.png]
+    python bench/replay.py --suite [--trace A.jsonl,B.jsonl] [--out-dir DIR]
 
 ``--workers``, ``--routing`` and ``--shared-g3-blocks`` take comma lists too
-(every combination runs). ``--sharing`` adds the issue's multi-worker matrix:
-8 workers with G2 = 4096 each and the session policy, sticky without G3,
-random without G3, random with a shared G3 of 8192..65536 blocks. The
-simulator is in ``replay_sim.py``, the routers' hint policies in
-``replay_router.py``; bench/README.md documents both and the JSON keys.
+(every combination runs). ``--sharing`` adds the multi-worker matrix: 8
+workers with G2 = 4096 each and the session policy, sticky without G3,
+random without G3, random with a shared G3 of 8192..65536 blocks.
+``--suite`` replays lru, arc, naive, naive-unbounded, session and opt at G2
+1024, 4096 and 16384 on the given traces and on every trace generated from
+``bench/traces/*.yaml`` (``tracegen.py``), writes one JSON and one plot per
+trace and ``suite.json``, and prints the ratios to opt. The simulator is in
+``replay_sim.py``, the adapters to the routers' policies in
+``replay_router.py`` (``session`` is ``sessionkv.router.session_policy``,
+what ``sessionkv router`` runs); bench/README.md documents them and the JSON.
 """
 
 from __future__ import annotations

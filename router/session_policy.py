@@ -13,25 +13,30 @@ What it keeps, on every engine:
 - a live session (between turns): Retained, owned by the session, up to its
   prompt's last full block (the partial last block changes key when it
   fills; earlier turns' partial blocks are dead leaves), at a priority the
-  current *strategy* gives it; re-sent only when that priority changes;
-- shared prefixes (leading blocks more than one session sent): Retained by
-  key, owned by the router (so no session's end releases them), for
-  ``watch_s``, at the highest of their own density (the wait for the next
-  new session through them, per popularity class) and any live session's
-  priority that covers them; re-claimed right after each session Retain
-  that covered them (a later Retain of a key replaces the earlier one);
-- an ended session: ended (its pins and retains go, its blocks are plain
-  LRU), except its head (the first quarter of its blocks: later sessions
-  sometimes branch from it), Retained for ``watch_s`` at the reuse rate such
-  heads have had.
+  current *strategy* gives it, and its first turn's prefix ``HEAD_BOOST``
+  steps above that (a return hits a prefix: what grew later is worth
+  nothing without its head, so under pressure the growth goes first);
+  re-sent when a turn ends and when that priority changes;
+- with a ``+shared`` strategy, shared prefixes (leading blocks more than one
+  session sent): Retained by key, owned by the router (so no session's end
+  releases them), for ``watch_s``, at the highest of their own density (the
+  wait for the next new session through them, per popularity class) and the
+  rank of any idle session over them; re-claimed right after each session
+  Retain that covered them (a later Retain of a key replaces the earlier
+  one); and an ended session's head (the first quarter of its blocks: later
+  sessions sometimes branch from it), Retained for ``watch_s`` at the reuse
+  rate such heads have had;
+- an ended session: ended (its pins and retains go, its blocks are plain LRU).
 
 Strategies rank live sessions: ``recency`` (keep every live session, the
 longest idle goes first: "keep every continuing session until it returns"),
-``density`` (LHD hit density from the learned inter-turn gaps) and ``plain``
-(no session Retains: vLLM's LRU). ``auto`` (the default) keeps one
-``ShadowCache`` per strategy per engine, sized from the engine's G2 and fed
-the engine's own requests, and follows the strategy whose shadow hit the most
-lately (``Selector``); a switch re-sends the live sessions' Retains, paced.
+``density`` (LHD hit density from the learned inter-turn gaps), each with or
+without ``+shared``, and ``plain`` (no session Retains: vLLM's LRU). ``auto``
+(the default) keeps one ``ShadowCache`` per strategy per engine, sized from
+the engine's G1 and G2 and fed the engine's own requests with the
+priorities that strategy would send, and follows the strategy whose shadow
+hit the most lately (``Selector``); a switch re-sends the live sessions'
+Retains, paced.
 
 Hint traffic: hints wait in a per-engine queue (one entry per session and
 per router priority group, so bounded by the live sessions) and leave at
@@ -65,6 +70,7 @@ ROUTER_OWNER = "sessionkv-router"   # the owner of router-held Retains (shared p
 STRATEGIES = ("recency+shared", "density+shared", "recency", "density", "plain")
 SHARED_CLASSES = (2, 3, 5, 9)       # sessions so far through a shared block -> its gap model
 HEAD_FRACTION = 0.25                # of an ended session's blocks, watched for branches
+HEAD_BOOST = 12                     # priority steps a session's first-turn prefix gets over its growth
 RATE_SHARE = 0.8                    # of an engine's hint rate the policy uses
 
 
@@ -119,6 +125,8 @@ class _Live:
     active: bool = True
     sent: int = -1                    # priority queued to the engine (-1: none)
     claimed: int = 0                  # priority it claims its shared head at (0: none)
+    first: int = 0                    # full blocks of its first turn
+    held: bool = False                # a Retain above plain was queued for it
     shadow: dict[str, int] = field(default_factory=dict)   # strategy -> priority in its shadow
     workers: set[str] = field(default_factory=set)
 
@@ -138,6 +146,7 @@ class _Engine:
     def __init__(self, name: str, g2_blocks: int, g1_blocks: int, hints_per_s: float,
                  cfg: HintPolicy, now: float):
         self.name = name
+        self.g2_blocks, self.g1_blocks = g2_blocks, g1_blocks
         self.rate = max(1.0, hints_per_s * RATE_SHARE)
         self.tokens = self.rate
         self.stamp = now
@@ -172,7 +181,8 @@ class SessionHints:
         self._live: OrderedDict[str, _Live] = OrderedDict()
         self._first: OrderedDict[bytes, str] = OrderedDict()     # block -> first session
         self._shared: dict[bytes, _Shared] = {}
-        self._heads: dict[bytes, float] = {}          # ended head block -> end of its watch
+        # ended head block -> (end of its watch, the engine it is on)
+        self._heads: dict[bytes, tuple[float, str]] = {}
         self._heads_watched = 100                     # prior: 1 reuse in 100 blocks
         self._heads_reused = 1
         self.gaps = GapModel(prior_median_s=cfg.prior_gap_s)
@@ -218,9 +228,12 @@ class SessionHints:
             while len(self._live) > self.cfg.max_sessions:
                 self._live.popitem(last=False)      # forgotten; the engine's idle timeout ends it
         self._set_claim(s, 0)                       # a session in a turn claims nothing
-        s.active, s.last_t, s.worker = True, now, worker
+        # its blocks grow this turn: the next Retain goes whatever its priority
+        s.active, s.last_t, s.worker, s.sent = True, now, worker, -1
         s.workers.add(worker)
         head = self._see_shared(session, keys, worker, now, seen=s.head if s.keys else 0)
+        if not s.keys:
+            s.first = len(keys)
         s.keys, s.head = list(keys), head
         if eng is not None:
             eng.requests += 1
@@ -257,7 +270,8 @@ class SessionHints:
         for w in sorted(s.workers):
             eng = self._engines.get(w)
             if eng is not None:
-                eng.pending.pop((session, "retain"), None)
+                for tag in ("retain", "first"):
+                    eng.pending.pop((session, tag), None)
             out.append(End(w, session))
         full = len(s.keys)
         head = s.keys[s.head:max(s.head, math.ceil(full * HEAD_FRACTION))]
@@ -268,7 +282,7 @@ class SessionHints:
             if head:
                 until = now + self.cfg.watch_s
                 for k in head:
-                    self._heads[k] = until
+                    self._heads[k] = (until, eng.name)
                 self._heads_watched += len(head)
                 p = density_priority(self._heads_reused / (self._heads_watched * self.cfg.watch_s))
                 self._queue(eng, ("head", p), head, p)
@@ -286,7 +300,11 @@ class SessionHints:
         self._next_tick = now + self.cfg.tick_s
         for m in (self.gaps, *self.shared_gaps):
             m.refresh()
-        self._heads = {k: t for k, t in self._heads.items() if t > now}
+        lapsed: dict[str, list[bytes]] = {}
+        for k, (until, w) in list(self._heads.items()):
+            if until <= now:
+                del self._heads[k]
+                lapsed.setdefault(w, []).append(k)
         claimed: list[bytes] = []
         for sid, s in self._live.items():
             if s.active:
@@ -296,7 +314,7 @@ class SessionHints:
                 p = self._priority(name, s, now)
                 if s.shadow.get(name) != p:
                     s.shadow[name] = p
-                    sh.set(sh.keys_of(s.keys), p)
+                    self._shadow_retain(sh, s, p)
             if eng is not None and self._priority(eng.selector.current, s, now) != s.sent:
                 eng.reranked += 1
                 self._retain_session(sid, s, now, shadows=False)
@@ -304,7 +322,15 @@ class SessionHints:
         for k in [k for k, st in self._shared.items() if now - st.last_new > self.cfg.watch_s]:
             # no new session came through it for watch_s: given up on (a
             # "never" for its model); its Retain lapses to plain LRU
-            self._shared_model(self._shared.pop(k).sessions).add_never()
+            st = self._shared.pop(k)
+            self._shared_model(st.sessions).add_never()
+            for w in st.workers:
+                lapsed.setdefault(w, []).append(k)
+        for w, keys in lapsed.items():         # the shadows' router Retains lapse too
+            eng = self._engines.get(w)
+            for name, sh in (eng.shadows.items() if eng else ()):
+                if _router_holds(name):
+                    sh.set(sh.keys_of(keys), 0)
         self._claim([k for k in claimed if k in self._shared], now, force=True)
         self._claim(list(self._shared), now, force=False)
         return self._drain(now)
@@ -321,6 +347,7 @@ class SessionHints:
         for name, e in self._engines.items():
             span = max(1e-9, now - e.first_t) if e.first_t is not None else None
             engines[name] = {
+                "g2_blocks": e.g2_blocks, "g1_blocks": e.g1_blocks,
                 "strategy": e.selector.current, "switches": e.selector.switches,
                 "scores": {k: round(v, 1) for k, v in e.selector.scores.items()},
                 "hints_sent": e.sent, "reranked": e.reranked, "requests": e.requests,
@@ -352,7 +379,7 @@ class SessionHints:
                 if owner is None or owner == session:
                     break
                 st = self._shared[k] = _Shared(1, now, set())
-                if self._heads.pop(k, 0.0) > now:
+                if self._heads.pop(k, (0.0, ""))[0] > now:
                     self._heads_reused += 1
             if j >= seen:                          # a new session through it
                 if st.sessions > 1:
@@ -374,17 +401,34 @@ class SessionHints:
         eng = self._engines.get(s.worker)
         if eng is None:
             return
+        grown = HEAD_BOOST and 0 < s.first < len(s.keys)
         if shadows:
             for name, sh in eng.shadows.items():
                 p = s.shadow[name] = self._priority(name, s, now)
-                sh.set(sh.keys_of(s.keys), p)
+                self._shadow_retain(sh, s, p)
         p = self._priority(eng.selector.current, s, now)
-        self._set_claim(s, p)
+        # its shared head lies in its first-turn prefix: claimed at that rank,
+        # so the router's re-claim never ranks a head below what follows it
+        self._set_claim(s, p + HEAD_BOOST if grown and p else p)
         if p == s.sent:
             return
         s.sent = p
-        eng.pending.pop((sid, "retain"), None)
+        if p == 0 and not s.held:
+            return                  # nothing of it is held: nothing to send
+        s.held = p > 0
+        for tag in ("retain", "first"):
+            eng.pending.pop((sid, tag), None)
         eng.pending[(sid, "retain")] = _Retain(sid, p, boundary=s.keys[-1] if s.keys else None)
+        if grown and p:
+            eng.pending[(sid, "first")] = _Retain(sid, p + HEAD_BOOST,
+                                                  boundary=s.keys[s.first - 1])
+
+    @staticmethod
+    def _shadow_retain(sh: ShadowCache, s: _Live, p: int) -> None:
+        """What the session's Retains at ``p`` do, in one shadow."""
+        sh.set(sh.keys_of(s.keys), p)
+        if p and 0 < s.first < len(s.keys):
+            sh.set(sh.keys_of(s.keys[:s.first]), p + HEAD_BOOST)
 
     def _set_claim(self, s: _Live, p: int) -> None:
         """Record that idle session ``s`` claims its shared head at ``p``."""

@@ -111,7 +111,7 @@ def wait_for(cond, what, timeout_s=60):
 def moved(cluster):
     """Session ``agent``: two turns, its worker made busy, a third turn moves."""
     _, _, servers, _ = cluster
-    router = start_router(cluster, f"r-{uuid.uuid4().hex[:6]}")
+    router = start_router(cluster, f"r-{uuid.uuid4().hex[:6]}", tool_call={"pin": True})
     turns, prompt = [], NEW[0]
     try:
         for i, extra in enumerate(NEW[1:4]):
@@ -209,5 +209,35 @@ def test_idle_sessions_end_and_tool_gaps_warm_up(cluster):
         assert st["events"]["ended_idle"] == 1
         assert "demote" not in st["outcomes"] and st["outcomes"]["end_session"]["control"] == \
             {"accepted": 1}, st["outcomes"]
+    finally:
+        router.stop()
+
+
+def test_the_policy_retains_an_idle_session_and_reranks_it(cluster):
+    """The router's hint policy on real engines: a session idle after its turn
+    is Retained over the control channel (outcome accepted), re-ranked as it
+    idles (recency: its priority falls with idle time; a 1 s tick and a 1 s
+    prior gap make that quick), and its next turn reads its prefix from
+    cache with outputs equal to a cold recompute."""
+    _, _, servers, _ = cluster
+    router = start_router(cluster, f"r-{uuid.uuid4().hex[:6]}", strategy="recency",
+                          tick_s=1, prior_gap_s=1)
+    try:
+        first = np.random.default_rng(77).integers(10, 4000, 100).tolist()
+        worker, out1, _ = turn(router, "keep", first)
+        wait_for(lambda: router.status()["policy"]["engines"][worker]["reranked"] >= 2,
+                 "two re-ranks of the idle session", 30)
+        st = router.status()
+        retains = st["outcomes"]["retain"]["policy"]
+        assert retains.get("accepted", 0) >= 2 and "rejected" not in retains, st["outcomes"]
+        eng = st["policy"]["engines"][worker]
+        # sized from the engine's hello: G2 chunks x blocks per chunk, G1 blocks
+        assert eng["strategy"] == "recency" and eng["g2_blocks"] > 0 and eng["g1_blocks"] > 0
+        assert "hint_errors" not in st["events"], router.read_log()[-3000:]
+        second = first + tokens(out1) + NEW[2]
+        w2, out2, rep2 = turn(router, "keep", second)
+        assert w2 == worker and rep2["blocks"]["g1"] + rep2["blocks"]["g2"] >= len(first) // 32
+        ref = cold(servers[worker], [first, second])
+        assert [outputs(out1), outputs(out2)] == [r[0] for r in ref]
     finally:
         router.stop()

@@ -10,7 +10,7 @@ import pytest
 from sessionkv.hints import KvHint, parse_envelope, envelope
 from sessionkv.router.config import HintPolicy
 from sessionkv.router.gaps import GapModel, density_priority
-from sessionkv.router.session_policy import ROUTER_OWNER, End, Send, SessionHints
+from sessionkv.router.session_policy import HEAD_BOOST, ROUTER_OWNER, End, Send, SessionHints
 from sessionkv.router.shadow import Selector, ShadowCache
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,7 +113,8 @@ def test_hints_leave_at_the_engines_rate_and_the_queue_holds_one_per_session():
     for i in range(50):                                     # new turns replace queued entries
         p.turn_started(f"s{i}", "a", chain(1000 + i, 2000 + i))
         p.turn_ended(f"s{i}")
-    assert p.status()["engines"]["a"]["queued"] <= 50
+    # at most two per session: its Retain and its first turn's prefix above it
+    assert p.status()["engines"]["a"]["queued"] <= 100
     clock.now += 10
     assert len(retains(p.tick())) == 8                     # the bucket holds one second
 
@@ -137,8 +138,8 @@ def test_without_shared_the_router_holds_nothing_itself():
 def test_plain_sends_no_session_retains():
     p, _ = policy(strategy="plain")
     p.turn_started("s1", "a", chain(1, 2))
-    (r,) = retains(p.turn_ended("s1"))
-    assert r[2].bounds.priority == 0                      # plain to SessionCachePolicy
+    assert retains(p.turn_ended("s1")) == []
+    assert p.session_ended("s1") == [End("a", "s1")]
 
 
 def test_auto_follows_the_strategy_whose_shadow_hits_more():
@@ -228,3 +229,17 @@ def test_the_replay_drives_the_routers_own_policy_class():
     app = ast.parse((ROOT / "router" / "app.py").read_text())
     assert any(isinstance(n, ast.ImportFrom) and n.module == "sessionkv.router.session_policy"
                and "SessionHints" in {a.name for a in n.names} for n in ast.walk(app))
+
+
+def test_every_turn_end_retains_the_grown_prefix_even_at_the_same_priority():
+    p, clock = policy(strategy="recency")
+    p.turn_started("s1", "a", chain(1, 2))
+    ((_, _, h1),) = retains(p.turn_ended("s1"))
+    clock.now += 5
+    p.turn_started("s1", "a", chain(1, 2, 3, 4))
+    clock.now += 5
+    (_, _, h2), (_, _, h3) = retains(p.turn_ended("s1"))
+    assert (h1.target.boundary, h2.target.boundary, h3.target.boundary) == (key(2), key(4), key(2))
+    # the first turn's prefix ranks above what grew after it (a return hits a
+    # prefix: the growth is worth nothing without its head)
+    assert h3.bounds.priority == h2.bounds.priority + HEAD_BOOST
