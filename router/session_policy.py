@@ -283,6 +283,8 @@ class SessionHints:
                 until = now + self.cfg.watch_s
                 for k in head:
                     self._heads[k] = (until, eng.name)
+                while len(self._heads) > self.cfg.max_blocks:
+                    self._heads.pop(next(iter(self._heads)))
                 self._heads_watched += len(head)
                 p = density_priority(self._heads_reused / (self._heads_watched * self.cfg.watch_s))
                 self._queue(eng, ("head", p), head, p)
@@ -379,6 +381,8 @@ class SessionHints:
                 if owner is None or owner == session:
                     break
                 st = self._shared[k] = _Shared(1, now, set())
+                if len(self._shared) > self.cfg.max_blocks:    # the oldest found goes
+                    self._shared.pop(next(iter(self._shared)))
                 if self._heads.pop(k, (0.0, ""))[0] > now:
                     self._heads_reused += 1
             if j >= seen:                          # a new session through it

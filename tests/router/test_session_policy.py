@@ -125,6 +125,11 @@ def test_live_sessions_and_seen_blocks_are_bounded():
         p.turn_started(f"s{i}", "a", chain(*range(100 * i, 100 * i + 5)))
         p.turn_ended(f"s{i}")
     assert p.status()["live_sessions"] == 10 and len(p._first) == 50
+    for i in range(100):                     # 100 sessions through 100 new shared prefixes
+        p.turn_started(f"a{i}", "a", chain(50_000 + i, 60_000 + i))
+        p.turn_started(f"b{i}", "a", chain(50_000 + i, 70_000 + i))
+        p.session_ended(f"a{i}")
+    assert len(p._shared) <= 50 and len(p._heads) <= 50
 
 
 def test_without_shared_the_router_holds_nothing_itself():
