@@ -91,10 +91,10 @@ class _StreamCut(aiohttp.ClientError):
 class Router:
     """The proxy and its background work; ``start``, then serve ``app``."""
 
-    def __init__(self, cfg: RouterConfig):
+    def __init__(self, cfg: RouterConfig, clock=time.monotonic):
         self.cfg = cfg
         self.counters = rules.Counters()
-        self.policy = SessionHints(cfg.policy, time.monotonic)
+        self.policy = SessionHints(cfg.policy, clock)
         self._outbox: asyncio.Queue[Out] = asyncio.Queue(OUTBOX)
         self.store = SessionStore(cfg.redis)
         self.workers: dict[str, Worker] = {}

@@ -248,3 +248,31 @@ def test_every_turn_end_retains_the_grown_prefix_even_at_the_same_priority():
     # the first turn's prefix ranks above what grew after it (a return hits a
     # prefix: the growth is worth nothing without its head)
     assert h3.bounds.priority == h2.bounds.priority + HEAD_BOOST
+
+
+def test_the_router_and_the_replay_run_one_policy_class_on_the_same_events(tmp_path):
+    """The proxy's policy object and the replay's are both SessionHints, built
+    from the same HintPolicy: on the same events they send the same hints."""
+    from replay_router import PolicyRouter
+    from replay_sim import Worker as SimWorker
+    from replay_trace import SimClock, parse_rows
+    from sessionkv.router.app import Router
+    from sessionkv.router.config import parse_config
+
+    (tmp_path / "key").write_bytes(b"k" * 32)
+    cfg = parse_config({"secret_file": str(tmp_path / "key"),
+                        "redis": {"url": "redis://127.0.0.1:1/0"},
+                        "workers": [{"name": "0", "url": "http://127.0.0.1:1",
+                                     "control": "tcp://127.0.0.1:1"}]})
+    clock = SimClock()
+    proxy = Router(cfg, clock)
+    tr = parse_rows([{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}])
+    replay = PolicyRouter(tr, [SimWorker("session", 16, 64, clock, hinted=True)], clock, cfg.policy)
+    assert type(proxy.policy) is type(replay.policy) is SessionHints
+    proxy.policy.add_engine("0", 64, 16, 100.0)
+    sent = []
+    for pol in (proxy.policy, replay.policy):
+        outs = pol.turn_started("s1", "0", chain(1, 2)) + pol.turn_ended("s1")
+        sent.append([(o.worker, o.session, [(a["action_type"], a["payload"]) for a in o.actions])
+                     for o in outs])
+    assert sent[0] == sent[1] and sent[0][0][2][0][0] == "kv.retain"
