@@ -123,10 +123,7 @@ class Router:
         await asyncio.gather(*(w.start() for w in self.workers.values()))
         for w in self.workers.values():
             if w.control is not None:
-                i = w.info
-                self.policy.add_engine(w.name, int(i.get("g2_chunks", 0)) *
-                                       int(i.get("blocks_per_chunk", 1)),
-                                       int(i.get("g1_blocks", 0)), float(i.get("hints_per_s", 100)))
+                self._add_engine(w)
         self._spawn(self._sweep_idle())
         self._spawn(self._tick())
         self._spawn(self._send_policy())
@@ -193,6 +190,19 @@ class Router:
             except asyncio.QueueFull:
                 self.counters.event("policy_hints_dropped")
 
+    def _add_engine(self, w: Worker) -> None:
+        """Size the policy for ``w`` from its hello (an old engine's hello
+        lacks the sizes: its shadows then model a 1-block G2)."""
+        i = w.info
+        try:
+            g2 = int(i.get("g2_chunks", 0)) * int(i.get("blocks_per_chunk", 1))
+            g1, rate = int(i.get("g1_blocks", 0)), float(i.get("hints_per_s", 100.0))
+        except (TypeError, ValueError) as e:
+            log.warning("worker %s: hello sizes unreadable (%s); policy assumes defaults",
+                        w.name, e)
+            g2, g1, rate = 0, 0, 100.0
+        self.policy.add_engine(w.name, g2, g1, rate)
+
     async def _send_policy(self) -> None:
         while True:
             o = await self._outbox.get()
@@ -213,7 +223,11 @@ class Router:
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(1.0)       # drains paced hints; re-ranks every policy.tick_s
-            self._policy(self.policy.tick())
+            try:
+                self._policy(self.policy.tick())
+            except Exception:              # a bug costs this tick, never the task
+                log.exception("policy tick failed")
+                self.counters.event("policy_errors")
 
     def _prompt_keys(self, worker: Worker, body: dict[str, Any]) -> list[bytes]:
         """The prompt's full-block keys on ``worker`` (token-id prompts; none
