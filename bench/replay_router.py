@@ -25,7 +25,7 @@ from typing import Protocol
 
 import msgspec
 
-from replay_trace import BLOCK_TOKENS, SimClock, Trace, key_of
+from replay_trace import BLOCK_TOKENS, SimClock, Trace
 from sessionkv.config import Limits
 from sessionkv.connectors.hint_executor import HintExecutor
 from sessionkv.hints import Action, KvHint, envelope, hint_action, parse_envelope
@@ -64,8 +64,8 @@ class Router:
     def before(self, i: int, now: float) -> None:
         """Trace time reached request ``i``."""
 
-    def start(self, i: int, w: int, now: float) -> None:
-        """Request ``i`` goes to worker ``w`` (before it is served)."""
+    def start(self, i: int, w: int, now: float, keys: list[bytes]) -> None:
+        """Request ``i`` (its block keys ``keys``) goes to worker ``w``, before it is served."""
 
     def after(self, i: int, w: int, now: float) -> None:
         """Request ``i`` finished on worker ``w``: the turn ended."""
@@ -120,15 +120,12 @@ class PolicyRouter(Router):
             self.policy.add_engine(str(w), wk.g2_blocks, wk.g1.capacity,
                                    self.LIMITS.hints_per_s_per_client)
 
-    def _full(self, i: int) -> list[bytes]:
-        full = min(len(self.trace.blocks[i]), self.trace.input_length[i] // BLOCK_TOKENS)
-        return [key_of(b) for b in self.trace.blocks[i][:full]]
-
     def before(self, i: int, now: float) -> None:
         self.deliver(self.policy.tick())
 
-    def start(self, i: int, w: int, now: float) -> None:
-        self.deliver(self.policy.turn_started(f"s{self.trace.session[i]}", str(w), self._full(i)))
+    def start(self, i: int, w: int, now: float, keys: list[bytes]) -> None:
+        full = min(len(keys), self.trace.input_length[i] // BLOCK_TOKENS)
+        self.deliver(self.policy.turn_started(f"s{self.trace.session[i]}", str(w), keys[:full]))
 
     def after(self, i: int, w: int, now: float) -> None:
         super().after(i, w, now)

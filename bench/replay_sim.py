@@ -399,7 +399,7 @@ def run_policy(trace: Trace, spec: RunSpec, progress: Progress | None = None) ->
             router.before(i, now)
         toks = trace.tokens[i]
         if router is not None:
-            router.start(i, w, now)
+            router.start(i, w, now, keys[i])
         served = workers[w].serve(ids, keys[i], toks, f"s{s}", now)
         tally.add(served, trace.input_length[i], len(ids))
         if router is not None:

@@ -198,10 +198,6 @@ class SessionHints:
         self._engines[name] = _Engine(name, max(1, g2_blocks), max(0, g1_blocks), hints_per_s,
                                       self.cfg, self._clock())
 
-    def strategy(self, worker: str) -> str:
-        """The strategy the policy follows on ``worker`` now."""
-        return self._engines[worker].selector.current
-
     def _priority(self, strategy: str, s: _Live, now: float) -> int:
         rank = strategy.split("+")[0]
         if rank == "plain":
