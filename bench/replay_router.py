@@ -125,7 +125,9 @@ class PolicyRouter(Router):
 
     def start(self, i: int, w: int, now: float, keys: list[bytes]) -> None:
         full = min(len(keys), self.trace.input_length[i] // BLOCK_TOKENS)
-        self.deliver(self.policy.turn_started(f"s{self.trace.session[i]}", str(w), keys[:full]))
+        # the engine stores the partial last block too (plain: no Retain covers it)
+        self.deliver(self.policy.turn_started(f"s{self.trace.session[i]}", str(w), keys[:full],
+                                              keys[full:]))
 
     def after(self, i: int, w: int, now: float) -> None:
         super().after(i, w, now)

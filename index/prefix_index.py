@@ -459,6 +459,15 @@ class SessionPrefixIndex:
         self._refresh_g1(self._paths(st.frontiers))
         return sorted(self._keys[f] for f in st.frontiers)
 
+    def deepest_branch(self, session: str) -> bytes | None:
+        """The frontier key of the session's deepest branch (None when it has
+        none): its current chain, as a session's prompts grow."""
+        st = self._sessions.get(session)
+        if st is None or not st.frontiers:
+            return None
+        depth, keys = self._depth, self._keys
+        return keys[max(st.frontiers, key=lambda f: (int(depth[f]), keys[f]))]
+
     def resolve_session(
         self, session: str, branch: bytes | None = None, boundary: bytes | None = None
     ) -> Resolved | None:

@@ -229,15 +229,26 @@ class Router:
                 log.exception("policy tick failed")
                 self.counters.event("policy_errors")
 
-    def _prompt_keys(self, worker: Worker, body: dict[str, Any]) -> list[bytes]:
-        """The prompt's full-block keys on ``worker`` (token-id prompts; none
-        for text and chat, which the router does not tokenize)."""
-        prompt = body.get("prompt")
-        if worker.hasher is None or not isinstance(prompt, list) or not prompt \
-                or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    async def _prompt_keys(self, worker: Worker, body: dict[str, Any]) -> list[bytes]:
+        """The prompt's full-block keys on ``worker``: hashed from a token-id
+        prompt, or from the engine's own tokenization of a text or chat
+        prompt (its ``/tokenize``: one local round trip, only while a
+        strategy that Retains sessions may run); none when that fails."""
+        if worker.hasher is None:
             return []
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt \
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            tokens = prompt
+        elif self.cfg.policy.strategy == "plain":
+            return []
+        else:
+            tokens = await worker.tokenize(body)
+            self.counters.event("prompts_tokenized" if tokens else "tokenize_failures")
+            if not tokens:
+                return []
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        return worker.hasher.keys(prompt, salt)
+        return worker.hasher.keys(tokens, salt)
 
     # ---- routing --------------------------------------------------------------------
 
@@ -331,7 +342,7 @@ class Router:
                                          status=503)
             headers = {SESSION_HEADER: session_id, WORKER_HEADER: worker.name}
             self._policy(self.policy.turn_started(session_id, worker.name,
-                                                  self._prompt_keys(worker, body)))
+                                                  await self._prompt_keys(worker, body)))
             worker.inflight += 1
             try:
                 if body.get("stream"):

@@ -124,7 +124,8 @@ class _Live:
     last_t: float
     active: bool = True
     sent: int = -1                    # priority queued to the engine (-1: none)
-    claimed: int = 0                  # priority it claims its shared head at (0: none)
+    # per router-holding strategy: the priority it claims its shared head at
+    claimed: dict[str, int] = field(default_factory=dict)
     first: int = 0                    # full blocks of its first turn
     held: bool = False                # a Retain above plain was queued for it
     shadow: dict[str, int] = field(default_factory=dict)   # strategy -> priority in its shadow
@@ -136,8 +137,9 @@ class _Shared:
     sessions: int                     # sessions seen through the block
     last_new: float                   # when the last new one came
     workers: set[str]
-    sent: tuple[int, float] = (0, -math.inf)   # (priority, when) last queued
-    claims: Counter[int] = field(default_factory=Counter)   # idle sessions' priorities over it
+    sent: dict[str, tuple[int, float]] = field(default_factory=dict)  # worker -> (priority, when)
+    # per router-holding strategy: idle sessions' priorities over it
+    claims: dict[str, Counter[int]] = field(default_factory=dict)
 
 
 class _Engine:
@@ -153,6 +155,7 @@ class _Engine:
         names = STRATEGIES if cfg.strategy == "auto" else (cfg.strategy,)
         self.shadows = {n: ShadowCache(g2_blocks, g1_blocks, cfg.shadow_blocks) for n in names} \
             if len(names) > 1 else {}
+        self.holders = tuple(n for n in names if _router_holds(n))
         self.selector = Selector(names, half_life_refs=64.0 * g2_blocks)
         # (owner, tag) -> the Retain to send; a re-queued entry moves last, so
         # a session's Retain never overtakes the router's re-claim after it
@@ -209,9 +212,12 @@ class SessionHints:
 
     # ---- what the router sees ---------------------------------------------------
 
-    def turn_started(self, session: str, worker: str, keys: Sequence[bytes]) -> list[Out]:
+    def turn_started(self, session: str, worker: str, keys: Sequence[bytes],
+                     extra: Sequence[bytes] = ()) -> list[Out]:
         """A turn of ``session`` goes to ``worker``; ``keys``: its prompt's
-        full-block keys, root first (empty when the router cannot hash it)."""
+        full-block keys, root first (empty when the router cannot hash it);
+        ``extra``: blocks the engine caches after them that no Retain covers
+        (a partial last block it stores): they take room in the shadows."""
         now = self._clock()
         eng = self._engines.get(worker)
         s = self._live.get(session)
@@ -223,7 +229,10 @@ class SessionHints:
             s = self._live[session] = _Live(worker, [], 0, now)
             while len(self._live) > self.cfg.max_sessions:
                 self._live.popitem(last=False)      # forgotten; the engine's idle timeout ends it
-        self._set_claim(s, 0)                       # a session in a turn claims nothing
+        self._clear_claims(s)                       # a session in a turn claims nothing
+        old = s.keys
+        if old and (len(keys) < len(old) or keys[len(old) - 1] != old[-1]):
+            self._drop_branch(session, s)           # not an extension (chained keys)
         # its blocks grow this turn: the next Retain goes whatever its priority
         s.active, s.last_t, s.worker, s.sent = True, now, worker, -1
         s.workers.add(worker)
@@ -235,7 +244,10 @@ class SessionHints:
             eng.requests += 1
             eng.first_t = now if eng.first_t is None else eng.first_t
             if eng.shadows:
-                hits = {n: sh.request(sh.keys_of(keys)) for n, sh in eng.shadows.items()}
+                hits = {}
+                for n, sh in eng.shadows.items():
+                    ks = sh.keys_of(keys)
+                    hits[n] = sh.request(ks + sh.keys_of(extra), len(ks))
                 if eng.selector.record(len(keys), hits):
                     for other in self._live.values():
                         if other.worker == worker:
@@ -261,12 +273,12 @@ class SessionHints:
         s = self._live.pop(session, None)
         if s is None:
             return []
-        self._set_claim(s, 0)
+        self._clear_claims(s)
         out: list[Out] = []
         for w in sorted(s.workers):
             eng = self._engines.get(w)
             if eng is not None:
-                for tag in ("retain", "first"):
+                for tag in ("retain", "first", "drop"):
                     eng.pending.pop((session, tag), None)
             out.append(End(w, session))
         full = len(s.keys)
@@ -274,7 +286,7 @@ class SessionHints:
         eng = self._engines.get(s.worker)
         if eng is not None:
             for sh in eng.shadows.values():
-                sh.set(sh.keys_of(s.keys[s.head:]), 0)
+                sh.release(sh.keys_of(s.keys), session)
             if head:
                 until = now + self.cfg.watch_s
                 for k in head:
@@ -286,7 +298,7 @@ class SessionHints:
                 self._queue(eng, ("head", p), head, p)
                 for name, sh in eng.shadows.items():
                     if _router_holds(name):
-                        sh.set(sh.keys_of(head), p)
+                        sh.set(sh.keys_of(head), p, ROUTER_OWNER)
         return out + self._drain(now)
 
     def tick(self) -> list[Out]:
@@ -308,12 +320,16 @@ class SessionHints:
             if s.active:
                 continue
             eng = self._engines.get(s.worker)
-            for name, sh in (eng.shadows.items() if eng else ()):
+            if eng is None:
+                continue
+            for name, sh in eng.shadows.items():
                 p = self._priority(name, s, now)
                 if s.shadow.get(name) != p:
                     s.shadow[name] = p
-                    self._shadow_retain(sh, s, p)
-            if eng is not None and self._priority(eng.selector.current, s, now) != s.sent:
+                    self._shadow_retain(sh, sid, s, p)
+            if self._session_claims(s, eng, now):
+                claimed.extend(s.keys[:s.head])
+            if self._priority(eng.selector.current, s, now) != s.sent:
                 eng.reranked += 1
                 self._retain_session(sid, s, now, shadows=False)
                 claimed.extend(s.keys[:s.head])
@@ -328,8 +344,8 @@ class SessionHints:
             eng = self._engines.get(w)
             for name, sh in (eng.shadows.items() if eng else ()):
                 if _router_holds(name):
-                    sh.set(sh.keys_of(keys), 0)
-        self._claim([k for k in claimed if k in self._shared], now, force=True)
+                    sh.release(sh.keys_of(keys), ROUTER_OWNER)
+        self._claim([k for k in dict.fromkeys(claimed) if k in self._shared], now, force=True)
         self._claim(list(self._shared), now, force=False)
         return self._drain(now)
 
@@ -405,11 +421,9 @@ class SessionHints:
         if shadows:
             for name, sh in eng.shadows.items():
                 p = s.shadow[name] = self._priority(name, s, now)
-                self._shadow_retain(sh, s, p)
+                self._shadow_retain(sh, sid, s, p)
         p = self._priority(eng.selector.current, s, now)
-        # its shared head lies in its first-turn prefix: claimed at that rank,
-        # so the router's re-claim never ranks a head below what follows it
-        self._set_claim(s, p + HEAD_BOOST if grown and p else p)
+        self._session_claims(s, eng, now)
         if p == s.sent:
             return
         s.sent = p
@@ -423,54 +437,106 @@ class SessionHints:
             eng.pending[(sid, "first")] = _Retain(sid, p + HEAD_BOOST,
                                                   boundary=s.keys[s.first - 1])
 
-    @staticmethod
-    def _shadow_retain(sh: ShadowCache, s: _Live, p: int) -> None:
-        """What the session's Retains at ``p`` do, in one shadow."""
-        sh.set(sh.keys_of(s.keys), p)
-        if p and 0 < s.first < len(s.keys):
-            sh.set(sh.keys_of(s.keys[:s.first]), p + HEAD_BOOST)
-
-    def _set_claim(self, s: _Live, p: int) -> None:
-        """Record that idle session ``s`` claims its shared head at ``p``."""
-        if p == s.claimed:
+    def _drop_branch(self, sid: str, s: _Live) -> None:
+        """The session went back to an earlier turn or edited one (a retry, a
+        branch): the Retains of the chain it left go, or that chain would
+        stay held until the session ends (by its old priority, never
+        re-ranked). A Retain at 0 up to the old chain's end releases it; the
+        turn's end Retains the new chain."""
+        eng = self._engines.get(s.worker)
+        if eng is None:
             return
+        for sh in eng.shadows.values():
+            sh.release(sh.keys_of(s.keys), sid)
+        for tag in ("retain", "first"):
+            eng.pending.pop((sid, tag), None)
+        if s.held:
+            s.held = False
+            eng.pending.pop((sid, "drop"), None)
+            eng.pending[(sid, "drop")] = _Retain(sid, 0, boundary=s.keys[-1])
+
+    @staticmethod
+    def _shadow_retain(sh: ShadowCache, sid: str, s: _Live, p: int) -> None:
+        """What the session's Retains at ``p`` do, in one shadow."""
+        sh.set(sh.keys_of(s.keys), p, sid)
+        if p and 0 < s.first < len(s.keys):
+            sh.set(sh.keys_of(s.keys[:s.first]), p + HEAD_BOOST, sid)
+
+    def _session_claims(self, s: _Live, eng: _Engine, now: float) -> bool:
+        """Record, per router-holding strategy, what idle session ``s`` claims
+        its shared head at: its rank there, with the first-turn boost (its
+        shared head lies in its first-turn prefix: the router's re-claim
+        never ranks a head below what follows it); whether any changed."""
+        grown = HEAD_BOOST and 0 < s.first < len(s.keys)
+        changed = False
+        for name in eng.holders:
+            p = self._priority(name, s, now)
+            changed |= self._set_claim(s, name, p + HEAD_BOOST if grown and p else p)
+        return changed
+
+    def _clear_claims(self, s: _Live) -> None:
+        for name in list(s.claimed):
+            self._set_claim(s, name, 0)
+
+    def _set_claim(self, s: _Live, name: str, p: int) -> bool:
+        """Record that idle session ``s`` claims its shared head at ``p``
+        under strategy ``name``; whether that changed."""
+        old = s.claimed.get(name, 0)
+        if p == old:
+            return False
         for k in s.keys[:s.head]:
             st = self._shared.get(k)
             if st is None:
                 continue
-            if s.claimed:
-                st.claims[s.claimed] -= 1
-                if st.claims[s.claimed] <= 0:
-                    del st.claims[s.claimed]
+            claims = st.claims.setdefault(name, Counter())
+            if old:
+                claims[old] -= 1
+                if claims[old] <= 0:
+                    del claims[old]
             if p:
-                st.claims[p] += 1
-        s.claimed = p
+                claims[p] += 1
+        if p:
+            s.claimed[name] = p
+        else:
+            s.claimed.pop(name, None)
+        return True
 
     def _claim(self, keys: Sequence[bytes], now: float, force: bool) -> None:
         """Router-owned Retains of shared ``keys`` on every engine that saw
-        them, each at the highest priority claiming it; unchanged ones only when
-        ``force`` or half their watch passed."""
+        them, each at the highest priority claiming it under the engine's
+        strategy; unchanged ones only when ``force`` or half their watch
+        passed. Every router-holding shadow gets the same under its own
+        strategy's claims."""
         if not keys:
             return
         groups: dict[tuple[str, int], list[bytes]] = {}
+        shadow: dict[tuple[str, str, int], list[bytes]] = {}
         for k in keys:
             st = self._shared.get(k)
             if st is None:
                 continue
             own = density_priority(self._shared_model(st.sessions).density(now - st.last_new))
-            p = max(own, max(st.claims, default=0))
-            if not force and p == st.sent[0] and now - st.sent[1] < self.cfg.watch_s / 2:
-                continue
-            st.sent = (p, now)
             for w in st.workers:
-                groups.setdefault((w, p), []).append(k)
+                eng = self._engines.get(w)
+                if eng is None:
+                    continue
+                for name in eng.holders:
+                    p = max(own, max(st.claims.get(name, ()), default=0))
+                    if name in eng.shadows:
+                        shadow.setdefault((w, name, p), []).append(k)
+                    if name != eng.selector.current:
+                        continue
+                    last = st.sent.get(w)
+                    if not force and last is not None and p == last[0] \
+                            and now - last[1] < self.cfg.watch_s / 2:
+                        continue
+                    st.sent[w] = (p, now)
+                    groups.setdefault((w, p), []).append(k)
         for (w, p), ks in groups.items():
-            eng = self._engines.get(w)
-            if eng is not None:
-                self._queue(eng, ("shared", p), ks, p)
-                for name, sh in eng.shadows.items():
-                    if _router_holds(name):
-                        sh.set(sh.keys_of(ks), p)
+            self._queue(self._engines[w], ("shared", p), ks, p)
+        for (w, name, p), ks in shadow.items():
+            sh = self._engines[w].shadows[name]
+            sh.set(sh.keys_of(ks), p, ROUTER_OWNER)
 
     def _queue(self, eng: _Engine, tag: Any, keys: Sequence[bytes], p: int) -> None:
         """Queue a router-owned Retain of ``keys``, merged with the one of the

@@ -16,8 +16,13 @@ holds only the keys whose hash falls in a fixed fraction ``rate``, with
 et al., FAST'15): the cost per request and the memory stay bounded at any G2
 size.
 
-Cost: a request costs O(its sampled blocks + the blocks it evicts) per
-shadow; an eviction finds the lowest non-empty priority in O(log levels).
+Recency is a rank per block, as in vLLM's LRU policy: a request makes its
+blocks the most recent (its head last); a Retain changes a block's priority,
+not its rank.
+
+Cost: a request costs O((its sampled blocks + the blocks it evicts) x log)
+per shadow: one heap of (rank, key) per priority, stale entries dropped
+lazily.
 Memory: at most ``max_blocks`` keys per shadow. Not thread-safe: the policy
 that owns the shadows calls them from one thread (the router's event loop).
 """
@@ -25,7 +30,9 @@ that owns the shadows calls them from one thread (the router's event loop).
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -33,9 +40,9 @@ _SPACE = 1 << 32
 
 
 def sampled(key: bytes, rate: float) -> bool:
-    """Whether ``key`` is in a shadow sampled at ``rate`` (by its hash bytes:
-    engine keys are hashes already)."""
-    return rate >= 1.0 or int.from_bytes(key[:4], "big") < rate * _SPACE
+    """Whether ``key`` is in a shadow sampled at ``rate`` (by a CRC of the
+    key: keys need not be uniform bytes, the replay's are small ids)."""
+    return rate >= 1.0 or zlib.crc32(key) < rate * _SPACE
 
 
 class ShadowCache:
@@ -48,9 +55,14 @@ class ShadowCache:
         self.capacity = max(1, int(capacity_blocks * self.rate))
         self.g1_capacity = int(g1_blocks * self.rate)
         self._g1: OrderedDict[bytes, None] = OrderedDict()
-        self._prio: dict[bytes, int] = {}
-        self._buckets: dict[int, OrderedDict[bytes, None]] = {}
-        self._levels: list[int] = []          # sorted priorities with a non-empty bucket
+        self._prio: dict[bytes, int] = {}     # resident key -> its priority
+        self._rank: dict[bytes, int] = {}     # resident key -> when last used (higher: later)
+        self._owner: dict[bytes, str] = {}    # retained key -> who retained it last
+        self._next = 0
+        # per priority: a min-heap of (rank, key), stale entries dropped lazily
+        self._heaps: dict[int, list[tuple[int, bytes]]] = {}
+        self._size: dict[int, int] = {}       # per priority: resident keys
+        self._levels: list[int] = []          # sorted priorities with a resident key
 
     def __len__(self) -> int:
         return len(self._prio)
@@ -60,16 +72,18 @@ class ShadowCache:
         rate = self.rate
         return list(keys) if rate >= 1.0 else [k for k in keys if sampled(k, rate)]
 
-    def request(self, keys: Sequence[bytes]) -> float:
-        """Serve a request's sampled ``keys``: its leading resident run (scaled
-        to all keys), then every key resident and most recent at its priority
-        (new ones plain), room made among the other blocks."""
+    def request(self, keys: Sequence[bytes], counted: int | None = None) -> float:
+        """Serve a request's sampled ``keys``: its leading resident run among
+        the first ``counted`` (default all; scaled to all keys), then every
+        key resident and most recent at its priority (new ones plain), room
+        made among the other blocks."""
         g1, prio = self._g1, self._prio
+        n = len(keys) if counted is None else min(counted, len(keys))
         a = 0                              # G1's leading run, then G2's
-        while a < len(keys) and keys[a] in g1:
+        while a < n and keys[a] in g1:
             a += 1
         b = a
-        while b < len(keys) and keys[b] in prio:
+        while b < n and keys[b] in prio:
             b += 1
         # vLLM offloads per request: after a G2 load only what follows the
         # G1 hits is offered to G2; with none, every block.
@@ -85,48 +99,99 @@ class ShadowCache:
             g1.popitem(last=False)
         return b / self.rate
 
-    def set(self, keys: Iterable[bytes], priority: int) -> None:
-        """Give resident ``keys`` (sampled ones) a new priority, keeping their
-        recency order."""
+    def set(self, keys: Iterable[bytes], priority: int, owner: str) -> None:
+        """A Retain of resident ``keys`` (sampled ones) by ``owner``: their
+        new priority and owner (the last Retain of a key replaces the one
+        before), their recency kept (a Retain does not make a chunk recent)."""
+        prio, rank, owners = self._prio, self._rank, self._owner
         for k in keys:
-            p = self._prio.get(k)
-            if p is not None and p != priority:
-                self._drop(k, p)
-                self._put(k, priority)
+            p = prio.get(k)
+            if p is None:
+                continue
+            owners[k] = owner
+            if p != priority:
+                self._move(k, p, priority)
+                heapq.heappush(self._heap_of(priority), (rank[k], k))
 
-    def _put(self, k: bytes, p: int) -> None:
-        old = self._prio.get(k)
-        if old is not None and old != p:
-            self._drop(k, old)
-        bucket = self._buckets.get(p)
-        if bucket is None:
-            bucket = self._buckets[p] = OrderedDict()
+    def release(self, keys: Iterable[bytes], owner: str) -> None:
+        """``owner``'s Retains of ``keys`` end (its session ended, or its TTL
+        lapsed): those it still owns are plain again."""
+        owners = self._owner
+        for k in keys:
+            if owners.get(k) == owner:
+                del owners[k]
+                p = self._prio[k]
+                if p:
+                    self._move(k, p, 0)
+                    heapq.heappush(self._heap_of(0), (self._rank[k], k))
+
+    def _heap_of(self, p: int) -> list[tuple[int, bytes]]:
+        heap = self._heaps.get(p)
+        if heap is None:
+            heap = self._heaps[p] = []
+        return heap
+
+    def _move(self, k: bytes, old: int | None, p: int | None) -> None:
+        """Count ``k`` at level ``p`` instead of ``old`` (None: not resident)."""
+        size = self._size
+        if old is not None:
+            size[old] -= 1
+            if not size[old]:
+                del size[old]
+                self._levels.pop(bisect.bisect_left(self._levels, old))
+                del self._heaps[old]
+        if p is None:
+            del self._prio[k]
+            del self._rank[k]
+            self._owner.pop(k, None)
+            return
+        if p not in size:
+            size[p] = 0
             bisect.insort(self._levels, p)
-        if k in bucket:
-            bucket.move_to_end(k)
-        else:
-            bucket[k] = None
+        size[p] += 1
         self._prio[k] = p
 
-    def _drop(self, k: bytes, p: int) -> None:
-        bucket = self._buckets[p]
-        del bucket[k]
-        del self._prio[k]
-        if not bucket:
-            del self._buckets[p]
-            self._levels.pop(bisect.bisect_left(self._levels, p))
+    def _put(self, k: bytes, p: int) -> None:
+        """``k`` resident at ``p`` and the most recent block."""
+        old = self._prio.get(k)
+        if old != p:
+            self._move(k, old, p)
+        self._next += 1
+        self._rank[k] = self._next
+        heap = self._heap_of(p)
+        heapq.heappush(heap, (self._next, k))
+        if len(heap) > 2 * self._size[p] + 64:     # drop entries that went stale
+            heap[:] = [(r, q) for r, q in heap if self._prio.get(q) == p and self._rank[q] == r]
+            heapq.heapify(heap)
+
+    def _victim(self, protect: set[bytes]) -> bytes | None:
+        """The least recent block of the lowest level, not in ``protect``."""
+        prio, rank = self._prio, self._rank
+        for p in self._levels:
+            heap, deferred, found = self._heaps[p], [], None
+            while heap:
+                r, k = heapq.heappop(heap)
+                if prio.get(k) != p or rank[k] != r:
+                    continue                    # stale: moved or used since
+                if k in protect:
+                    deferred.append((r, k))
+                    continue
+                found = k
+                break
+            for e in deferred:
+                heapq.heappush(heap, e)
+            if found is not None:
+                return found
+        return None
 
     def _evict(self, protect: set[bytes]) -> None:
         """Down to capacity, never evicting ``protect`` (the request's own
         blocks: a G2 store makes room among the blocks already there)."""
         while len(self._prio) > self.capacity:
-            for p in self._levels:
-                victim = next((k for k in self._buckets[p] if k not in protect), None)
-                if victim is not None:
-                    break
-            else:
+            victim = self._victim(protect)
+            if victim is None:
                 return          # only the request's own blocks left: it is larger than G2
-            self._drop(victim, p)
+            self._move(victim, self._prio[victim], None)
 
 
 class Selector:

@@ -168,6 +168,38 @@ class Worker:
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
 
+    # What /tokenize takes of a request body: the chat template's inputs for
+    # chat, the special-token choice for both (their defaults are vLLM's:
+    # the completions API adds BOS, chat leaves it to the template).
+    _CHAT_KEYS = ("messages", "add_generation_prompt", "continue_final_message",
+                  "chat_template", "chat_template_kwargs", "tools", "add_special_tokens")
+
+    async def tokenize(self, body: dict[str, Any], timeout_s: float = 2.0) -> list[int] | None:
+        """The prompt's token ids as this engine makes them (its ``/tokenize``,
+        with the model's tokenizer and chat template) for a text or chat body;
+        None when the body has neither or the engine does not answer in time."""
+        if isinstance(body.get("messages"), list):
+            req = {k: body[k] for k in self._CHAT_KEYS if k in body}
+        elif isinstance(body.get("prompt"), str):
+            req = {"prompt": body["prompt"],
+                   "add_special_tokens": body.get("add_special_tokens", True)}
+        else:
+            return None
+        if isinstance(body.get("model"), str):
+            req["model"] = body["model"]
+        try:
+            async with self._http.post(self.url + "/tokenize", json=req,
+                                       timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                out = await r.json() if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            log.debug("tokenize on %s failed: %r", self.name, e)
+            return None
+        toks = out.get("tokens") if isinstance(out, dict) else None
+        if not isinstance(toks, list) or \
+                not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+            return None
+        return toks
+
     async def _poll_load(self) -> None:
         while True:
             try:

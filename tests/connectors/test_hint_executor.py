@@ -176,6 +176,25 @@ def test_retain_and_missing_in_g2():
     assert (o.status, o.reason) == (Status.MISSING, "none of the target is in G2")
 
 
+def test_a_retain_up_to_an_evicted_boundary_takes_the_sessions_deepest_branch():
+    """A router's re-rank names the last prompt's last block; once that block
+    is evicted (and pruned from the index) the Retain takes what is left of
+    the session's deepest branch instead of missing (its blocks would keep
+    their old priority). A Pin, which uses quota, still misses."""
+    idx, ex, _ = setup()
+    D = block_key(4)
+    idx.admit("s1", [A, B, C, D], Tier.G2, start=3)
+    idx.set_copies(Tier.G2, [D], 0)                      # D evicted: the frontier is C
+    assert D not in idx
+    (o,) = run(ex, "s1", env({"target": {"boundary": D.hex()}, "priority": 7},
+                             kind="kv.retain"), signed_for="s1")
+    assert (o.status, o.blocks_affected) == (Status.ACCEPTED, 3)
+    assert {ex._policy._retains[k][0] for k in (A, B, C)} == {7}
+    (o,) = run(ex, "s1", env({"target": {"boundary": D.hex()}, "ttl_s": 5}), signed_for="s1")
+    assert (o.status, o.reason) == (Status.MISSING,
+                                    "branch or boundary is not part of the session")
+
+
 def test_pins_clipped_under_pressure_come_back_as_late_outcomes():
     _, ex, _ = setup(g2_chunks=3, pin_fraction_session=1.0, pin_fraction_global=1.0)
     (o,) = run(ex, "s1", env({"ttl_s": 60}), signed_for="s1")

@@ -239,5 +239,43 @@ def test_the_policy_retains_an_idle_session_and_reranks_it(cluster):
         assert w2 == worker and rep2["blocks"]["g1"] + rep2["blocks"]["g2"] >= len(first) // 32
         ref = cold(servers[worker], [first, second])
         assert [outputs(out1), outputs(out2)] == [r[0] for r in ref]
+        chat_turns_are_tokenized_and_retained(router, servers)
     finally:
         router.stop()
+
+
+def chat(url, messages, headers=None, **kw):
+    r = requests.post(url + "/v1/chat/completions", headers=headers or {}, timeout=300, json={
+        "model": TINY, "messages": messages, "max_tokens": 6, "temperature": 0,
+        "logprobs": True, "top_logprobs": 2, **kw})
+    r.raise_for_status()
+    out = r.json()
+    lp = out["choices"][0]["logprobs"]["content"]
+    return r.headers.get("X-SessionKV-Worker"), out, [
+        (t["token"], t["logprob"], [(x["token"], x["logprob"]) for x in t["top_logprobs"]])
+        for t in lp]
+
+
+def chat_turns_are_tokenized_and_retained(router, servers):
+    """A chat session (no token ids: the router asks the engine's /tokenize,
+    with the model's chat template) gets Retains the engine resolves
+    (accepted, none missing), and its turns equal a cold recompute."""
+    def retains():
+        return router.status()["outcomes"]["retain"]["policy"]
+    before = retains()
+    words = np.random.default_rng(78).integers(0, 10_000, 300)
+    text = " ".join(f"w{w}" for w in words)
+    msgs = [{"role": "user", "content": text}]
+    worker, out1, lp1 = chat(router.url, msgs, {"X-Session-ID": "chat"})
+    wait_for(lambda: retains().get("accepted", 0) > before.get("accepted", 0),
+             "the chat session's Retain", 30)
+    st = router.status()
+    assert st["events"].get("prompts_tokenized", 0) >= 1, st["events"]
+    assert "tokenize_failures" not in st["events"], st["events"]
+    assert retains().get("missing", 0) == before.get("missing", 0), retains()
+    msgs2 = msgs + [{"role": "assistant", "content": out1["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": "and then?"}]
+    w2, _, lp2 = chat(router.url, msgs2, {"X-Session-ID": "chat"})
+    salt = uuid.uuid4().hex
+    refs = [chat(servers[worker].url, m, cache_salt=salt)[2] for m in (msgs, msgs2)]
+    assert w2 == worker and [lp1, lp2] == refs

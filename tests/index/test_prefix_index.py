@@ -75,6 +75,16 @@ def test_selectors_branch_boundary_and_exact_keys():
     assert idx.resolve_session("nobody") is None
 
 
+def test_deepest_branch_is_the_current_chain():
+    idx = SessionPrefixIndex()
+    idx.admit("s", [A, AB, ABC], Tier.G1)
+    idx.admit("s", [A, AE], Tier.G1, start=1)            # a shorter branch
+    assert idx.deepest_branch("s") == ABC
+    idx.set_copies(Tier.G1, [ABC], 0)                    # retreats to AB: a tie, by key
+    assert idx.deepest_branch("s") == max(AB, AE)
+    assert idx.deepest_branch("nobody") is None
+
+
 def test_g1_evictions_are_seen_lazily_through_the_probe():
     pool = {}
     idx = SessionPrefixIndex(g1_probe=lambda keys: [pool.get(k, 0) for k in keys])

@@ -60,6 +60,25 @@ def test_a_continuing_session_is_retained_up_to_its_last_full_block():
     assert h.bounds.priority > 0 and h.bounds.ttl_s is None   # until the session ends
 
 
+def test_a_retry_from_an_earlier_turn_releases_the_chain_it_left():
+    """A session that goes back (a retry, an edited turn: its new chain does
+    not extend the old one) first sends a Retain at 0 up to the old chain's
+    end, so that chain does not stay held until the session ends; a turn
+    that extends its chain sends nothing at its start."""
+    p, clock = policy(strategy="recency")
+    p.turn_started("s1", "a", chain(1, 2, 3))
+    clock.now += 2
+    p.turn_ended("s1")
+    assert retains(p.turn_started("s1", "a", chain(1, 2, 3, 4))) == []      # extends it
+    clock.now += 2
+    p.turn_ended("s1")
+    ((_, _, h),) = retains(p.turn_started("s1", "a", [key(1), key(2), key(9)]))
+    assert (h.target.boundary, h.bounds.priority) == (key(4), 0)
+    clock.now += 2
+    ((_, _, h),) = retains(p.turn_ended("s1"))
+    assert h.target.boundary == key(9) and h.bounds.priority > 0
+
+
 def test_a_retain_is_re_sent_only_when_its_priority_changes():
     p, clock = policy(strategy="recency", tick_s=1.0, prior_gap_s=10.0)
     p.turn_started("s1", "a", chain(1, 2))
@@ -170,13 +189,44 @@ def test_auto_follows_the_strategy_whose_shadow_hits_more():
 def test_shadow_evicts_plain_then_low_priorities_and_never_the_request_itself():
     sh = ShadowCache(4)
     sh.request(chain(1, 2))
-    sh.set(chain(1, 2), 5)
+    sh.set(chain(1, 2), 5, "s1")
     sh.request(chain(3))
-    sh.set(chain(3), 1)
+    sh.set(chain(3), 1, "s2")
     sh.request(chain(4))                     # plain
     sh.request(chain(7, 8))                  # 4 goes (plain), then 3 (priority 1)
     assert sh.request(chain(1, 2)) == 2 and sh.request(chain(3)) == 0
     assert sh.request(chain(*range(20, 30))) == 0 and len(sh) == 10   # larger than G2: kept whole
+
+
+def test_shadow_retains_keep_recency_and_the_last_owner_releases():
+    """As SessionCachePolicy: a Retain changes a block's priority, not its
+    recency; a session's end releases only what it retained last."""
+    sh = ShadowCache(2)
+    sh.request(chain(1))
+    sh.request(chain(2))
+    sh.set(chain(2), 4, "a")
+    sh.set(chain(1), 4, "a")                 # 1 stays the older of the two
+    sh.request(chain(3))                     # so 1 goes
+    assert sh.request(chain(2)) == 1 and sh.request(chain(1)) == 0
+    sh = ShadowCache(3)
+    sh.request(chain(1))
+    sh.request(chain(2))
+    sh.set(chain(2), 4, "a")
+    sh.set(chain(1), 4, "a")                 # 1 stays the older of the two
+    sh.set(chain(1), 4, "b")                 # retained again, by b
+    sh.release(chain(1, 2), "a")             # 2 is plain again, 1 stays b's
+    sh.request(chain(3))
+    sh.request(chain(9))                     # 2 goes (plain, oldest)
+    assert sh.request(chain(2)) == 0
+    sh.request(chain(5))
+    sh.request(chain(6))                     # plain ones go before b's 1
+    assert sh.request(chain(1)) == 1
+
+
+def test_shadow_counts_hits_only_among_the_counted_keys():
+    sh = ShadowCache(8)
+    sh.request(chain(1, 2, 3), counted=2)    # 3: a partial block the engine stores too
+    assert sh.request(chain(1, 2, 3), counted=2) == 2 and len(sh) == 3
 
 
 def test_shadow_g1_serves_what_g2_dropped():
@@ -189,7 +239,7 @@ def test_shadow_g1_serves_what_g2_dropped():
 def test_shadow_samples_big_engines_and_scales_hits_back():
     sh = ShadowCache(1_000_000, max_blocks=1000)
     assert sh.rate == pytest.approx(0.001) and sh.capacity == 1000
-    keys = [i.to_bytes(4, "big") + b"x" * 12 for i in range(0, 1 << 32, (1 << 32) // 100_000)]
+    keys = [i.to_bytes(8, "big") for i in range(100_000)]     # small ids, as the replay's
     kept = sh.keys_of(keys)
     assert 50 <= len(kept) <= 150
     sh.request(kept)
