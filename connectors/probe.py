@@ -48,7 +48,8 @@ def make_probe(vllm_config: "VllmConfig", block_size: int,
             "hash_root": bytes(kv_cache_utils.NONE_HASH).hex(),
             # Reported, not used: vLLM derives the root from it (unset: random per start).
             "pythonhashseed": os.environ.get("PYTHONHASHSEED"),
-            "g3": [{"tier": t.tier_type, "objects": t.prefix, "error": t.health()} for t in g3],
+            "g3": [{"tier": t.tier_type, "objects": t.prefix, "identity": t.identity,
+                    "error": t.health()} for t in g3],
         }
 
     return probe

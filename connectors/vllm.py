@@ -56,6 +56,7 @@ from sessionkv.events import Association, Op
 from sessionkv.hints import HintOutcome, KvHint, Status
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.report import RequestReport
+from sessionkv.tiers.g3_spec import IDENTITY_KEY
 from sessionkv.types import Tier
 
 from .control import ControlChannel
@@ -117,6 +118,26 @@ def bind_spec(extra: dict[str, Any]) -> None:
             )
         extra[key] = ours
     extra.setdefault("offload_prompt_only", False)
+
+
+def model_identity(vllm_config: "VllmConfig") -> dict[str, Any]:
+    """What changes K/V beyond what vLLM's offloading config names (the
+    model's path and KV dtype), for the G3 fingerprint (``tiers.g3_spec``):
+    plain values, so the config stays picklable. ``hf_overrides`` is None
+    when it is a function (G3 then refuses to start)."""
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    overrides = mc.hf_overrides
+    return {
+        "revision": mc.revision,
+        "quantization": None if mc.quantization is None else str(mc.quantization),
+        "kv_cache_dtype": str(cc.cache_dtype),
+        # vLLM 0.32 reads KV scales from the checkpoint (the weights digest
+        # covers them); a release that computes them at run time says so here
+        "kv_scales": "computed" if getattr(cc, "calculate_kv_scales", False) else "checkpoint",
+        "kv_skip_layers": sorted(map(str, getattr(cc, "kv_cache_dtype_skip_layers", ()) or ())),
+        "hf_overrides": None if callable(overrides) else dict(overrides or {}),
+        "lora": vllm_config.lora_config is not None,
+    }
 
 
 def g1_probe(block_pool: "BlockPool"):
@@ -196,6 +217,7 @@ class SessionTierConnector(OffloadingConnector):
     ):
         kvt = vllm_config.kv_transfer_config
         bind_spec(kvt.kv_connector_extra_config)
+        kvt.kv_connector_extra_config[IDENTITY_KEY] = model_identity(vllm_config)
         par = vllm_config.parallel_config
         check_supported(
             kvt.kv_role,

@@ -104,14 +104,25 @@ def _pair(u0: str, a0: dict, url: str, a: dict) -> list[Finding]:
                             "(extra keys: LoRA adapter, cache_salt, multimodal inputs)",
                             "send requests that should share KV with the same LoRA and "
                             "cache_salt"))
-    mine = {t["tier"]: t["objects"] for t in a["g3"]}
+    mine = {t["tier"]: t for t in a["g3"]}
     for t in a0["g3"]:
         other = mine.get(t["tier"])
-        if other is not None and other != t["objects"] and not out:
-            out.append(mismatch(f"G3 tier {t['tier']} names objects {other}* != "
-                                f"{t['objects']}*: another model, dtype, layout or namespace",
-                                "serve the same model and dtype with the same tier namespace"))
+        if other is not None and other["objects"] != t["objects"] and not out:
+            out.append(mismatch(f"G3 tier {t['tier']} names objects {other['objects']}* != "
+                                f"{t['objects']}*: {_differs(other, t)}",
+                                "serve the same model, revision, quantization and KV dtype "
+                                "with the same tier namespace"))
     return out
+
+
+def _differs(a: dict, b: dict) -> str:
+    """Which fingerprint fields of two probe G3 entries differ, by name."""
+    ia, ib = a.get("identity") or {}, b.get("identity") or {}
+    names = sorted(k for k in set(ia) | set(ib) if ia.get(k) != ib.get(k))
+    if not names:
+        return "another namespace" if ia else "another model, dtype, layout or namespace"
+    return "fingerprint fields differ: " + ", ".join(
+        f"{k} ({ia.get(k)!r} != {ib.get(k)!r})" for k in names)
 
 
 def main(argv: list[str] | None = None) -> int:

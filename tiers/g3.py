@@ -74,7 +74,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from .fingerprint import fingerprint
+from .fingerprint import fingerprint, plain
 from .g3_backend import SUM_SUFFIX, ObjectBackend, address_of, checksum
 from .g3_io import BackendDown, Guard, Quarantine, Staging
 from .g3_layout import layout_for, pins_for
@@ -186,10 +186,17 @@ class G3Tier(SecondaryTierManager):
             root = getattr(kv_cache_utils, "NONE_HASH", None)
             if root is None:
                 raise RuntimeError("vLLM's block hash root is not set: cannot name G3 objects")
-            fp = fingerprint({**self._identity, "none_hash": bytes(root)})
+            self._identity = {**self._identity, "none_hash": bytes(root)}
+            fp = fingerprint(self._identity)
             self._prefix = f"{self._namespace}/{fp}/"
             logger.info("sessionkv: G3 tier %s, objects %s*", self.tier_type, self._prefix)
         return self._prefix
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        """The fields the fingerprint covers (JSON values), for ``doctor``."""
+        _ = self.prefix
+        return plain(self._identity)
 
     def name(self, key: OffloadKey) -> str:
         return self.prefix + bytes(key).hex()

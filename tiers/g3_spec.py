@@ -1,23 +1,47 @@
 """What a G3 tier reads of vLLM's ``OffloadingSpec``: the identity of this
-engine's chunks (``spec_identity``, for ``tiers.fingerprint``)."""
+engine's chunks (``spec_identity``, for ``tiers.fingerprint``).
+
+vLLM's offloading config names the model only by path and KV dtype, so the
+connector passes what else changes K/V (``connectors.vllm.model_identity``,
+from the ``VllmConfig``) under ``IDENTITY_KEY`` in the spec's extra config.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from .fingerprint import identity_fields, weights_digest
+from .fingerprint import FingerprintError, identity_fields, weights_digest
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
 
+IDENTITY_KEY = "sessionkv_model_identity"
+
 
 def spec_identity(spec: "OffloadingSpec", chunk_bytes: int) -> dict:
     """The identity fields of this engine's chunks (``tiers.fingerprint``),
-    ``none_hash`` left empty: vLLM sets it after it built the scheduler."""
+    ``none_hash`` left empty: vLLM sets it after it built the scheduler.
+    Raises ``FingerprintError`` where G3 would be unsafe."""
     cfg = spec.config
+    model: Any = spec.extra_config.get(IDENTITY_KEY)
+    if not isinstance(model, dict):
+        raise FingerprintError("a G3 tier needs the model identity SessionTierConnector "
+                               "passes; use kv_connector SessionTierConnector")
+    if model.get("lora"):
+        raise FingerprintError(
+            "G3 with LoRA enabled is refused: a block's key names its adapter by name and "
+            "path, not by content, so two engines (or one after an adapter changed) would "
+            "share wrong KV; drop --enable-lora or the G3 tiers")
+    if model.get("hf_overrides") is None:
+        raise FingerprintError("hf_overrides given as a function cannot be fingerprinted; "
+                               "pass a dict (or drop the G3 tiers)")
     par = cfg.parallel
     return identity_fields(
-        weights=weights_digest(cfg.model.name), dtype=str(cfg.model.dtype),
+        weights=weights_digest(cfg.model.name, model.get("revision")),
+        dtype=str(cfg.model.dtype), quantization=model.get("quantization"),
+        kv_cache_dtype=str(model.get("kv_cache_dtype")), kv_scales=str(model.get("kv_scales")),
+        kv_skip_layers=list(model.get("kv_skip_layers") or ()),
+        hf_overrides=model["hf_overrides"],
         block_size=cfg.cache.tokens_per_hash, blocks_per_chunk=cfg.cache.blocks_per_chunk,
         layout=f"{cfg.kv_cache_layout}/canonical={cfg.canonical_layout}"
                f"/replicated={cfg.replicated_layout}",
