@@ -137,6 +137,10 @@ def model_identity(vllm_config: "VllmConfig") -> dict[str, Any]:
         "kv_skip_layers": sorted(map(str, getattr(cc, "kv_cache_dtype_skip_layers", ()) or ())),
         "hf_overrides": None if callable(overrides) else dict(overrides or {}),
         "lora": vllm_config.lora_config is not None,
+        # where the ranks run: G3 and the Mover read and write the scheduler
+        # node's host mapping only (tiers.g3_spec refuses what that breaks)
+        "nnodes": int(getattr(vllm_config.parallel_config, "nnodes", 1) or 1),
+        "executor": str(vllm_config.parallel_config.distributed_executor_backend),
     }
 
 

@@ -18,6 +18,36 @@ if TYPE_CHECKING:
 IDENTITY_KEY = "sessionkv_model_identity"
 
 
+class TopologyError(ValueError):
+    """A parallel layout G3 or the index would serve wrongly: refused at start."""
+
+
+def check_topology(model: dict, par: Any) -> None:
+    """Refuse, naming the setting, what a G3 tier would serve wrongly: ranks
+    on more than one node (each node maps its own host region, and G3 and
+    the Mover read and write only the scheduler node's, so cascades would
+    upload the other ranks' part from the wrong place and promotions fill
+    only the head node) and context parallelism (one block hash per G1
+    block against chunk keys every ``hashes_per_chunk``: the index and pins
+    would not line up with chunks)."""
+    if int(par.pcp_size) > 1 or int(par.dcp_size) > 1:
+        raise TopologyError(
+            f"G3 tiers with context parallelism are refused (prefill_context_parallel_size="
+            f"{par.pcp_size}, decode_context_parallel_size={par.dcp_size}): the session index "
+            "follows one hash per block, not chunk keys; drop the G3 tiers or set both to 1")
+    ranks = int(par.tp_size) * int(par.pp_size)
+    if int(model.get("nnodes") or 1) > 1:
+        raise TopologyError(
+            f"G3 tiers with ranks on {model['nnodes']} nodes (nnodes) are refused: G3 reads "
+            "and writes the scheduler node's host memory only; run one node per engine or "
+            "drop the G3 tiers")
+    if ranks > 1 and model.get("executor") == "ray":
+        raise TopologyError(
+            f"G3 tiers with distributed_executor_backend=ray and {ranks} ranks "
+            "(tensor x pipeline parallel) are refused: Ray may place ranks on other nodes, "
+            "whose host memory G3 does not see; use the mp backend on one node")
+
+
 def spec_identity(spec: "OffloadingSpec", chunk_bytes: int) -> dict:
     """The identity fields of this engine's chunks (``tiers.fingerprint``),
     ``none_hash`` left empty: vLLM sets it after it built the scheduler.
@@ -36,6 +66,7 @@ def spec_identity(spec: "OffloadingSpec", chunk_bytes: int) -> dict:
         raise FingerprintError("hf_overrides given as a function cannot be fingerprinted; "
                                "pass a dict (or drop the G3 tiers)")
     par = cfg.parallel
+    check_topology(model, par)
     return identity_fields(
         weights=weights_digest(cfg.model.name, model.get("revision")),
         dtype=str(cfg.model.dtype), quantization=model.get("quantization"),

@@ -14,7 +14,7 @@ from sessionkv.devtools.engines import TINY
 from sessionkv.doctor import _pair
 from sessionkv.tiers.fingerprint import (FingerprintError, fingerprint, identity_fields,
                                          weights_digest)
-from sessionkv.tiers.g3_spec import IDENTITY_KEY, spec_identity
+from sessionkv.tiers.g3_spec import IDENTITY_KEY, TopologyError, spec_identity
 
 BASE = dict(weights="w", dtype="bfloat16", quantization=None, kv_cache_dtype="auto",
             kv_scales="checkpoint", kv_skip_layers=[], hf_overrides={}, block_size=32,
@@ -82,15 +82,16 @@ def test_a_hub_id_is_resolved_through_the_local_cache_to_its_revision(tmp_path):
         weights_digest("org/other", None, cache_path=None, hub_cache=str(hub))
 
 
-def spec(**model):
+def spec(par=None, **model):
     cfg = SimpleNamespace(
         model=SimpleNamespace(name=TINY, dtype="bfloat16"),
         cache=SimpleNamespace(tokens_per_hash=32, blocks_per_chunk=1),
-        parallel=SimpleNamespace(tp_size=1, pp_size=1, pcp_size=1, dcp_size=1),
+        parallel=SimpleNamespace(**{"tp_size": 1, "pp_size": 1, "pcp_size": 1, "dcp_size": 1,
+                                    **(par or {})}),
         kv_cache_layout="NHD", canonical_layout=False, replicated_layout=False)
     ident = {"revision": None, "quantization": None, "kv_cache_dtype": "auto",
              "kv_scales": "checkpoint", "kv_skip_layers": [], "hf_overrides": {},
-             "lora": False, **model}
+             "lora": False, "nnodes": 1, "executor": "mp", **model}
     return SimpleNamespace(config=cfg, extra_config={IDENTITY_KEY: ident})
 
 
@@ -106,6 +107,21 @@ def test_g3_refuses_lora_and_function_overrides_and_a_spec_without_identity():
         spec_identity(bare, 4096)
 
 
+@pytest.mark.parametrize("par, model, setting", [
+    ({"pcp_size": 2}, {}, "prefill_context_parallel_size=2"),
+    ({"dcp_size": 2}, {}, "decode_context_parallel_size=2"),
+    ({"tp_size": 2}, {"nnodes": 2}, "nnodes"),
+    ({"tp_size": 2, "pp_size": 2}, {"executor": "ray"}, "distributed_executor_backend=ray"),
+])
+def test_g3_refuses_topologies_it_would_serve_wrongly(par, model, setting):
+    with pytest.raises(TopologyError, match=setting):
+        spec_identity(spec(par, **model), 4096)
+
+
+def test_g3_accepts_tensor_parallel_ranks_on_one_node():
+    assert spec_identity(spec({"tp_size": 4}), 4096)["parallel"]["tp"] == 4
+
+
 def engine_config(**kw):
     from vllm.engine.arg_utils import EngineArgs
     return EngineArgs(model=TINY, **kw).create_engine_config()
@@ -116,7 +132,7 @@ def test_model_identity_from_a_real_vllm_config():
     the revision and the KV dtype change it."""
     base = model_identity(engine_config())
     assert model_identity(engine_config(max_num_seqs=7, max_model_len=256)) == base
-    assert not base["lora"] and base["hf_overrides"] == {}
+    assert not base["lora"] and base["hf_overrides"] == {} and base["nnodes"] == 1
     rope = model_identity(engine_config(hf_overrides={"rope_theta": 5e5}))
     assert rope["hf_overrides"] == {"rope_theta": 5e5}
     assert model_identity(engine_config(revision="v2"))["revision"] == "v2"
