@@ -11,6 +11,7 @@ import pytest
 
 from sessionkv.connectors.vllm import model_identity
 from sessionkv.devtools.engines import TINY
+from sessionkv.devtools.g3_spec import standalone_identity
 from sessionkv.doctor import _pair
 from sessionkv.tiers.fingerprint import (FingerprintError, fingerprint, identity_fields,
                                          weights_digest)
@@ -89,10 +90,7 @@ def spec(par=None, **model):
         parallel=SimpleNamespace(**{"tp_size": 1, "pp_size": 1, "pcp_size": 1, "dcp_size": 1,
                                     **(par or {})}),
         kv_cache_layout="NHD", canonical_layout=False, replicated_layout=False)
-    ident = {"revision": None, "quantization": None, "kv_cache_dtype": "auto",
-             "kv_scales": "checkpoint", "kv_skip_layers": [], "hf_overrides": {},
-             "lora": False, "nnodes": 1, "executor": "mp", **model}
-    return SimpleNamespace(config=cfg, extra_config={IDENTITY_KEY: ident})
+    return SimpleNamespace(config=cfg, extra_config={IDENTITY_KEY: standalone_identity(**model)})
 
 
 def test_g3_refuses_lora_and_function_overrides_and_a_spec_without_identity():
