@@ -197,13 +197,9 @@ class ShadowCache:
 class Selector:
     """Scores per strategy (exponentially decayed hits, half-life
     ``half_life_refs`` block references) and the one to follow: the best,
-    kept until another beats it by ``margin``. The margin trades flapping
-    (a switch re-sends the live sessions' Retains, paced) against staying
-    on a worse strategy: at 2 % the conversation trace at 4096 blocks stayed
-    for its second half on a strategy its shadows put 1 % behind (0.749 x
-    opt; 0.753 at 1 %, three switches). bench/README has the matrix at 1 %."""
+    kept until another beats it by ``margin``."""
 
-    def __init__(self, names: Sequence[str], half_life_refs: float, margin: float = 0.01):
+    def __init__(self, names: Sequence[str], half_life_refs: float, margin: float = 0.02):
         if not names:
             raise ValueError("a selector needs at least one strategy")
         self.names = list(names)
