@@ -53,6 +53,9 @@ from .fetch import Fetcher
 from .moves import Mover
 
 KVCR_SIG_PARAM = "kv_hint_sig"
+# A Retain up to a boundary the index no longer holds took the session's
+# deepest branch: clipped, since what was evicted is not held.
+BOUNDARY_GONE = "boundary evicted: the session's deepest branch"
 
 
 class TokenBuckets:
@@ -171,7 +174,7 @@ class HintExecutor:
             asked, keys, reason = self._resolve(hint)
         if not keys:
             return outcome(Status.MISSING, reason, asked)
-        clipped = []
+        clipped = [reason] if reason == BOUNDARY_GONE else []
         limit = min(self._limits.max_blocks_per_hint, hint.bounds.max_blocks or len(keys))
         if len(keys) > limit:
             clipped.append(f"blocks clipped to {limit}")
@@ -326,6 +329,8 @@ class HintExecutor:
             deepest = self._index.deepest_branch(t.session_id)
             if deepest is not None:
                 res = self._index.resolve_session(t.session_id, branch=deepest)
+                if res is not None and res.keys:
+                    return len(res.keys), res.keys, BOUNDARY_GONE
         if res is None:
             if self._index.is_ended(t.session_id):
                 return 0, [], "session ended"

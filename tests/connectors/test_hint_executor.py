@@ -180,7 +180,8 @@ def test_a_retain_up_to_an_evicted_boundary_takes_the_sessions_deepest_branch():
     """A router's re-rank names the last prompt's last block; once that block
     is evicted (and pruned from the index) the Retain takes what is left of
     the session's deepest branch instead of missing (its blocks would keep
-    their old priority). A Pin, which uses quota, still misses."""
+    their old priority), clipped: what was evicted is not held. A Pin, which
+    uses quota, still misses."""
     idx, ex, _ = setup()
     D = block_key(4)
     idx.admit("s1", [A, B, C, D], Tier.G2, start=3)
@@ -188,7 +189,8 @@ def test_a_retain_up_to_an_evicted_boundary_takes_the_sessions_deepest_branch():
     assert D not in idx
     (o,) = run(ex, "s1", env({"target": {"boundary": D.hex()}, "priority": 7},
                              kind="kv.retain"), signed_for="s1")
-    assert (o.status, o.blocks_affected) == (Status.ACCEPTED, 3)
+    assert (o.status, o.blocks_affected, o.reason) == \
+        (Status.CLIPPED, 3, "boundary evicted: the session's deepest branch")
     assert {ex._policy._retains[k][0] for k in (A, B, C)} == {7}
     (o,) = run(ex, "s1", env({"target": {"boundary": D.hex()}, "ttl_s": 5}), signed_for="s1")
     assert (o.status, o.reason) == (Status.MISSING,
