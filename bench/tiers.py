@@ -1,6 +1,7 @@
 """G3 tier throughput against the raw backend, the checksum and memcpy.
 
     scripts/netns .venv/bin/python bench/tiers.py --json OUT [--backend mooncake|redis|lmcache]
+        [--mac] [--sizes 65536,1048576,16777216]
 
 For each backend and chunk size (64 KiB, 1 MiB, 16 MiB; 64 MiB per batch),
 put and get, in one run on the same bytes: ``tier_MBps`` (a ``G3Tier`` job
@@ -10,12 +11,15 @@ each chunk with its checksum inline, LMCache its checksum object too; loads
 verified in the G2 slot, or before a copy into it (Redis)), ``raw_MBps`` (the backend's own batch
 call: Mooncake ``batch_put_from``/``batch_get_into``, a Redis pipeline, a
 pipelined lm:// exchange with LMCache's server),
-``raw_checksum_MBps`` (the same plus the xxh3 checksum of every chunk), and
-``memcpy_MBps`` (a copy of the same bytes). Best of ``--repeat`` rounds, the
+``raw_checksum_MBps`` (the same plus the xxh3 checksum of every chunk),
+``raw_mac_MBps`` (the same plus the keyed BLAKE3 MAC that ``--mac`` tiers
+seal with), and ``memcpy_MBps`` (a copy of the same bytes). With ``--mac``
+the tier seals its objects with a MAC key (a cluster secret in the policy). Best of ``--repeat`` rounds, the
 variants taking turns in each round; each backend in a process of its own. Rows:
-``{backend, block_bytes, op, tier_MBps, raw_MBps, raw_checksum_MBps, memcpy_MBps,
-tier_over_raw_checksum, tier_over_raw_checksum_rounds}``: the median of the
-per-round ratios, and the ratio of each round.
+``{backend, block_bytes, op, seal, tier_MBps, raw_MBps, raw_checksum_MBps, raw_mac_MBps,
+memcpy_MBps, tier_over_raw_checksum, tier_over_raw_checksum_rounds, tier_over_raw_mac,
+tier_over_raw_mac_rounds}``: the medians of the per-round ratios, and the ratios of each
+round.
 """
 
 from __future__ import annotations
@@ -56,10 +60,11 @@ def rates(variants: dict, nbytes: int, repeat: int) -> dict[str, float]:
             per[name].append(nbytes / (time.perf_counter() - t0) / 1e6)
             cleanup()
     out = {name: max(r) for name, r in per.items()}
-    if "tier_MBps" in per and "raw_checksum_MBps" in per:
-        ratios = [round(t / c, 3) for t, c in zip(per["tier_MBps"], per["raw_checksum_MBps"])]
-        out["tier_over_raw_checksum"] = statistics.median(ratios)
-        out["tier_over_raw_checksum_rounds"] = ratios
+    for base in ("raw_checksum", "raw_mac"):
+        if "tier_MBps" in per and f"{base}_MBps" in per:
+            ratios = [round(t / c, 3) for t, c in zip(per["tier_MBps"], per[f"{base}_MBps"])]
+            out[f"tier_over_{base}"] = statistics.median(ratios)
+            out[f"tier_over_{base}_rounds"] = ratios
     return out
 
 
@@ -97,13 +102,15 @@ def raw_calls(backend: str, tier):
     return put, get
 
 
-def measure(backend: str, where, chunk: int, repeat: int) -> list[dict]:
+def measure(backend: str, where, chunk: int, repeat: int, mac: bool = False) -> list[dict]:
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
     from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.tiering.base import TransferJob
 
+    from sessionkv.keys import G3_MAC, derive
     from sessionkv.tiers.g3 import checksum
+    from sessionkv.tiers.g3_backend import Seal
     from sessionkv.devtools.g3_spec import standalone_spec
     init_none_hash(sha256)
     n = max(1, BATCH_BYTES // chunk)
@@ -111,18 +118,22 @@ def measure(backend: str, where, chunk: int, repeat: int) -> list[dict]:
     view = memoryview(region)
     ns = f"bench-{uuid.uuid4().hex[:8]}"
     spec = standalone_spec(str(ROOT / ".cache" / "models" / "tiny"), chunk)
+    key = derive(b"bench cluster secret", G3_MAC)
+    kw = {"seal_key": key} if mac else {}
+    seal = Seal(key)
     if backend == "mooncake":
         from sessionkv.devtools.services import lan_address
         from sessionkv.tiers.mooncake import MooncakeTier
         tier = MooncakeTier(spec, view, "mooncake", master=where.master,
                             metadata_server=where.metadata_url, local_hostname=lan_address(),
-                            namespace=ns, timeout_s=30.0)
+                            namespace=ns, timeout_s=30.0, **kw)
     elif backend == "lmcache":
         from sessionkv.tiers.lmcache import LMCacheTier
-        tier = LMCacheTier(spec, view, "lmcache", url=where, namespace=ns, timeout_s=30.0)
+        tier = LMCacheTier(spec, view, "lmcache", url=where, namespace=ns, timeout_s=30.0,
+                           **kw)
     else:
         from sessionkv.tiers.redis import RedisTier
-        tier = RedisTier(spec, view, "redis", url=where, namespace=ns, timeout_s=30.0)
+        tier = RedisTier(spec, view, "redis", url=where, namespace=ns, timeout_s=30.0, **kw)
     try:
         src = [memoryview(region[i]) for i in range(n)]
         dst = [memoryview(region[n + i]) for i in range(n)]
@@ -158,6 +169,12 @@ def measure(backend: str, where, chunk: int, repeat: int) -> list[dict]:
                 checksum(x)
             put(fresh(), src)
 
+        def raw_mac_put():
+            names = fresh()
+            for name, x in zip(names, src):
+                seal(name, x)
+            put(names, src)
+
         stored = [f"{ns}/raw-get-{i}" for i in range(n)]
         put(stored, src)
         tier_keys = [uuid.uuid4().bytes * 2 + bytes(4) for _ in range(n)]
@@ -168,19 +185,27 @@ def measure(backend: str, where, chunk: int, repeat: int) -> list[dict]:
             for x in dst:
                 checksum(x)
 
+        def raw_mac_get():
+            get(stored, dst)
+            for name, x in zip(stored, dst):
+                seal(name, x)
+
         def nothing():
             return None
 
         puts = rates({"raw_MBps": (lambda: put(fresh(), src), remove_created),
                       "raw_checksum_MBps": (raw_checksum_put, remove_created),
+                      "raw_mac_MBps": (raw_mac_put, remove_created),
                       "tier_MBps": (tier_put, remove_created)}, total, repeat)
         gets = rates({"raw_MBps": (lambda: get(stored, dst), nothing),
                       "raw_checksum_MBps": (raw_checksum_get, nothing),
+                      "raw_mac_MBps": (raw_mac_get, nothing),
                       "tier_MBps": (lambda: tier_job(tier_keys, range(n, 2 * n), True), nothing)},
                      total, repeat)
         memcpy = rates({"memcpy_MBps": (lambda: np.copyto(region[n:], region[:n]), nothing)},
                        total, repeat)
-        rows = [{"backend": backend, "block_bytes": chunk, "op": op, **r, **memcpy}
+        rows = [{"backend": backend, "block_bytes": chunk, "op": op,
+                 "seal": "mac" if mac else "xxh3", **r, **memcpy}
                 for op, r in (("put", puts), ("get", gets))]
         # Leave the store as it was: the next chunk size needs the room.
         tier._backend.remove(stored + [o for k in tier_keys for o in tier.objects(k)])
@@ -196,6 +221,10 @@ def parse_args() -> argparse.Namespace:
     # One round's ratio varies 0.7-1.5 here (a few ms of noise on 20-40 ms):
     # the median of 15 moved ±0.06 run to run, of 45 about ±0.03.
     ap.add_argument("--repeat", type=int, default=45)
+    ap.add_argument("--mac", action="store_true",
+                    help="the tier seals its objects with a keyed MAC (a cluster secret)")
+    ap.add_argument("--sizes", default=",".join(str(x) for x in SIZES),
+                    help="chunk sizes in bytes, a comma list")
     return ap.parse_args()
 
 
@@ -211,7 +240,8 @@ def main() -> None:
             for backend in backends:
                 part = Path(out) / f"{backend}.json"
                 subprocess.run([sys.executable, __file__, "--backend", backend, "--repeat",
-                                str(args.repeat), "--json", str(part)], check=True)
+                                str(args.repeat), "--json", str(part), "--sizes", args.sizes]
+                               + (["--mac"] if args.mac else []), check=True)
                 rows += json.loads(part.read_text())["rows"]
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))
         return
@@ -231,14 +261,16 @@ def main() -> None:
                 where, server = start_redis(Path(logs), maxmemory="1gb")
                 stop = [server]
             try:
-                for chunk in SIZES:
-                    rows += measure(backend, where, chunk, args.repeat)
+                for chunk in map(int, args.sizes.split(",")):
+                    rows += measure(backend, where, chunk, args.repeat, args.mac)
                     r = rows[-2:]
                     print(" ".join(f"{x['backend']:8s} {x['block_bytes'] >> 10:6d} KiB {x['op']}: "
                                    f"tier {x['tier_MBps']:8.0f} raw {x['raw_MBps']:8.0f} "
                                    f"raw+sum {x['raw_checksum_MBps']:8.0f} "
+                                   f"raw+mac {x['raw_mac_MBps']:8.0f} "
                                    f"memcpy {x['memcpy_MBps']:8.0f} MB/s, tier/raw+sum "
-                                   f"{x['tier_over_raw_checksum']:.2f}\n" for x in r), end="")
+                                   f"{x['tier_over_raw_checksum']:.2f}, tier/raw+mac "
+                                   f"{x['tier_over_raw_mac']:.2f}\n" for x in r), end="")
             finally:
                 for s in stop:
                     s.stop()

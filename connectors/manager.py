@@ -279,7 +279,9 @@ class SessionTierManager(TieringOffloadingManager):
         stats = super().get_stats()
         with self.lock:
             mine = self.stats.take(len(self.index), len(self.index.sessions()),
-                                   self.executor.pinned_chunks)
+                                   self.executor.pinned_chunks,
+                                   {t.tier_type: t.rejected for t in self.secondary_tiers
+                                    if isinstance(t, G3Tier)})
         return mine if stats is None else stats.aggregate(mine)
 
     # ---- out-of-band (any thread) ---------------------------------------

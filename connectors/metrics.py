@@ -12,6 +12,7 @@ call (``SessionStats.take``), which travel with the scheduler's stats.
 | ``sessionkv:hit_ratio`` | gauge | ``tier``: prompt tokens served from it / all, since start |
 | ``sessionkv:index_blocks``, ``sessionkv:index_sessions`` | gauge | |
 | ``sessionkv:pinned_chunks`` | gauge | |
+| ``sessionkv:g3_rejected_objects`` | counter | ``tier``: objects there but unreadable or failing their checksum or MAC (unlisted, recomputed) |
 
 Prometheus adds ``_total`` to counter names. Threading: ``record`` and
 ``tokens`` from any thread (a lock of its own), ``take`` from the scheduler.
@@ -41,6 +42,7 @@ HIT_RATIO = "sessionkv:hit_ratio"
 INDEX_BLOCKS = "sessionkv:index_blocks"
 INDEX_SESSIONS = "sessionkv:index_sessions"
 PINNED = "sessionkv:pinned_chunks"
+G3_REJECTED = "sessionkv:g3_rejected_objects"
 SOURCES = ("g1", "g2", "g3", "recomputed")
 
 DEFINITIONS: dict[str, OffloadingMetricMetadata] = {
@@ -55,6 +57,9 @@ DEFINITIONS: dict[str, OffloadingMetricMetadata] = {
     INDEX_BLOCKS: OffloadingGaugeMetadata("Blocks in the SessionPrefixIndex."),
     INDEX_SESSIONS: OffloadingGaugeMetadata("Live sessions in the SessionPrefixIndex."),
     PINNED: OffloadingGaugeMetadata("G2 chunks pinned by hints."),
+    G3_REJECTED: OffloadingCounterMetadata("G3 objects found but unreadable or failing their "
+                                           "checksum or MAC: unlisted and recomputed.",
+                                           ("tier",)),
 }
 
 
@@ -68,6 +73,7 @@ class SessionStats:
         self._stats = OffloadingConnectorStats()
         self._tokens = dict.fromkeys(SOURCES, 0)        # since start, for the ratio
         self._outcomes: dict[str, int] = {}             # "action/outcome" -> since start
+        self._rejected: dict[str, int] = {}             # G3 tier -> rejected objects counted
 
     def record(self, event: object) -> None:
         """Count an event the manager emits (outcomes, G1<->G2 transfers)."""
@@ -109,11 +115,18 @@ class SessionStats:
         with self._lock:
             return dict(sorted(self._outcomes.items()))
 
-    def take(self, blocks: int, sessions: int, pinned: int) -> OffloadingConnectorStats:
+    def take(self, blocks: int, sessions: int, pinned: int,
+             rejected: dict[str, int] | None = None) -> OffloadingConnectorStats:
         """The observations since the last call, with the gauges as read now
-        by the caller: index blocks, live sessions, pinned chunks."""
+        by the caller: index blocks, live sessions, pinned chunks; and each G3
+        tier's rejected objects since start (counted here by difference)."""
         with self._lock:
             stats, self._stats = self._stats, OffloadingConnectorStats()
+            for tier, total in (rejected or {}).items():
+                new = total - self._rejected.get(tier, 0)
+                if new > 0:
+                    stats.increase_counter(G3_REJECTED, new, (tier,))
+                self._rejected[tier] = total
         stats.set_gauge(INDEX_BLOCKS, blocks)
         stats.set_gauge(INDEX_SESSIONS, sessions)
         stats.set_gauge(PINNED, pinned)

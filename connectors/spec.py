@@ -22,6 +22,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from sessionkv.config import SessionKVConfig, parse_extra_config
+from sessionkv.keys import G3_MAC, derive
 from sessionkv.events import EventLog
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers.g2_policy import SessionCachePolicy
@@ -107,14 +108,17 @@ class SessionTierSpec(TieringOffloadingSpec):
     def _secondary_tier(self, tier_config: dict, view: memoryview, quarantine: Quarantine,
                         g3_copies: G3Copies):
         """One of vLLM's secondary tiers; a G3 tier also gets the G2
-        quarantine and reports its copies to ``g3_copies``."""
+        quarantine, reports its copies to ``g3_copies``, and seals its
+        objects with a MAC when the policy names a cluster secret."""
         if issubclass(SecondaryTierFactory.get_tier_class(tier_config), G3Tier):
-            for key in ("quarantine", "observer"):
+            for key in ("quarantine", "observer", "seal_key"):
                 if key in tier_config:
                     raise ValueError(f"secondary_tiers: {key} is set by sessionkv; remove "
                                      f"it from the {tier_config['type']} tier")
+            secret = self.sessionkv.policy.trust.secret
             tier_config = {**tier_config, "quarantine": quarantine,
-                           "observer": g3_copies.observe}
+                           "observer": g3_copies.observe,
+                           "seal_key": derive(secret, G3_MAC) if secret else None}
         return SecondaryTierFactory.create_secondary_tier(tier_config, view, self)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

@@ -47,12 +47,17 @@ FAULT_TIMEOUT_S = 1.0
 RECOVERY_S = 60.0
 
 
-def make_engine(tier: dict):
+def make_engine(tier: dict, workdir: Path):
+    """An engine on ``tier`` with the cluster secret in its policy: its G3
+    objects are sealed with the MAC key derived from it."""
     from vllm import LLM
     engine_id = new_engine_id()
     tier = {**tier, "namespace": f"faults-{uuid.uuid4().hex[:8]}", "timeout_s": HEALTHY_TIMEOUT_S,
             "retry_s": RETRY_S}
-    extra = {"secondary_tiers": [tier]}
+    secret, policy = workdir / "cluster.secret", workdir / "policy.yaml"
+    secret.write_text("g3-faults-cluster-secret-0123456789")
+    policy.write_text(f"version: 1\ntrust: {{secret_file: {secret}}}\n")
+    extra = {"secondary_tiers": [tier], "sessionkv": {"policy_file": str(policy)}}
     # 64 G1 blocks, not the 16,384 a 1 GiB CPU KV cache holds: G1 is poisoned
     # before every request, and writing 1 GiB of noise each time starved the
     # backend's threads of CPU (its calls missed the 1 s deadline in the
@@ -188,7 +193,7 @@ def scenario(log_dir: Path, backend: str) -> dict:
         services = [("lmcache", server)]
         tier = {"type": "LMCacheTier", "module_path": "sessionkv.tiers.lmcache", "url": url}
     try:
-        llm, engine_id = make_engine(tier)
+        llm, engine_id = make_engine(tier, log_dir)
         try:
             return run(llm, engine_id, services)
         finally:

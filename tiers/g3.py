@@ -10,8 +10,13 @@ Objects, per chunk (``OffloadKey`` = the chunk's last block key)::
 
     <namespace>/<fingerprint>/<key hex>        the chunk's bytes (then, with
                                                ``inline_sums``, its checksum)
-    <namespace>/<fingerprint>/<key hex>.sum    16 bytes: xxh3-64 and length
-                                               (``sum_objects``)
+    <namespace>/<fingerprint>/<key hex>.sum    16 bytes: its seal (``sum_objects``)
+
+A chunk's seal (``g3_backend.Seal``) is xxh3-64 and length, or, where the
+policy names a cluster secret, a keyed BLAKE3 MAC over the object's name
+and bytes (key ``sessionkv.keys.derive(secret, G3_MAC)``): a writer without
+the key cannot make an object the engine loads, under any name. Without a
+secret the checksum catches torn and corrupted objects only.
 
 Mooncake keeps the checksum inline only, Redis in checksum objects only,
 LMCache both (its server has no cheap existence call: lookups read the small
@@ -75,7 +80,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .fingerprint import fingerprint, plain
-from .g3_backend import SUM_SUFFIX, ObjectBackend, address_of, checksum
+from .g3_backend import SUM_SUFFIX, ObjectBackend, Seal, address_of, checksum
 from .g3_io import BackendDown, Guard, Quarantine, Staging
 from .g3_layout import layout_for, pins_for
 from .g3_spec import spec_identity
@@ -129,11 +134,13 @@ class G3Tier(SecondaryTierManager):
         backpressure_detector: "BackpressureDetector | None" = None,
         quarantine: Quarantine | None = None,
         observer: Observer | None = None,
+        seal_key: bytes | None = None,
         **backend_config: Any,
     ):
         """``quarantine``: the G2 slots abandoned reads may still write (the
         primary tier's, in an engine; a tier's own otherwise). ``observer``:
-        told of every copy as it ends, on an I/O thread."""
+        told of every copy as it ends, on an I/O thread. ``seal_key``: the
+        cluster's G3 MAC key (``Seal``); None keeps the unkeyed checksum."""
         if backend is None:
             if self.backend_class is None:
                 raise TypeError(f"{type(self).__name__} names no backend_class")
@@ -141,6 +148,8 @@ class G3Tier(SecondaryTierManager):
         try:
             self.quarantine = quarantine if quarantine is not None else Quarantine()
             self._observer = observer
+            self._seal = Seal(seal_key)
+            self.rejected = 0           # objects there but unreadable or failing their seal
             self._setup(offloading_spec, primary_kv_view, tier_type, backend, namespace,
                         io_threads, timeout_s, retry_s, backpressure_detector)
         except Exception:
@@ -159,13 +168,14 @@ class G3Tier(SecondaryTierManager):
         self._chunk = primary_kv_view.strides[0]
         self._region = primary_kv_view.cast("B") if (
             primary_kv_view.ndim > 1 or primary_kv_view.format != "B") else primary_kv_view
-        self._identity = spec_identity(offloading_spec, self._chunk)
+        self._identity = {**spec_identity(offloading_spec, self._chunk), "seal": self._seal.id}
         self._namespace = namespace
         self._prefix: str | None = None
         self._backend = backend
         self.guard = Guard(tier_type, float(timeout_s), float(retry_s))
         backend.register(self._region)
-        self._layout = layout_for(backend, self.guard, self._chunk, self.quarantine)
+        self._layout = layout_for(backend, self.guard, self._chunk, self._seal,
+                                  self.quarantine)
         self._pins = pins_for(backend, self.guard, self._layout, time.monotonic)
         self._pool = ThreadPoolExecutor(max_workers=int(io_threads),
                                         thread_name_prefix=f"sessionkv-{tier_type}")
@@ -411,7 +421,8 @@ class G3Tier(SecondaryTierManager):
         have = (g.start(b.exists, [n + self._layout.listing for n in names]) if ask
                 else lambda: [False] * len(names))
         chunks = self._chunks(offsets)
-        sums = [checksum(c) for c in chunks]    # while an existence check runs
+        seal = self._layout.seal
+        sums = [seal(n, c) for n, c in zip(names, chunks)]   # while an existence check runs
         have = have()
         todo = [i for i, h in enumerate(have) if not h]
         ok = list(have)
@@ -430,6 +441,9 @@ class G3Tier(SecondaryTierManager):
 
     def _unlist(self, broken: list[str]) -> None:
         if broken:
-            logger.warning("sessionkv: %d G3 objects unreadable or failing their checksum "
-                           "(%s...): recomputing, and unlisting them", len(broken), broken[0])
+            with self._lock:
+                self.rejected += len(broken)
+            logger.warning("sessionkv: %d G3 objects unreadable or failing their %s "
+                           "(%s...): recomputing, and unlisting them", len(broken),
+                           "MAC" if self._seal.key else "checksum", broken[0])
             self._layout.forget_all(broken)

@@ -7,6 +7,7 @@ uses them; ``tiers/mooncake.py``, ``redis.py`` and ``lmcache.py`` implement it.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import struct
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -21,6 +22,41 @@ SUM_SUFFIX = ".sum"
 def checksum(data) -> bytes:
     """The checksum object of one chunk's bytes."""
     return SUM.pack(xxhash.xxh3_64_intdigest(data), len(data))
+
+
+class Seal:
+    """The ``SUM.size`` bytes kept with a chunk's bytes, checked before a
+    load counts. Without a key: ``checksum`` (xxh3-64 and the length), which
+    catches torn and corrupted objects but not a writer who recomputes it.
+    With a key (``sessionkv.keys.derive(secret, G3_MAC)``): keyed BLAKE3
+    over the object's name and bytes, so only holders of the key make
+    objects that verify, and an object copied under another name does not."""
+
+    def __init__(self, key: bytes | None = None):
+        if key is not None and len(key) != 32:
+            raise ValueError("a G3 MAC key is 32 bytes")
+        self.key = key
+
+    @property
+    def id(self) -> str:
+        """Which seal, for the fingerprint: engines sealing with other keys
+        (or none) name other objects, so none unlists another's objects as
+        failing. Names the key without revealing it."""
+        if self.key is None:
+            return "xxh3"
+        return "mac:" + hashlib.blake2b(b"sessionkv g3 key id", key=self.key,
+                                        digest_size=8).hexdigest()
+
+    def __call__(self, name: str, data) -> bytes:
+        if self.key is None:
+            return checksum(data)
+        import blake3
+        h = blake3.blake3(key=self.key)
+        raw = name.encode()
+        h.update(len(raw).to_bytes(4, "little"))
+        h.update(raw)
+        h.update(data)
+        return h.digest(length=SUM.size)
 
 
 def address_of(view: memoryview) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import ClassVar
 
-from .g3_backend import SUM, SUM_SUFFIX, ObjectBackend, checksum
+from .g3_backend import SUM, SUM_SUFFIX, ObjectBackend, Seal
 from .g3_io import BackendDown, Guard, Lapses, Quarantine, Staging
 
 SUM_SLOTS = 4096                    # checksums in flight in inline-sum calls (64 KiB)
@@ -40,10 +40,11 @@ class Layout:
 
     cascade_asks: ClassVar[bool]
 
-    def __init__(self, backend: ObjectBackend, guard: Guard, chunk: int):
+    def __init__(self, backend: ObjectBackend, guard: Guard, chunk: int, seal: Seal):
         self._backend = backend
         self._guard = guard
         self._chunk = chunk
+        self.seal = seal
         self.listing = SUM_SUFFIX if backend.sum_objects else ""
 
     def objects(self, name: str) -> list[str]:
@@ -78,9 +79,9 @@ class InlineSums(Layout):
 
     cascade_asks = False
 
-    def __init__(self, backend: ObjectBackend, guard: Guard, chunk: int,
+    def __init__(self, backend: ObjectBackend, guard: Guard, chunk: int, seal: Seal,
                  quarantine: Quarantine):
-        super().__init__(backend, guard, chunk)
+        super().__init__(backend, guard, chunk, seal)
         self._quarantine = quarantine
         self.sums = Staging(SUM_SLOTS, SUM.size)
         backend.register(self.sums.view)
@@ -101,7 +102,7 @@ class InlineSums(Layout):
         got = self._with_sums(self._backend.get_summed, names, slots, None, slot_ids, None)
         ok, broken = [], []
         for name, (size, want), slot in zip(names, got, slots):
-            good = size == len(slot) and want == checksum(slot)
+            good = size == len(slot) and want == self.seal(name, slot)
             if size >= 0 and not good:           # there, but short, long or different
                 broken.append(name)
             ok.append(good)
@@ -184,7 +185,7 @@ class SumObjects(Layout):
         ok, broken = [], []
         for name, slot, value, want in zip(names, slots, got, got[len(names):]):
             good = (value is not None and len(value) == self._chunk and want is not None
-                    and want == checksum(value))
+                    and want == self.seal(name, value))
             if value is not None and not good:   # there, but short, long or different
                 broken.append(name)
             if good:
@@ -193,13 +194,13 @@ class SumObjects(Layout):
         return ok, broken
 
 
-def layout_for(backend: ObjectBackend, guard: Guard, chunk: int,
+def layout_for(backend: ObjectBackend, guard: Guard, chunk: int, seal: Seal,
                quarantine: Quarantine) -> Layout:
     """The backend's layout; a clear error for flags no layout serves."""
     if backend.inline_sums:
-        return InlineSums(backend, guard, chunk, quarantine)
+        return InlineSums(backend, guard, chunk, seal, quarantine)
     if backend.owned_reads and backend.sum_objects:
-        return SumObjects(backend, guard, chunk)
+        return SumObjects(backend, guard, chunk, seal)
     raise TypeError(f"{type(backend).__name__}: a backend keeps checksums inline "
                     "(inline_sums) or in checksum objects it reads with its data "
                     "(sum_objects, owned_reads)")
@@ -260,7 +261,8 @@ class RewritePins(Pins):
             raise ValueError("pinning rewrites objects: G2 slots needed")
         # Bytes and checksum copied now: G2 may change after.
         return self._guard.call(self._backend.pin, names, ttl_s,
-                                [bytes(c) + checksum(c) for c in chunks],
+                                [bytes(c) + self._layout.seal(n, c)
+                                 for n, c in zip(names, chunks)],
                                 nbytes=sum(len(c) for c in chunks))
 
 

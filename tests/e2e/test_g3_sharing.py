@@ -15,10 +15,12 @@ import pytest
 
 from sessionkv.devtools.engines import MODELS, TINY, engine_process
 from sessionkv.devtools.services import lan_address
+from sessionkv.tiers.g3_backend import SUM, checksum
 
 RNG = np.random.default_rng(11)
 # 200 tokens: 6 full blocks and a partial one (see test_pin_retain).
 P = RNG.integers(10, 4000, 200).tolist()
+SECRET = "g3-e2e-cluster-secret-0123456789abcdef"
 
 
 class Mooncake:
@@ -55,6 +57,22 @@ class Mooncake:
         finally:
             store.close()
 
+    @staticmethod
+    def plant(ports, names, rng):
+        """Replace objects by other bytes of the same size with their right
+        (unkeyed) checksum inline: what a writer with store access makes."""
+        from mooncake.store import MooncakeDistributedStore
+        store = MooncakeDistributedStore()
+        assert store.setup(lan_address(), ports.metadata_url, 0, 16 << 20, "tcp", "",
+                           ports.master) == 0
+        try:
+            for name in names:
+                data = rng.integers(0, 256, store.get_size(name) - SUM.size, np.uint8).tobytes()
+                assert store.remove(name, True) == 0
+                assert store.put(name, data + checksum(data)) == 0
+        finally:
+            store.close()
+
 
 class Redis:
     service = "redis_url"
@@ -78,6 +96,14 @@ class Redis:
             size = r.strlen(name)
             assert size > 0
             assert r.set(name, rng.integers(0, 256, size, dtype=np.uint8).tobytes(), ex=3600)
+
+    @staticmethod
+    def plant(url, names, rng):
+        import redis
+        r = redis.Redis.from_url(url)
+        for name in names:
+            data = rng.integers(0, 256, r.strlen(name), dtype=np.uint8).tobytes()
+            assert r.set(name, data, ex=3600) and r.set(name + ".sum", checksum(data), ex=3600)
 
 
 class LMCache:
@@ -110,6 +136,17 @@ class LMCache:
         finally:
             b.close()
 
+    @staticmethod
+    def plant(url, names, rng):
+        from sessionkv.tiers.lmcache import LMCacheBackend
+        b = LMCacheBackend(url)
+        try:
+            for name, old in zip(names, b.get_small(names)):
+                data = rng.integers(0, 256, len(old) - SUM.size, np.uint8).tobytes()
+                assert b.put_small([name, name + ".sum"], [data + checksum(data), checksum(data)])
+        finally:
+            b.close()
+
 
 KINDS = {"mooncake": Mooncake, "redis": Redis, "lmcache": LMCache}
 
@@ -133,7 +170,12 @@ def tiers(backend):
 def engine(tmp_path, tiers, prompts, model=TINY, poison=False, block_size=32, policy=None,
            await_stored=False):
     """The engine's runs, each with ``why``: its G3 trips and log tail, for
-    failure messages."""
+    failure messages. Every engine has the cluster secret: its G3 objects
+    are sealed with the MAC key derived from it."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    secret = tmp_path / "cluster.secret"
+    secret.write_text(SECRET)
+    policy = (policy or "") + f"trust: {{secret_file: {secret}}}\n"
     out = engine_process(tmp_path, {"model": model, "block_size": block_size, "tiers": tiers,
                                     "prompts": prompts, "poison": poison, "policy": policy,
                                     "await_stored": await_stored})
@@ -161,6 +203,24 @@ def test_engine_2_loads_engine_1s_prefix_from_g3(first, tiers, tmp_path):
     assert run["report"]["blocks"]["g3"] == 6, run["why"]
     assert run["report"]["tokens"]["recomputed"] == 8
     assert same(run, first)
+
+
+def test_objects_planted_without_the_key_are_recomputed_then_replaced(first, tiers, backend,
+                                                                     tmp_path):
+    """A writer with store access but not the cluster key replaces live
+    objects by valid-shaped ones with the right checksum (what the unkeyed
+    checksum let an engine load). The engine misses them (their MAC fails),
+    recomputes exactly and unlists them; its cascade stores the real chunks,
+    and the next engine loads those."""
+    kind, where = backend
+    names = first["objects"]
+    kind.plant(where, names, np.random.default_rng(5))
+    (run,) = engine(tmp_path / "a", tiers, [P], poison=True, await_stored=True)
+    assert run["report"]["blocks"]["g3"] == 0, run["why"]
+    assert same(run, first)
+    (again,) = engine(tmp_path / "b", tiers, [P], poison=True)
+    assert again["report"]["blocks"]["g3"] == 6, again["why"]
+    assert same(again, first)
 
 
 def test_corrupted_objects_are_recomputed_exactly(first, tiers, backend, tmp_path):

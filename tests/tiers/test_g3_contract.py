@@ -9,6 +9,7 @@ first, so a load that wrote nothing fails), ``get_finished_jobs``,
 
 import time
 import uuid
+import weakref
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
+from sessionkv.keys import G3_MAC, derive
 from sessionkv.tiers.g3 import SUM_SUFFIX, checksum
 from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.engines import MODELS
@@ -166,16 +168,30 @@ def run(tier, keys, slots, promotion):
 def plant(tier, key, data, like):
     """Replace ``key``'s object(s) by ``data`` with the checksum of ``like``,
     as the tier would have written them."""
+    assert tier._backend.remove(tier.objects(key)) == [True] * len(tier.objects(key))
+    seed(tier, key, data, like)
+
+
+SUM_BUFFERS: "weakref.WeakKeyDictionary[object, np.ndarray]" = weakref.WeakKeyDictionary()
+
+
+def seed(tier, key, data, like=None):
+    """Write ``key``'s object(s) where there were none: ``data`` with the
+    (unkeyed) checksum of ``like`` (default: of ``data``), as a writer with
+    store access but no key would."""
     b, name = tier._backend, tier.name(key)
-    assert b.remove(tier.objects(key)) == [True] * len(tier.objects(key))
+    sum_bytes = checksum(data if like is None else like)
     if b.inline_sums:
-        sum_ = np.frombuffer(checksum(like), np.uint8).copy()
-        b.register(memoryview(sum_))
+        sum_ = SUM_BUFFERS.get(tier)
+        if sum_ is None:        # registered once per tier: Mooncake refuses a second time
+            sum_ = SUM_BUFFERS[tier] = np.zeros(len(sum_bytes), np.uint8)
+            b.register(memoryview(sum_))
+        sum_[:] = np.frombuffer(sum_bytes, np.uint8)
         assert b.put_summed([name], [memoryview(data)], [memoryview(sum_)]) == [True]
     else:
         assert b.put_chunks([name], [memoryview(data)]) == [True]
     if b.sum_objects:
-        assert b.put_small([name + SUM_SUFFIX], [checksum(like)]) == [True]
+        assert b.put_small([name + SUM_SUFFIX], [sum_bytes]) == [True]
 
 
 def fill(region, slots, seed):
@@ -400,6 +416,45 @@ def test_short_objects_and_missing_checksums_are_misses(make):
     else:                       # its only checksum is gone: a miss
         assert not res.success and not res.successful_keys
     assert look(tier, KEYS[0]) is LookupResult.MISS
+
+
+MAC_KEY = derive(b"cluster secret for the contract tests", G3_MAC)
+
+
+def test_with_the_cluster_key_a_writer_without_it_plants_nothing(make):
+    """Sealed with the cluster's MAC key, objects that a writer without the
+    key made (right size, with the checksum it computed: what an unkeyed
+    checksum cannot stop) under a live key, and pre-seeded under a future
+    one, both fail their load, are unlisted and counted; the next store
+    writes the real chunk and another engine with the key loads it."""
+    tier, region = make(seal_key=MAC_KEY)
+    fill(region, [0, 1, 2], seed=11)
+    assert run(tier, KEYS[:1], [0], False).success
+    fill(region, [3], seed=12)
+    plant(tier, KEYS[0], region[3], like=region[3])        # over a live object
+    seed(tier, KEYS[1], region[3])                          # before the engine stores it
+    b = tier._backend
+    listed = [tier.name(k) + tier._layout.listing for k in KEYS[:2]]
+    assert b.exists(listed) == [True, True]
+    fill(region, [8, 9], seed=99)                           # poison the destinations
+    res = run(tier, KEYS[:2], [8, 9], True)
+    assert not res.success and not res.successful_keys and tier.rejected == 2
+    assert b.exists(listed) == [False, False]               # unlisted
+    assert run(tier, KEYS[:2], [0, 1], False).success       # the real chunks
+    other, oregion = make(seal_key=MAC_KEY)
+    assert [look(other, k) for k in KEYS[:2]] == [LookupResult.HIT] * 2
+    assert run(other, KEYS[:2], [4, 5], True).success
+    assert np.array_equal(oregion[4:6], region[0:2])
+
+
+def test_engines_with_other_seals_name_other_objects(make):
+    """With another key, or none, an engine names other objects (the seal is
+    in the fingerprint): it never reads, nor unlists as failing, the
+    objects of engines sealing otherwise."""
+    tier, _ = make(seal_key=MAC_KEY)
+    other, _ = make(seal_key=derive(b"another cluster", G3_MAC))
+    plain, _ = make()
+    assert len({tier.prefix, other.prefix, plain.prefix}) == 3
 
 
 @pytest.mark.parametrize("other", [
