@@ -169,12 +169,11 @@ class HintExecutor:
                 return outcome(Status.REJECTED, f"kv.fetch of more than {limit} blocks", asked)
             return self._fetcher.start(hint)
         if hint.action is Action.PREFETCH and isinstance(hint.target, KeysTarget):
-            asked, keys, reason = len(hint.target.keys), list(hint.target.keys), ""
+            asked, keys, reason, clipped = len(hint.target.keys), list(hint.target.keys), "", []
         else:
-            asked, keys, reason = self._resolve(hint)
+            asked, keys, reason, clipped = self._resolve(hint)
         if not keys:
             return outcome(Status.MISSING, reason, asked)
-        clipped = [reason] if reason == BOUNDARY_GONE else []
         limit = min(self._limits.max_blocks_per_hint, hint.bounds.max_blocks or len(keys))
         if len(keys) > limit:
             clipped.append(f"blocks clipped to {limit}")
@@ -310,12 +309,13 @@ class HintExecutor:
                 and not isinstance(t, (KeysTarget, HashesTarget))
                 and session_id is not None and t.session_id == session_id)
 
-    def _resolve(self, hint: KvHint) -> tuple[int, list[bytes], str]:
-        """(blocks the hint asks for, resident block keys root first, reason when none)."""
+    def _resolve(self, hint: KvHint) -> tuple[int, list[bytes], str, list[str]]:
+        """(blocks the hint asks for, resident block keys root first, reason
+        when none, what clipped the target)."""
         t = hint.target
         if isinstance(t, KeysTarget):
             keys = self._index.resolve_keys(list(t.keys)).keys
-            return len(t.keys), keys, "none of the keys is resident"
+            return len(t.keys), keys, "none of the keys is resident", []
         res = self._index.resolve_session(t.session_id, t.branch, t.boundary)
         if res is None and hint.action is Action.RETAIN and t.boundary is not None \
                 and t.boundary not in self._index:
@@ -330,11 +330,11 @@ class HintExecutor:
             if deepest is not None:
                 res = self._index.resolve_session(t.session_id, branch=deepest)
                 if res is not None and res.keys:
-                    return len(res.keys), res.keys, BOUNDARY_GONE
+                    return len(res.keys), res.keys, "", [BOUNDARY_GONE]
         if res is None:
             if self._index.is_ended(t.session_id):
-                return 0, [], "session ended"
+                return 0, [], "session ended", []
             if not self._index.has_session(t.session_id):
-                return 0, [], "unknown session"
-            return 0, [], "branch or boundary is not part of the session"
-        return len(res.keys), res.keys, "session has no resident blocks"
+                return 0, [], "unknown session", []
+            return 0, [], "branch or boundary is not part of the session", []
+        return len(res.keys), res.keys, "session has no resident blocks", []

@@ -103,15 +103,14 @@ class ShadowCache:
         """A Retain of resident ``keys`` (sampled ones) by ``owner``: their
         new priority and owner (the last Retain of a key replaces the one
         before), their recency kept (a Retain does not make a chunk recent)."""
-        prio, rank, owners = self._prio, self._rank, self._owner
+        prio, owners = self._prio, self._owner
         for k in keys:
             p = prio.get(k)
             if p is None:
                 continue
             owners[k] = owner
             if p != priority:
-                self._move(k, p, priority)
-                heapq.heappush(self._heap_of(priority), (rank[k], k))
+                self._reprioritize(k, p, priority)
 
     def release(self, keys: Iterable[bytes], owner: str) -> None:
         """``owner``'s Retains of ``keys`` end (its session ended, or its TTL
@@ -122,8 +121,12 @@ class ShadowCache:
                 del owners[k]
                 p = self._prio[k]
                 if p:
-                    self._move(k, p, 0)
-                    heapq.heappush(self._heap_of(0), (self._rank[k], k))
+                    self._reprioritize(k, p, 0)
+
+    def _reprioritize(self, k: bytes, old: int, p: int) -> None:
+        """Resident ``k`` from level ``old`` to ``p``, its rank kept."""
+        self._move(k, old, p)
+        heapq.heappush(self._heap_of(p), (self._rank[k], k))
 
     def _heap_of(self, p: int) -> list[tuple[int, bytes]]:
         heap = self._heaps.get(p)

@@ -41,6 +41,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import blake3
+
 CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer_config.json",
                 "quantization_config.json", "quant_config.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -63,7 +65,6 @@ def _file_digest(p: Path, cache: dict[str, str]) -> str:
     hit = cache.get(tag)
     if hit is not None:
         return hit
-    import blake3
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     with open(real, "rb") as f:
         while chunk := f.read(16 << 20):

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
 
+import blake3
 import xxhash
 
 SUM = struct.Struct("<QQ")          # xxh3-64 of the chunk, its length
@@ -50,7 +51,6 @@ class Seal:
     def __call__(self, name: str, data) -> bytes:
         if self.key is None:
             return checksum(data)
-        import blake3
         h = blake3.blake3(key=self.key)
         raw = name.encode()
         h.update(len(raw).to_bytes(4, "little"))
