@@ -18,7 +18,8 @@ from sessionkv.tiers.redis import RedisTier
 README = Path(__file__).resolve().parents[2] / "README.md"
 # G3Tier's constructor arguments that vLLM or sessionkv's spec pass, not the tier entry.
 FROM_VLLM = {"self", "offloading_spec", "primary_kv_view", "tier_type", "backend",
-             "backpressure_detector", "backend_config", "quarantine", "observer"}
+             "backpressure_detector", "backend_config", "quarantine", "observer",
+             "seal_key"}
 
 
 def reference_keys() -> set[str]:
