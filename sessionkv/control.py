@@ -45,6 +45,7 @@ import msgspec
 
 from sessionkv.events import AnyEvent
 from sessionkv.hints import HintOutcome, Status
+from sessionkv.keys import CONTROL, derive
 
 REQUEST_DOMAIN = b"sessionkv-control-request-v1\n"
 REPLY_DOMAIN = b"sessionkv-control-reply-v1\n"
@@ -82,7 +83,8 @@ class ControlReply(msgspec.Struct, kw_only=True):
 
 
 def mac(domain: bytes, payload: bytes, secret: bytes) -> bytes:
-    return hmac.new(secret, domain + payload, hashlib.sha256).digest()
+    """A frame's tag, under the channel's key derived from the cluster secret."""
+    return hmac.new(derive(secret, CONTROL), domain + payload, hashlib.sha256).digest()
 
 
 def authentic(domain: bytes, payload: bytes, tag: bytes, secret: bytes) -> bool:

@@ -36,6 +36,8 @@ from typing import Any, Mapping
 
 import msgspec
 
+from sessionkv.keys import HINT_SIG, derive
+
 PROTOCOL_VERSION = "1.0"
 ACTION_VERSION = "1.0"
 KVCR_PROTOCOL_VERSION = "0.1"
@@ -134,7 +136,7 @@ def sign(envelope: Any, session_id: str, secret: bytes) -> str:
     """The router's signature over an envelope and the request's session id;
     send it as ``kv_transfer_params["kv_hints_sig"]``."""
     msg = canonical(envelope) + b"\n" + session_id.encode()
-    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+    return hmac.new(derive(secret, HINT_SIG), msg, hashlib.sha256).hexdigest()
 
 
 def verify(envelope: Any, session_id: str | None, signature: Any, secret: bytes | None) -> bool:
@@ -144,7 +146,8 @@ def verify(envelope: Any, session_id: str | None, signature: Any, secret: bytes 
         want = sign(envelope, session_id, secret)
     except (TypeError, ValueError, RecursionError):
         return False
-    return hmac.compare_digest(want, signature)
+    # As bytes: compare_digest refuses str with non-ASCII characters.
+    return hmac.compare_digest(want.encode(), signature.encode("utf-8", "surrogatepass"))
 
 
 def _rejected(hint_id: str, action: str | None, reason: str) -> HintOutcome:

@@ -2,19 +2,26 @@
 from the secret (HMAC-SHA256 over a label), so a key that leaks from one use
 says nothing of the secret or of the others.
 
-Every engine process that holds a G3 tier holds the G3 MAC key; the hint
-signatures and the control channel keep using the secret itself today (both
-ends would have to change together).
+Every key the project uses comes from here: the request hints' signatures
+(``HINT_SIG``, ``sessionkv.hints``), the control channel's frames
+(``CONTROL``, ``sessionkv.control``) and the G3 objects' MAC (``G3_MAC``).
+Every engine process that holds a G3 tier holds the G3 MAC key, so an engine
+that leaks it gives away neither the hint signatures nor the control channel.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 
 G3_MAC = "g3-object-mac"        # keyed BLAKE3 over each G3 object's name and bytes
+HINT_SIG = "hint-signature"     # HMAC-SHA256 over a request's hint envelope and session id
+CONTROL = "control-frame"       # HMAC-SHA256 over each control channel frame
 
 
+# Each frame and hint derives its key again: a few secrets, so a small cache.
+@functools.lru_cache(maxsize=64)
 def derive(secret: bytes, purpose: str) -> bytes:
     """32 bytes for ``purpose`` from the cluster ``secret``."""
     if not isinstance(secret, bytes) or not secret:
