@@ -22,8 +22,10 @@ Mooncake keeps the checksum inline only, Redis in checksum objects only,
 LMCache both (its server has no cheap existence call: lookups read the small
 object, loads only the data object). The fingerprint (``tiers.fingerprint``)
 makes engines whose bytes are not interchangeable miss each other. The
-checksum object is written only after its data object was stored, and is
-what lookups and stores ask for (else the data object itself). Stores of
+checksum object is written only after its data object was stored. Lookups
+and stores ask whether the chunk is there (``Layout.asked``): Redis, which
+evicts the two objects one by one, for both; LMCache, which never evicts,
+for the checksum object; Mooncake for the data object. Stores of
 vLLM's cascades (chunks just computed) ask only where a second put could
 hurt: with checksum objects, which loads check (Redis).
 
@@ -40,7 +42,8 @@ missing, or whose data is missing, short or different, fails its load and
 vLLM recomputes it. A chunk that failed is a
 miss in this engine for ``MISS_AFTER_FAILURE_S`` (vLLM would promote it again
 at once, forever), and a listed chunk that failed is unlisted (both objects
-removed) so no engine finds it again.
+removed) so no engine finds it again: so is an orphan, a checksum object
+whose data object is gone.
 
 Never blocking. vLLM calls the tier on the scheduler thread, and nothing
 there waits for the backend: lookups are asynchronous (vLLM's
@@ -297,9 +300,9 @@ class G3Tier(SecondaryTierManager):
     def listed(self, keys: list[OffloadKey]) -> list[bool]:
         """Whether each chunk's checksum object (or, with inline checksums, its
         object) exists; False when the backend does not answer in time."""
-        names = [self.prefix + bytes(k).hex() + self._layout.listing for k in keys]
+        names = self._layout.asked([self.prefix + bytes(k).hex() for k in keys])
         try:
-            return self.guard.call(self._backend.exists, names)
+            return self._layout.present(self.guard.call(self._backend.exists, names))
         except BackendDown:
             return [False] * len(keys)
 
@@ -418,12 +421,11 @@ class G3Tier(SecondaryTierManager):
         """Store chunks; ``ask``: those the backend has already are kept, not
         sent (hint moves ask: vLLM has most often stored them already)."""
         b, g = self._backend, self.guard
-        have = (g.start(b.exists, [n + self._layout.listing for n in names]) if ask
-                else lambda: [False] * len(names))
+        asking = g.start(b.exists, self._layout.asked(names)) if ask else None
         chunks = self._chunks(offsets)
         seal = self._layout.seal
         sums = [seal(n, c) for n, c in zip(names, chunks)]   # while an existence check runs
-        have = have()
+        have = self._layout.present(asking()) if ask else [False] * len(names)
         todo = [i for i, h in enumerate(have) if not h]
         ok = list(have)
         if todo:

@@ -150,8 +150,10 @@ class ObjectBackend(ABC):
         ``pin_needs_bytes``. By default a backend cannot pin."""
         return [False] * len(names)
 
-    def unpin(self, names: Sequence[str]) -> None:
-        """Make pinned objects evictable again (``pin_lapses`` false)."""
+    def unpin(self, names: Sequence[str], left_s: Sequence[float]) -> None:
+        """End this engine's pins of objects (``pin_lapses`` false): at their
+        expiry (``left_s`` 0 each) or at shutdown (how long each had left).
+        Where other engines pin an object too, the longest pin holds."""
         return
 
     def close(self) -> None:

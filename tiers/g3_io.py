@@ -257,10 +257,12 @@ class Staging:
 
 class Lapses:
     """Names whose pins end at given times, and one daemon thread that hands
-    the lapsed ones to ``on_lapse`` (for backends whose pins do not end by
-    themselves). A name pinned again keeps its latest expiry."""
+    the lapsed ones to ``on_lapse(names, left_s)`` (for backends whose pins do
+    not end by themselves; ``left_s`` 0 each); ``close`` hands it the pins
+    still running, with how long each had left. A name pinned again keeps its
+    latest expiry. Memory: one entry per pinned name and per ``add``."""
 
-    def __init__(self, on_lapse: Callable[[list[str]], None],
+    def __init__(self, on_lapse: Callable[[list[str], list[float]], None],
                  clock: Callable[[], float] = time.monotonic):
         self._on_lapse = on_lapse
         self._clock = clock
@@ -298,13 +300,22 @@ class Lapses:
                 for n in due:
                     del self._until[n]
             if due:
-                try:
-                    self._on_lapse(due)
-                except Exception:       # the backend is down: the objects keep the pin
-                    logger.warning("sessionkv: G3 pins of %d objects could not be ended "
-                                   "(%s...)", len(due), due[0])
+                self._end(due, [0.0] * len(due))
+
+    def _end(self, names: list[str], left_s: list[float]) -> None:
+        try:
+            self._on_lapse(names, left_s)
+        except Exception:       # the backend is down: the objects keep the pin for now
+            logger.warning("sessionkv: G3 pins of %d objects could not be ended "
+                           "(%s...)", len(names), names[0])
 
     def close(self) -> None:
+        """Stop, and end the pins still running (a graceful shutdown)."""
         with self._cond:
             self._closed = True
             self._cond.notify()
+            now = self._clock()
+            running, self._until = self._until, {}
+            self._heap = []
+        if running:
+            self._end(list(running), [u - now for u in running.values()])

@@ -51,6 +51,14 @@ class Layout:
         """Every object that holds the chunk ``name``, the data object first."""
         return [name, name + SUM_SUFFIX] if self.listing else [name]
 
+    def asked(self, names: list[str]) -> list[str]:
+        """The objects whose existence lookups and stores ask about, to learn
+        whether chunks are there (``present`` folds the answers per chunk)."""
+        return [n + self.listing for n in names]
+
+    def present(self, exists: list[bool]) -> list[bool]:
+        return list(exists)
+
     def forget_all(self, names: list[str]) -> None:
         """Remove every object of these chunks, the listed one first."""
         self._forget([o for n in names for o in reversed(self.objects(n))])
@@ -103,7 +111,9 @@ class InlineSums(Layout):
         ok, broken = [], []
         for name, (size, want), slot in zip(names, got, slots):
             good = size == len(slot) and want == self.seal(name, slot)
-            if size >= 0 and not good:           # there, but short, long or different
+            # There, but short, long or different; or, with checksum objects
+            # (the chunk was listed), its data object gone: an orphan.
+            if size is not None and not good and (size >= 0 or self.listing):
                 broken.append(name)
             ok.append(good)
         return ok, broken
@@ -116,7 +126,7 @@ class InlineSums(Layout):
         quarantine until the call ends. A call past its deadline keeps its
         checksum and G2 slots until it ends, then ``on_late(its names)`` runs.
         Per chunk: a put's result, or a read's (size, checksum bytes); a part
-        with no free checksum slots fails."""
+        with no free checksum slots fails (a read's size None: not read)."""
         out: list = []
         fill = values is not None
         step = self.sums.slots // 4
@@ -124,7 +134,7 @@ class InlineSums(Layout):
             part, bufs, hold = names[i:i + step], chunks[i:i + step], held[i:i + step]
             taken = self.sums.take(len(part), self._guard.timeout_s)
             if taken is None:       # every slot kept by calls past their deadline
-                out += [False if fill else (-1, b"")] * len(part)
+                out += [False if fill else (None, b"")] * len(part)     # not read
                 continue
             sums = [self.sums.slot(t) for t in taken]
             if fill:
@@ -159,6 +169,15 @@ class SumObjects(Layout):
 
     cascade_asks = True
 
+    # Both objects: the backend evicts them one by one (Redis' volatile-lru),
+    # and a chunk with only one of them is absent (a lookup that trusted the
+    # checksum object alone said HIT for evicted data, and every load failed).
+    def asked(self, names):
+        return [o for n in names for o in (n, n + SUM_SUFFIX)]
+
+    def present(self, exists):
+        return [a and b for a, b in zip(exists[::2], exists[1::2])]
+
     def put(self, names, chunks, sums):
         b, g = self._backend, self._guard
         # Zero-copy from G2: a put past its deadline may read a slot vLLM has
@@ -186,7 +205,9 @@ class SumObjects(Layout):
         for name, slot, value, want in zip(names, slots, got, got[len(names):]):
             good = (value is not None and len(value) == self._chunk and want is not None
                     and want == self.seal(name, value))
-            if value is not None and not good:   # there, but short, long or different
+            # There, but short, long or different; or one of its two objects
+            # gone (the other is an orphan).
+            if (value is not None or want is not None) and not good:
                 broken.append(name)
             if good:
                 slot[:] = value
@@ -231,8 +252,8 @@ class Pins:
     def _pin(self, names, chunks, ttl_s) -> list[bool]:
         raise NotImplementedError
 
-    def _unpin(self, names: list[str]) -> None:
-        self._guard.call(self._backend.unpin, names)
+    def _unpin(self, names: list[str], left_s: list[float]) -> None:
+        self._guard.call(self._backend.unpin, names, left_s)
 
     def close(self) -> None:
         if self._lapses is not None:

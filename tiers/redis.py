@@ -12,9 +12,18 @@ pipeline and copies the verified bytes straight into G2 (``owned_reads``).
 
 Capacity: run Redis with ``maxmemory`` and ``maxmemory-policy volatile-lru``
 (``scripts/services`` does). Under ``volatile-lru`` only keys with a TTL can
-be evicted, so every object is written with ``ttl_s``; a Pin ``PERSIST``s
-its keys and the TTL comes back when the pin lapses. A full Redis refuses writes (OOM): a failed store, never an
-error in the engine.
+be evicted, so every object is written with ``ttl_s``. A full Redis refuses
+writes (OOM): a failed store, never an error in the engine.
+
+Pins. A Pin ``PERSIST``s its objects and records a lease in the sorted set
+``LEASES`` (object name -> when its latest pin ends, in the server's clock),
+both in one script. The TTL comes back when the pin lapses, only where no
+other engine's pin on the object lasts longer; at a graceful shutdown for
+the engine's pins still running; and after a crash from whichever engine
+next starts on this server or ends a pin: each sweeps leases that ended
+(``SWEEP_BATCH`` at a time). A Redis key made persistent by a pin so never
+outlives its lease by more than the time until the next engine start or pin
+lapse. One server, not Redis Cluster (the scripts touch several keys).
 """
 
 from __future__ import annotations
@@ -24,6 +33,56 @@ from .g3 import G3Tier, ObjectBackend
 
 # Abandoned calls (past the tier's deadline) still end: the socket times out.
 SOCKET_TIMEOUT_S = 30.0
+LEASES = "sessionkv/pin-leases"     # sorted set: pinned object -> its pins' end (server time)
+SWEEP_BATCH = 1000                  # ended leases released per sweep
+# A lapse ends leases up to this much past the engine's own expiry: the
+# server's lease began before the pin call returned, so it ends first.
+LAPSE_SLACK_S = 1.0
+
+_NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) + tonumber(t[2]) / 1e6 "
+
+# KEYS[1] the lease set, KEYS[2..] objects; ARGV[1] the pin's TTL. 1 per
+# object that exists (now persistent, its lease at least now + TTL), else 0.
+_PIN = _NOW + """
+local out = {}
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    redis.call('PERSIST', KEYS[i])
+    redis.call('ZADD', KEYS[1], 'GT', now + tonumber(ARGV[1]), KEYS[i])
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
+"""
+
+# KEYS[1] the lease set, KEYS[2..] objects; ARGV[1] the objects' TTL,
+# ARGV[i] how long KEYS[i]'s pin of this engine had left. Ends the pins whose
+# lease ends by then (none longer), giving back the TTL.
+_UNPIN = _NOW + """
+local ended = 0
+for i = 2, #KEYS do
+  local s = redis.call('ZSCORE', KEYS[1], KEYS[i])
+  if (not s) or tonumber(s) <= now + tonumber(ARGV[i]) then
+    redis.call('ZREM', KEYS[1], KEYS[i])
+    if redis.call('TTL', KEYS[i]) == -1 then redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+    ended = ended + 1
+  end
+end
+return ended
+"""
+
+# KEYS[1] the lease set; ARGV[1] the objects' TTL, ARGV[2] how many. Ends
+# leases that ended (a crashed engine's); the number ended.
+_SWEEP = _NOW + """
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
+for _, n in ipairs(due) do
+  redis.call('ZREM', KEYS[1], n)
+  if redis.call('TTL', n) == -1 then redis.call('EXPIRE', n, ARGV[1]) end
+end
+return #due
+"""
 
 
 def _driver_info(redis) -> dict:
@@ -62,8 +121,12 @@ class RedisBackend(ObjectBackend):
         # guarded call (a call thread starved of the GIL while the scheduler
         # thread spins on a waiting request), past the tier's deadline. Best
         # effort: a server down now is the breaker's business later.
+        self._pin = self._redis.register_script(_PIN)
+        self._unpin = self._redis.register_script(_UNPIN)
+        self._sweep = self._redis.register_script(_SWEEP)
         try:
             self._redis.ping()
+            self.sweep()            # pins a crashed engine left
         except Exception:
             pass
 
@@ -114,18 +177,28 @@ class RedisBackend(ObjectBackend):
         return [isinstance(r, int) for r in self._pipeline(lambda p: [p.delete(n) for n in names])]
 
     # Under volatile-lru only keys with a TTL are evicted: a pin removes it,
-    # and the tier gives it back when the pin lapses.
+    # under a lease (the module docstring), and the tier ends it.
     pin_lapses = False
 
     def pin(self, names: Sequence[str], ttl_s: float, values: Sequence | None) -> list[bool]:
-        if not names:
-            return []
-        res = self._pipeline(lambda p: [c for n in names for c in (p.persist(n), p.exists(n))])
-        return [r == 1 for r in res[1::2]]
+        # In parts: a script holds the server while it runs.
+        out = []
+        for i in range(0, len(names), SWEEP_BATCH):
+            part = list(names[i:i + SWEEP_BATCH])
+            out += [r == 1 for r in self._pin(keys=[LEASES, *part], args=[float(ttl_s)])]
+        return out
 
-    def unpin(self, names: Sequence[str]) -> None:
+    def unpin(self, names: Sequence[str], left_s: Sequence[float]) -> None:
+        for i in range(0, len(names), SWEEP_BATCH):
+            left = [max(0.0, s) + LAPSE_SLACK_S for s in left_s[i:i + SWEEP_BATCH]]
+            self._unpin(keys=[LEASES, *names[i:i + SWEEP_BATCH]], args=[self._ttl, *left])
         if names:
-            self._pipeline(lambda p: [p.expire(n, self._ttl) for n in names])
+            self.sweep()
+
+    def sweep(self) -> int:
+        """Give back the TTL of objects whose leases ended (at most
+        ``SWEEP_BATCH``): how many."""
+        return int(self._sweep(keys=[LEASES], args=[self._ttl, SWEEP_BATCH]))
 
     def close(self) -> None:
         self._redis.close()

@@ -418,6 +418,36 @@ def test_short_objects_and_missing_checksums_are_misses(make):
     assert look(tier, KEYS[0]) is LookupResult.MISS
 
 
+@pytest.mark.parametrize("make", ["lmcache", "redis"], indirect=True)   # checksum objects
+def test_orphaned_objects_are_absent_unlisted_and_stored_again(make):
+    """A chunk whose data object is gone while its checksum object stays (what
+    Redis' eviction does to them one by one), or the other way round, is
+    absent: lookups miss where the backend evicts (Redis), a load unlists the
+    orphan so no engine fails on it again, and stores write the chunk anew."""
+    tier, region = make()
+    b = tier._backend
+    fill(region, [0, 1], seed=21)
+    assert run(tier, KEYS[:2], [0, 1], False).success
+    data, sums = [tier.name(k) for k in KEYS[:2]], [tier.name(k) + SUM_SUFFIX for k in KEYS[:2]]
+    assert b.remove([data[0], sums[1]]) == [True, True]     # evicted, one object each
+    if type(b).__name__ == "RedisBackend":                  # LMCache never evicts: no lookup asks
+        assert [look(tier, k) for k in KEYS[:2]] == [LookupResult.MISS] * 2
+    else:
+        assert look(tier, KEYS[1]) is LookupResult.MISS
+    fill(region, [8], seed=98)                              # poison the destination
+    res = run(tier, KEYS[:1], [8], True)                    # a Prefetch of what the index knew
+    assert not res.success and not res.successful_keys
+    assert b.exists([sums[0]]) == [False]                   # the orphan is unlisted
+    other, oregion = make()
+    assert [look(other, k) for k in KEYS[:2]] == [LookupResult.MISS] * 2
+    fill(oregion, [0, 1], seed=21)                          # the same chunks, computed again
+    assert run(other, KEYS[:2], [0, 1], False).success      # stored anew, not skipped
+    assert [look(other, k) for k in KEYS[:2]] == [LookupResult.HIT] * 2
+    fill(oregion, [8, 9], seed=97)
+    assert run(other, KEYS[:2], [8, 9], True).success
+    assert np.array_equal(oregion[8:10], region[0:2])
+
+
 MAC_KEY = derive(b"cluster secret for the contract tests", G3_MAC)
 
 
