@@ -161,7 +161,7 @@ def g1_probe(block_pool: "BlockPool"):
 
 def start_control(manager: SessionTierManager, engine_id: str | None, dp_rank: int,
                   block_size: int, probe: Probe | None = None,
-                  g1_blocks: int = 0) -> ControlChannel | None:
+                  g1_blocks: int = 0, dp_size: int = 1) -> ControlChannel | None:
     """The control channel of one engine's DP rank, or None when the policy
     names no secret (the channel always authenticates). ``probe`` answers
     ``sessionkv doctor``. Its ``hello`` names the engine and what a router's
@@ -174,7 +174,8 @@ def start_control(manager: SessionTierManager, engine_id: str | None, dp_rank: i
     port = cfg.control.port + 2 * dp_rank if cfg.control.port else 0
     channel = ControlChannel(
         manager, secret, host=cfg.control.host, port=port,
-        info={"engine_id": engine_id, "dp_rank": dp_rank, "block_size": block_size,
+        info={"engine_id": engine_id, "dp_rank": dp_rank, "dp_size": dp_size,
+              "block_size": block_size,
               "g1_blocks": g1_blocks, "g2_chunks": manager.primary_tier.num_chunks,
               "blocks_per_chunk": manager.primary_tier.blocks_per_chunk,
               "hints_per_s": cfg.policy.limits.hints_per_s_per_client},
@@ -240,7 +241,7 @@ class SessionTierConnector(OffloadingConnector):
             self.control = start_control(
                 self.manager, kvt.engine_id, par.data_parallel_rank, self._block_size,
                 make_probe(vllm_config, self._block_size, self.manager),
-                g1_blocks=kv_cache_config.num_blocks)
+                g1_blocks=kv_cache_config.num_blocks, dp_size=par.data_parallel_size)
 
     def shutdown(self) -> None:
         if self.control is not None:

@@ -47,6 +47,11 @@ log = logging.getLogger("sessionkv.router")
 FINALS_KEPT = 1024
 
 
+class DataParallelWorker(ValueError):
+    """A worker is a data-parallel engine, which this router cannot address
+    per rank: the router does not start."""
+
+
 def _metric_sum(text: str, name: str) -> float:
     total = 0.0
     for line in text.splitlines():
@@ -101,6 +106,8 @@ class Worker:
             return
         endpoint = self.cfg.control
         if endpoint is None:
+            if os.path.exists(self.cfg.endpoint_file + ".dp1"):
+                raise DataParallelWorker(self._dp_refusal(f"{self.cfg.endpoint_file}.dp1 exists"))
             with open(self.cfg.endpoint_file, encoding="utf-8") as f:
                 endpoint = json.load(f)["control"]
         # One client id per router process: the engine accepts each client's
@@ -110,6 +117,10 @@ class Worker:
             endpoint, self._secret,
             client_id=f"router-{self.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.info = await self.control.hello()
+        dp_size = self.info.get("dp_size", 1)
+        if not isinstance(dp_size, int) or dp_size != 1:
+            self.control.close()
+            raise DataParallelWorker(self._dp_refusal(f"its hello says dp_size {dp_size!r}"))
         self._seq = (await self.control.events(1 << 62, 0)).next_seq - 1
         await self._verify_hashing()
         await self._catch_up_index(0, self._seq)
@@ -117,6 +128,12 @@ class Worker:
                        asyncio.create_task(self._follow()),
                        asyncio.create_task(self._wake_on_stream())]
         await self._polled.wait()
+
+    def _dp_refusal(self, why: str) -> str:
+        return (f"worker {self.name}: a data-parallel engine ({why}). Each DP rank has its own "
+                "cache, index and control channel, and this router sends a session's hints to "
+                "one channel per worker; run one engine per rank (--data-parallel-size 1), "
+                "each a worker of its own")
 
     async def close(self) -> None:
         for t in self._tasks:

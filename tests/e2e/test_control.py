@@ -222,7 +222,9 @@ def test_two_engines_side_by_side_have_their_own_channels(engine, tmp_path_facto
         a, b = channel(engine), channel(other)
         assert len({a.endpoint, a.events_endpoint, b.endpoint, b.events_endpoint}) == 4
         with HintClient(b.endpoint, SECRET) as cb:
-            assert cb.hello()["engine_id"] == other_id
+            hello = cb.hello()
+            assert hello["engine_id"] == other_id
+            assert (hello["dp_rank"], hello["dp_size"]) == (0, 1)     # what the router checks
             assert client.hello()["engine_id"] != other_id
             run(other, "Y", session="only-on-b")
             assert cb.pin("only-on-b", ttl_s=30).status == "accepted"
