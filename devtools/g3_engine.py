@@ -7,7 +7,7 @@ SPEC: {"model", "block_size", "tiers", "prompts": [[token ids]...], "poison": bo
 "policy": YAML text of the tier policy (optional), "prefetch": {"keys": [hex],
 "secret": hex, "wait": bool} (optional), "fetch": [{"id", "hashes": [64-bit
 ints], "source": control endpoint, "secret": hex}] (optional), "await_stored":
-bool (optional)}.
+bool (optional), "names_of": [[token ids]...] (optional: prompts not served)}.
 With ``poison``, G1 and G2 are filled with garbage before the first request,
 so chunks loaded from G3 must overwrite them. With ``prefetch`` (the policy
 names the secret), a Prefetch of those chunk keys goes over the control
@@ -19,7 +19,8 @@ prompt (``objects``: the G3 data objects of its full blocks; ``g3_trips``: how
 often the G3 tier's breaker had tripped by then), "prefetch": [first, final]
 outcomes, "fetch": [first, final] outcomes per fetch, "stored_at_exit":
 whether G3 holds every prompt's full blocks at the end (with
-``await_stored``, after waiting up to 30 s for them)}.
+``await_stored``, after waiting up to 30 s for them), "names": the G3 data
+objects each ``names_of`` prompt's full blocks would have}.
 """
 
 import json
@@ -80,7 +81,9 @@ def main(spec_path: str, out_path: str) -> None:
             llm.llm_engine.step()           # stores still running: let them end
             time.sleep(0.05)
         json.dump({"runs": out, "prefetch": prefetched, "fetch": fetched,
-                   "stored_at_exit": held()},
+                   "stored_at_exit": held(),
+                   "names": [[tier.name(k) for k in keys_of(llm, p)]
+                             for p in spec.get("names_of", ())]},
                   open(out_path, "w"))
     finally:
         llm.llm_engine.engine_core.shutdown()

@@ -20,6 +20,7 @@ from sessionkv.tiers.g3_backend import SUM, checksum
 RNG = np.random.default_rng(11)
 # 200 tokens: 6 full blocks and a partial one (see test_pin_retain).
 P = RNG.integers(10, 4000, 200).tolist()
+Q = RNG.integers(10, 4000, 200).tolist()       # served only after its objects were pre-seeded
 SECRET = "g3-e2e-cluster-secret-0123456789abcdef"
 
 
@@ -58,17 +59,20 @@ class Mooncake:
             store.close()
 
     @staticmethod
-    def plant(ports, names, rng):
-        """Replace objects by other bytes of the same size with their right
-        (unkeyed) checksum inline: what a writer with store access makes."""
+    def plant(ports, names, rng, like=None):
+        """Replace objects (or make them, the size of ``like``) by other bytes
+        with their right (unkeyed) checksum inline: what a writer with store
+        access makes."""
         from mooncake.store import MooncakeDistributedStore
         store = MooncakeDistributedStore()
         assert store.setup(lan_address(), ports.metadata_url, 0, 16 << 20, "tcp", "",
                            ports.master) == 0
         try:
             for name in names:
-                data = rng.integers(0, 256, store.get_size(name) - SUM.size, np.uint8).tobytes()
-                assert store.remove(name, True) == 0
+                size = store.get_size(like or name)
+                data = rng.integers(0, 256, size - SUM.size, np.uint8).tobytes()
+                if like is None:
+                    assert store.remove(name, True) == 0
                 assert store.put(name, data + checksum(data)) == 0
         finally:
             store.close()
@@ -98,11 +102,11 @@ class Redis:
             assert r.set(name, rng.integers(0, 256, size, dtype=np.uint8).tobytes(), ex=3600)
 
     @staticmethod
-    def plant(url, names, rng):
+    def plant(url, names, rng, like=None):
         import redis
         r = redis.Redis.from_url(url)
         for name in names:
-            data = rng.integers(0, 256, r.strlen(name), dtype=np.uint8).tobytes()
+            data = rng.integers(0, 256, r.strlen(like or name), dtype=np.uint8).tobytes()
             assert r.set(name, data, ex=3600) and r.set(name + ".sum", checksum(data), ex=3600)
 
 
@@ -137,11 +141,11 @@ class LMCache:
             b.close()
 
     @staticmethod
-    def plant(url, names, rng):
+    def plant(url, names, rng, like=None):
         from sessionkv.tiers.lmcache import LMCacheBackend
         b = LMCacheBackend(url)
         try:
-            for name, old in zip(names, b.get_small(names)):
+            for name, old in zip(names, b.get_small([like] * len(names) if like else names)):
                 data = rng.integers(0, 256, len(old) - SUM.size, np.uint8).tobytes()
                 assert b.put_small([name, name + ".sum"], [data + checksum(data), checksum(data)])
         finally:
@@ -168,7 +172,7 @@ def tiers(backend):
 
 
 def engine(tmp_path, tiers, prompts, model=TINY, poison=False, block_size=32, policy=None,
-           await_stored=False):
+           await_stored=False, names_of=()):
     """The engine's runs, each with ``why``: its G3 trips and log tail, for
     failure messages. Every engine has the cluster secret: its G3 objects
     are sealed with the MAC key derived from it."""
@@ -178,10 +182,11 @@ def engine(tmp_path, tiers, prompts, model=TINY, poison=False, block_size=32, po
     policy = (policy or "") + f"trust: {{secret_file: {secret}}}\n"
     out = engine_process(tmp_path, {"model": model, "block_size": block_size, "tiers": tiers,
                                     "prompts": prompts, "poison": poison, "policy": policy,
-                                    "await_stored": await_stored})
+                                    "await_stored": await_stored, "names_of": names_of})
     for run in out["runs"]:
         run["why"] = (f"G3 trips {run['g3_trips']}, stored at exit {out['stored_at_exit']}\n"
                       + out["log"])
+        run["future"] = out["names"]
     return out["runs"]
 
 
@@ -191,8 +196,9 @@ def same(a, b):
 
 @pytest.fixture(scope="module")
 def first(tiers, tmp_path_factory):
-    """Engine 1: serves P cold, offloads it down to G3, exits."""
-    (run,) = engine(tmp_path_factory.mktemp("e1"), tiers, [P], await_stored=True)
+    """Engine 1: serves P cold, offloads it down to G3, exits (and names the
+    objects Q would have, which no engine has stored)."""
+    (run,) = engine(tmp_path_factory.mktemp("e1"), tiers, [P], await_stored=True, names_of=[Q])
     assert run["report"]["blocks"]["recomputed"] == 7
     assert "stored at exit True" in run["why"], run["why"]
     return run
@@ -209,18 +215,23 @@ def test_objects_planted_without_the_key_are_recomputed_then_replaced(first, tie
                                                                      tmp_path):
     """A writer with store access but not the cluster key replaces live
     objects by valid-shaped ones with the right checksum (what the unkeyed
-    checksum let an engine load). The engine misses them (their MAC fails),
-    recomputes exactly and unlists them; its cascade stores the real chunks,
-    and the next engine loads those."""
+    checksum let an engine load), and pre-seeds objects under the keys of a
+    prompt no engine has served yet. The engine misses them all (their MAC
+    fails), recomputes exactly and unlists them; its cascade stores the real
+    chunks, and the next engine loads those."""
     kind, where = backend
-    names = first["objects"]
+    names, (future,) = first["objects"], first["future"]
     kind.plant(where, names, np.random.default_rng(5))
-    (run,) = engine(tmp_path / "a", tiers, [P], poison=True, await_stored=True)
+    kind.plant(where, future, np.random.default_rng(6), like=names[0])
+    (run, q) = engine(tmp_path / "a", tiers, [P, Q], poison=True, await_stored=True)
     assert run["report"]["blocks"]["g3"] == 0, run["why"]
     assert same(run, first)
-    (again,) = engine(tmp_path / "b", tiers, [P], poison=True)
+    assert q["report"]["blocks"]["g3"] == 0 and q["report"]["tokens"]["recomputed"] == 200, q["why"]
+    (again, q_again) = engine(tmp_path / "b", tiers, [P, Q], poison=True)
     assert again["report"]["blocks"]["g3"] == 6, again["why"]
     assert same(again, first)
+    assert q_again["report"]["blocks"]["g3"] == 6, q_again["why"]
+    assert same(q_again, q)                     # q: Q recomputed cold, the planted bytes missed
 
 
 def test_corrupted_objects_are_recomputed_exactly(first, tiers, backend, tmp_path):
