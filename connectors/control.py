@@ -39,7 +39,7 @@ from vllm.logger import init_logger
 from sessionkv import control as wire
 from sessionkv.events import Via
 from sessionkv.events import encode as encode_event
-from sessionkv.hints import MAX_ID_LEN, MAX_KEYS, HintOutcome, Status, parse_envelope
+from sessionkv.hints import MAX_KEYS, HintOutcome, Status, id_problem, parse_envelope
 
 from .hint_executor import TokenBuckets
 from .manager import SessionTierManager
@@ -178,8 +178,8 @@ class ControlChannel:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             return wire.refused(0, f"malformed request: {e}")
         client = req.client
-        if not _short(client):
-            return wire.refused(req.counter, f"client must be 1..{MAX_ID_LEN} chars")
+        if id_problem(client, "client"):
+            return wire.refused(req.counter, id_problem(client, "client"))
         why = self._guard.check(client, req.counter)
         if why:
             return wire.refused(req.counter, why)
@@ -189,8 +189,8 @@ class ControlChannel:
 
     def _dispatch(self, req: wire.ControlRequest, client: str) -> wire.ControlReply:
         reply = wire.ControlReply(counter=req.counter)
-        if req.session_id is not None and not _short(req.session_id):
-            return wire.refused(req.counter, f"session_id must be 1..{MAX_ID_LEN} chars")
+        if req.session_id is not None and id_problem(req.session_id, "session_id"):
+            return wire.refused(req.counter, id_problem(req.session_id, "session_id"))
         if req.op == "hello":
             reply.info = self.info
         elif req.op == "hints":
@@ -235,6 +235,3 @@ def _bind(sock: zmq.Socket, host: str, port: int) -> str:
         port = sock.bind_to_random_port(f"tcp://{host}")
     return f"tcp://{host}:{port}"
 
-
-def _short(value: str) -> bool:
-    return 0 < len(value) <= MAX_ID_LEN

@@ -42,6 +42,7 @@ from sessionkv.hints import (
     KvHint,
     SessionTarget,
     Status,
+    id_problem,
     parse_envelope,
     parse_kvcr_fetch,
     verify,
@@ -80,15 +81,21 @@ class TokenBuckets:
 
 
 def read_request_hints(
-    params: Mapping[str, Any] | None, envelope: Any, session_id: str | None,
+    params: Mapping[str, Any] | None, envelope: Any, session_id: Any,
     secret: bytes | None,
 ) -> list[KvHint | HintOutcome]:
     """Everything a request carries, parsed once: the vLLM envelope (engine API
     ``kv_hints`` wins over ``kv_transfer_params["kv_hints"]``) and KVCR's
-    ``kv.fetch``, each marked signed when its router signature verifies."""
+    ``kv.fetch``, each marked signed when its router signature verifies.
+    ``session_id``: as the request gave it (None, or anything: an invalid id
+    rejects its hints, naming the field)."""
     params = params if isinstance(params, Mapping) else {}
     out: list[KvHint | HintOutcome] = []
     raw = envelope if envelope is not None else params.get(HINTS_PARAM)
+    bad = "" if session_id is None else id_problem(session_id, "session_id")
+    if bad:                 # the request runs without a session; its hints cannot
+        return ([HintOutcome("kv_hints", None, Status.REJECTED, reason=bad)]
+                if raw is not None or params.get(KVCR_PARAM) is not None else [])
     if raw is not None:
         signed = verify(raw, session_id, params.get(SIG_PARAM), secret)
         out += [h if isinstance(h, HintOutcome) else _mark(h, signed)

@@ -53,7 +53,7 @@ from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from sessionkv.events import Association, Op
-from sessionkv.hints import HintOutcome, KvHint, Status
+from sessionkv.hints import HintOutcome, KvHint, Status, is_id
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.report import RequestReport
 from sessionkv.tiers.g3_spec import IDENTITY_KEY
@@ -281,16 +281,17 @@ class SessionTierConnector(OffloadingConnector):
     def on_new_request(self, request: "Request") -> None:
         params = request.kv_transfer_params
         params = params if isinstance(params, dict) else {}
-        session = request.session_id if request.session_id is not None \
+        given = request.session_id if request.session_id is not None \
             else params.get(SESSION_PARAM)
-        session = session if isinstance(session, str) else None
+        # An invalid id runs without a session; its hints get one rejected outcome.
+        session = given if is_id(given) else None
         self._tracked[request.request_id] = _Tracked(
-            request, session, self._read_hints(request, params, session))
+            request, session, self._read_hints(request, params, given))
         with self._locked():
             super().on_new_request(request)
 
     def _read_hints(self, request: "Request", params: dict,
-                    session: str | None) -> tuple[KvHint | HintOutcome, ...]:
+                    session: Any) -> tuple[KvHint | HintOutcome, ...]:
         """Everything the request carries, parsed once (``read_request_hints``)."""
         try:
             return tuple(read_request_hints(params, request.kv_hints, session,

@@ -67,7 +67,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from sessionkv.hints import Action, HINTS_PARAM, KVCR_PARAM, SIG_PARAM, envelope, hint_action, sign
+from sessionkv.hints import (Action, HINTS_PARAM, KVCR_PARAM, SIG_PARAM, envelope, hint_action,
+                             id_problem, sign)
 from sessionkv.report import RequestReport
 from sessionkv.router import policy as rules
 from sessionkv.router.config import RouterConfig
@@ -328,9 +329,10 @@ class Router:
                                      status=400)
         session_id = (request.headers.get(SESSION_HEADER) or body.get("session_id")
                       or f"s-{uuid.uuid4().hex}")
-        if not isinstance(session_id, str) or not 0 < len(session_id) <= 128:
-            return web.json_response({"error": {"message": "session_id must be 1..128 chars",
-                                                "type": "BadRequest"}}, status=400)
+        bad = id_problem(session_id, "session_id")
+        if bad:             # a NUL could not even be echoed in X-Session-ID
+            return web.json_response({"error": {"message": bad, "type": "BadRequest"}},
+                                     status=400)
         forward = self._forward_body(body, session_id, gap)
         self._last_body[session_id] = (request.path, forward)
         await self.store.turn_started(session_id)

@@ -27,13 +27,14 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from sessionkv import control as wire
 from sessionkv.events import KINDS, AnyEvent, Outcome
 from sessionkv.events import decode as decode_event
-from sessionkv.hints import Action, HintOutcome, envelope, hint_action
+from sessionkv.hints import Action, HintOutcome, envelope, hint_action, id_problem
 
 
 class ControlError(RuntimeError):
@@ -66,8 +67,12 @@ class _Protocol:
         self.endpoint = endpoint
         self._secret = secret
         self.client_id = client_id or f"{os.uname().nodename[:40]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        bad = id_problem(self.client_id, "client_id")
+        if bad:
+            raise ValueError(bad)
         self._timeout_ms = int(timeout_s * 1000)
         self._counter = 0
+        self.skipped_events = 0     # events of kinds or fields this client does not know
 
     @classmethod
     def from_endpoint_file(cls, path: str, secret: bytes, **kwargs):
@@ -85,7 +90,11 @@ class _Protocol:
         if len(frames) != 2 or not wire.authentic(wire.REPLY_DOMAIN, frames[0], frames[1],
                                                   self._secret):
             raise ControlError(f"{self.endpoint}: reply not authentic (another secret?)")
-        reply = wire.reply_decoder.decode(frames[0])
+        try:
+            reply, skipped = wire.decode_reply(frames[0])
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ControlError(f"{self.endpoint}: reply undecodable ({e}; a newer engine?)") from None
+        self.skipped_events += skipped
         if counter is not None and reply.counter not in (counter, 0):
             raise ControlError(f"{self.endpoint}: reply to another request")
         return reply
@@ -93,7 +102,10 @@ class _Protocol:
     def _event(self, frames: list[bytes]) -> AnyEvent | None:
         if len(frames) == 3 and wire.authentic(wire.EVENT_DOMAIN, frames[1], frames[2],
                                                self._secret):
-            return decode_event(frames[1])
+            try:
+                return decode_event(frames[1])
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.skipped_events += 1    # a kind or field unknown here (a newer engine)
         return None
 
     def _subscriber(self, ctx: zmq.Context, events_endpoint: str, kinds) -> zmq.Socket:

@@ -119,6 +119,29 @@ class ReplayGuard:
         return ""
 
 
+class _ReplyIn(ControlReply, kw_only=True):
+    """A reply as a client reads it: each event decoded on its own, so one of
+    a kind or shape this client does not know (a newer engine) is skipped."""
+
+    events: list[msgspec.Raw] = []
+
+
 request_encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(ControlRequest)
-reply_decoder = msgspec.msgpack.Decoder(ControlReply)
+_reply_in = msgspec.msgpack.Decoder(_ReplyIn)
+_event_in = msgspec.msgpack.Decoder(AnyEvent)
+
+
+def decode_reply(payload: bytes) -> tuple[ControlReply, int]:
+    """A reply and how many of its events were skipped (unknown kinds or
+    fields); ``msgspec.DecodeError`` / ``ValidationError`` when the reply
+    itself is not one."""
+    raw = _reply_in.decode(payload)
+    events, skipped = [], 0
+    for e in raw.events:
+        try:
+            events.append(_event_in.decode(e))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            skipped += 1
+    fields = {f: getattr(raw, f) for f in raw.__struct_fields__}
+    return ControlReply(**{**fields, "events": events}), skipped

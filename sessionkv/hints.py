@@ -30,6 +30,7 @@ import hashlib
 import hmac
 import json
 import math
+import re
 import uuid
 from enum import Enum
 from typing import Any, Mapping
@@ -45,6 +46,10 @@ KVCR_FETCH = "kv.fetch"
 MAX_ACTIONS = 64           # per envelope; more is refused as a whole
 MAX_ID_LEN = 128
 MAX_KEYS = 65_536          # per target
+MAX_ENDPOINT_LEN = 512
+# C0 and C1 controls (NUL included) and lone surrogates: not valid in an
+# HTTP header, a log line or UTF-8 (an outcome with one could not be encoded).
+_NOT_IN_IDS = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 HINTS_PARAM = "kv_hints"
 SIG_PARAM = "kv_hints_sig"
 KVCR_PARAM = "kv_hint"
@@ -150,12 +155,29 @@ def verify(envelope: Any, session_id: str | None, signature: Any, secret: bytes 
     return hmac.compare_digest(want.encode(), signature.encode("utf-8", "surrogatepass"))
 
 
+def id_problem(value: Any, field: str, max_len: int = MAX_ID_LEN) -> str:
+    """"" when ``value`` is a valid identifier (session, hint, action, client
+    id, endpoint: 1..``max_len`` characters of valid UTF-8, no control
+    characters), else why not, naming ``field``. The one check on every path."""
+    if not isinstance(value, str):
+        return f"{field} must be a string"
+    if not 0 < len(value) <= max_len:
+        return f"{field} must be 1..{max_len} characters"
+    if _NOT_IN_IDS.search(value):
+        return f"{field} must not hold control characters or surrogates"
+    return ""
+
+
+def is_id(value: Any, max_len: int = MAX_ID_LEN) -> bool:
+    return not id_problem(value, "", max_len)
+
+
 def _rejected(hint_id: str, action: str | None, reason: str) -> HintOutcome:
     return HintOutcome(hint_id, action, Status.REJECTED, reason=reason)
 
 
 def _short_id(value: Any, fallback: str) -> str:
-    return value if isinstance(value, str) and 0 < len(value) <= MAX_ID_LEN else fallback
+    return value if is_id(value) else fallback
 
 
 def _hex_key(value: Any, where: str) -> bytes:
@@ -195,8 +217,9 @@ def _target(payload: Mapping[str, Any], session_id: str | None) -> Target:
     if unknown:
         raise ValueError(f"unknown target field {sorted(unknown)[0]!r}")
     sid = raw.get("session_id", session_id)
-    if not isinstance(sid, str) or not 0 < len(sid) <= MAX_ID_LEN:
-        raise ValueError("target.session_id must be a non-empty string")
+    bad = id_problem(sid, "target.session_id")
+    if bad:
+        raise ValueError(bad)
     if raw.get("branch") is not None and raw.get("boundary") is not None:
         raise ValueError("target takes a branch or a boundary, not both")
     branch = None if raw.get("branch") is None else _hex_key(raw["branch"], "target.branch")
@@ -209,8 +232,8 @@ def _bounds(payload: Mapping[str, Any]) -> Bounds:
     if priority > 1_000_000:
         raise ValueError("priority must be <= 1000000")
     dest = payload.get("destination")
-    if dest is not None and (not isinstance(dest, str) or not 0 < len(dest) <= MAX_ID_LEN):
-        raise ValueError("destination must be a non-empty string")
+    if dest is not None and id_problem(dest, "destination"):
+        raise ValueError(id_problem(dest, "destination"))
     max_blocks = _number(payload.get("max_blocks"), "max_blocks", integer=True)
     if max_blocks == 0:
         raise ValueError("max_blocks must be > 0")
@@ -226,7 +249,7 @@ def _action(i: int, raw: Any, session_id: str | None) -> KvHint | HintOutcome:
     aid = raw.get("action_id")
     hint_id = _short_id(aid, f"#{i}")
     atype = raw.get("action_type")
-    name = atype if isinstance(atype, str) and len(atype) <= MAX_ID_LEN else None
+    name = atype if is_id(atype) else None
     if hint_id != aid:
         return _rejected(hint_id, name, f"action_id must be a string of 1..{MAX_ID_LEN} chars")
     if name not in ACTION_TYPES:
@@ -281,8 +304,9 @@ def parse_kvcr_fetch(raw: Any) -> KvHint | HintOutcome:
         return _rejected(hint_id, KVCR_FETCH, "payload must be an object")
     source = payload.get("source_control_endpoint")
     hashes = payload.get("block_hashes")
-    if not isinstance(source, str) or not 0 < len(source) <= 512:
-        return _rejected(hint_id, KVCR_FETCH, "source_control_endpoint must be a string")
+    bad = id_problem(source, "source_control_endpoint", MAX_ENDPOINT_LEN)
+    if bad:
+        return _rejected(hint_id, KVCR_FETCH, bad)
     if payload.get("mode", "copy") != "copy":
         return _rejected(hint_id, KVCR_FETCH, "only copy mode is supported")
     if (not isinstance(hashes, list) or not 0 < len(hashes) <= MAX_KEYS

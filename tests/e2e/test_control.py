@@ -118,7 +118,7 @@ def raw_call(endpoint, frames):
         assert s.poll(5000)
         payload, tag = s.recv_multipart()
         assert wire.authentic(wire.REPLY_DOMAIN, payload, tag, SECRET)
-        return wire.reply_decoder.decode(payload)
+        return wire.decode_reply(payload)[0]
     finally:
         s.close()
 

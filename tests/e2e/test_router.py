@@ -284,3 +284,17 @@ def chat_turns_are_tokenized_and_retained(router, servers):
     salt = uuid.uuid4().hex
     refs = [chat(servers[worker].url, m, cache_salt=salt)[2] for m in (msgs, msgs2)]
     assert w2 == worker and [lp1, lp2] == refs
+
+
+def test_odd_session_ids_get_a_clear_400(cluster):
+    """A body ``session_id`` with a NUL (which could not be echoed in
+    ``X-Session-ID``: was a 500) or too long gets a 400 naming the field."""
+    router = start_router(cluster, f"r-{uuid.uuid4().hex[:6]}")
+    try:
+        for sid, why in [("a\x00b", "control characters"), ("x" * 300, "1..128")]:
+            r = requests.post(router.url + "/v1/completions",
+                              json={**body(NEW[0][:40]), "session_id": sid}, timeout=60)
+            assert r.status_code == 400, r.text
+            assert "session_id" in r.json()["error"]["message"] and why in r.text
+    finally:
+        router.stop()
