@@ -210,6 +210,7 @@ class ControlChannel:
         elif req.op == "events":
             limit = max(0, min(req.limit, wire.MAX_EVENTS_PER_REPLY))
             reply.events, reply.oldest, reply.next_seq = self._events.since(req.after, limit)
+            reply.last_seq = reply.events[-1].seq if reply.events else 0
         elif req.op == "status":
             reply.info = self._manager.status()
         elif req.op == "probe":

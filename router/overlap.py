@@ -37,6 +37,7 @@ from sessionkv.events import Association, Eviction, Residency, Transfer
 
 PROBE_TOKENS = [(i * 7919 + 13) % 30000 + 5 for i in range(200)]
 GROUP0 = (0).to_bytes(4, "big")      # OffloadKey = block hash + KV cache group index
+MAX_BLOCK_SIZE = 1 << 16
 
 
 class ProbeMismatch(ValueError):
@@ -83,11 +84,15 @@ class BlockHasher:
         """A hasher that reproduces the engine's ``probe`` answer for ``tokens``;
         ``ProbeMismatch`` when none does."""
         try:
-            algo, bs = answer["hash_algo"], int(answer["block_size"])
+            algo, bs = answer["hash_algo"], answer["block_size"]
             root, want = bytes.fromhex(answer["hash_root"]), answer["block_hashes"]
         except (KeyError, TypeError, ValueError) as e:
             raise ProbeMismatch(f"probe answer incomplete: {e!r}") from None
-        if algo not in HASH_FUNCTIONS:
+        if isinstance(bs, bool) or not isinstance(bs, int) or not 0 < bs <= MAX_BLOCK_SIZE:
+            raise ProbeMismatch(f"probe answer's block_size {bs!r} is not 1..{MAX_BLOCK_SIZE}")
+        if not isinstance(want, list) or not all(isinstance(h, str) for h in want):
+            raise ProbeMismatch("probe answer's block_hashes are not a list of hex strings")
+        if not isinstance(algo, str) or algo not in HASH_FUNCTIONS:
             raise ProbeMismatch(f"hash function {algo!r} not reproduced by the router "
                                 f"(known: {', '.join(HASH_FUNCTIONS)})")
         hasher = cls(bs, algo, root)

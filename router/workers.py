@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import uuid
 from collections import OrderedDict
@@ -52,12 +53,24 @@ class DataParallelWorker(ValueError):
     per rank: the router does not start."""
 
 
-def _metric_sum(text: str, name: str) -> float:
-    total = 0.0
+def _metric_sum(text: str, name: str) -> tuple[float, int]:
+    """The sum of a metric's samples in Prometheus text, and how many samples
+    of it had no readable value (skipped)."""
+    total, bad = 0.0, 0
     for line in text.splitlines():
         if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+            # The value follows the labels (which may hold spaces); a timestamp may follow it.
+            fields = line[line.rfind("}") + 1 if "}" in line else len(name):].split()
+            try:
+                value = float(fields[0])
+            except (IndexError, ValueError):
+                bad += 1
+                continue
+            if math.isfinite(value):
+                total += value
+            else:
+                bad += 1
+    return total, bad
 
 
 class Worker:
@@ -86,6 +99,8 @@ class Worker:
         self.index = OverlapIndex()
         self.hasher: BlockHasher | None = None
         self.probe_error: str | None = None
+        self.metrics_error: str | None = None   # degraded: load read only in part
+        self.bad_events = 0                     # events that failed to apply (dropped)
         self.info: dict[str, Any] = {}       # the engine's hello
 
     @property
@@ -96,6 +111,8 @@ class Worker:
         return {"name": self.name, "url": self.url, "healthy": self.healthy,
                 "load": self.load, "engine_load": self.engine_load, "inflight": self.inflight,
                 "overlap": self.hasher is not None, "probe_error": self.probe_error,
+                "metrics_error": self.metrics_error, "bad_events": self.bad_events,
+                "skipped_events": getattr(self.control, "skipped_events", 0),
                 "index_keys": len(self.index)}
 
     async def start(self) -> None:
@@ -154,18 +171,24 @@ class Worker:
         except (ProbeMismatch, ControlError) as e:
             self.hasher, self.probe_error = None, str(e)
             log.warning("worker %s: no overlap routing: %s", self.name, e)
+        except Exception as e:      # a reply no check foresaw: degraded, never down
+            self.hasher, self.probe_error = None, f"unreadable probe answer: {e!r}"
+            log.exception("worker %s: no overlap routing", self.name)
 
     async def _catch_up_index(self, after: int, upto: int) -> None:
         """Feed the index the events the engine keeps in (after, upto]."""
         try:
             while after < upto:
                 page = await self.control.events(after, 1000)
-                batch = [ev for ev in page.events if ev.seq <= upto]
-                for ev in batch:
-                    self.index.apply(ev)
-                if len(batch) < 1000:
+                for ev in page.events:
+                    if ev.seq <= upto:
+                        try:
+                            self.index.apply(ev)
+                        except Exception:   # dropped and counted, as when following
+                            self.bad_events += 1
+                if page.last_seq == 0 or page.last_seq >= upto:
                     break
-                after = batch[-1].seq
+                after = page.last_seq               # past kinds this router skipped
         except ControlError as e:
             log.warning("worker %s: index catch-up: %s", self.name, e)
 
@@ -224,12 +247,16 @@ class Worker:
                                           timeout=aiohttp.ClientTimeout(total=5)) as r:
                     text = await r.text()
                     r.raise_for_status()
-                self.engine_load = (_metric_sum(text, "vllm:num_requests_running")
-                                    + _metric_sum(text, "vllm:num_requests_waiting"))
+                (running, bad_r), (waiting, bad_w) = (
+                    _metric_sum(text, "vllm:num_requests_running"),
+                    _metric_sum(text, "vllm:num_requests_waiting"))
+                self.engine_load = running + waiting
+                self.metrics_error = (f"{bad_r + bad_w} unreadable load samples in /metrics"
+                                      if bad_r + bad_w else None)
                 self.healthy = True
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            except Exception as e:  # any bad reply: unhealthy, and the poll goes on
                 if self.healthy:
-                    log.warning("worker %s unhealthy: %s", self.name, e)
+                    log.warning("worker %s unhealthy: %r", self.name, e)
                 self.healthy = False
             self._polled.set()
             await asyncio.sleep(self._poll_s)
@@ -304,13 +331,21 @@ class Worker:
                     for ev in page.events:
                         self._event(ev)
                         self._seq = ev.seq
-                    if len(page.events) < 1000:
-                        break
+                    self._seq = max(self._seq, page.last_seq)   # past kinds skipped
+                    if page.last_seq == 0 or page.last_seq >= page.next_seq - 1:
+                        break                                   # caught up
             except ControlError as e:
                 log.warning("worker %s: events: %s", self.name, e)
             await asyncio.sleep(0.1)     # at most ~10 reads a second under a busy stream
 
     def _event(self, ev) -> None:
+        try:
+            self._apply(ev)
+        except Exception:           # a bad event is dropped and counted, never fatal
+            self.bad_events += 1
+            log.exception("worker %s: event %s dropped", self.name, getattr(ev, "seq", "?"))
+
+    def _apply(self, ev) -> None:
         self.index.apply(ev)
         if isinstance(ev, Transfer) and "G1" not in (ev.src, ev.dst):
             self._last_transfer = ev

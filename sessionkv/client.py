@@ -42,7 +42,8 @@ class ControlError(RuntimeError):
 
 
 class EventPage(tuple):
-    """``(events, oldest, next_seq)`` from op ``events``."""
+    """``(events, oldest, next_seq, last_seq)`` from op ``events``; ``last_seq``
+    the page's last event, skipped or not: where the next page starts."""
 
     @property
     def events(self) -> list[AnyEvent]:
@@ -55,6 +56,10 @@ class EventPage(tuple):
     @property
     def next_seq(self) -> int:
         return self[2]
+
+    @property
+    def last_seq(self) -> int:
+        return self[3]
 
 
 class _Protocol:
@@ -187,7 +192,7 @@ class HintClient(_Protocol):
         r = self.call("events", after=after, limit=limit)
         if not r.ok:
             raise ControlError(f"{self.endpoint}: {r.error}")
-        return EventPage((r.events, r.oldest, r.next_seq))
+        return EventPage((r.events, r.oldest, r.next_seq, r.last_seq))
 
     def resolve(self, block_hashes: list[int]) -> list[bytes]:
         """The chunk keys of the blocks (named by 64-bit hashes) the engine holds."""
@@ -344,7 +349,7 @@ class AsyncHintClient(_Protocol):
         r = await self.call("events", after=after, limit=limit)
         if not r.ok:
             raise ControlError(f"{self.endpoint}: {r.error}")
-        return EventPage((r.events, r.oldest, r.next_seq))
+        return EventPage((r.events, r.oldest, r.next_seq, r.last_seq))
 
     async def stream(self, kinds=None) -> AsyncIterator[AnyEvent]:
         """New events as they are published (no catch-up: use ``events``)."""

@@ -78,6 +78,8 @@ class ControlReply(msgspec.Struct, kw_only=True):
     events: list[AnyEvent] = []
     oldest: int = 0               # op=events: oldest seq still kept
     next_seq: int = 0             # op=events: the next seq the engine assigns
+    last_seq: int = 0             # op=events: the page's last event (kept by a
+                                  # client that skips kinds it does not know)
     keys: list[bytes] = []        # op=resolve
     info: dict[str, Any] = {}
 
