@@ -46,7 +46,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from sessionkv.config import mapping_of
+from sessionkv.config import MAX_INT, MAX_NUMBER, mapping_of
+from sessionkv.hints import id_problem
 
 END_ACTIONS = ("demote", "free", "none")
 STRATEGIES = ("auto", "recency+shared", "density+shared", "recency", "density", "plain")
@@ -132,10 +133,19 @@ def _known(section: Mapping[str, Any], known: tuple[str, ...], where: str) -> No
 
 
 def _positive(value: Any, where: str, integer: bool = False) -> Any:
+    """A positive number, finite and in range (``MAX_NUMBER``, ``MAX_INT``)."""
     kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
-        raise ValueError(f"{where} must be a positive {'integer' if integer else 'number'}, "
-                         f"got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, kind) or \
+            not 0 < value <= (MAX_INT if integer else MAX_NUMBER):
+        raise ValueError(f"{where} must be a positive {'integer' if integer else 'number'} "
+                         f"up to {MAX_INT if integer else MAX_NUMBER:g}, got {value!r}")
+    return value
+
+
+def _whole_seconds(value: Any, where: str) -> Any:
+    """A TTL Redis keeps in whole seconds: at least 1 (EXPIRE 0 deletes)."""
+    if _positive(value, where) < 1:
+        raise ValueError(f"{where} must be at least 1 (Redis keeps whole seconds), got {value!r}")
     return value
 
 
@@ -179,7 +189,10 @@ def _worker(raw: Any, i: int) -> WorkerConfig:
         raise ValueError(f"{where}: a plain worker has no control channel")
     if not plain and ("control" in raw) == ("endpoint_file" in raw):
         raise ValueError(f"{where}: give control (tcp://host:port) or endpoint_file, one of them")
-    return WorkerConfig(_string(raw["name"], f"{where}.name"), url,
+    bad = id_problem(raw["name"], f"{where}.name")      # it names the worker in headers
+    if bad:
+        raise ValueError(bad)
+    return WorkerConfig(raw["name"], url,
                         raw.get("control") and _string(raw["control"], f"{where}.control"),
                         raw.get("endpoint_file") and _string(raw["endpoint_file"],
                                                              f"{where}.endpoint_file"), plain)
@@ -202,7 +215,7 @@ def parse_config(doc: Any) -> RouterConfig:
     doc = mapping_of(doc, "router config")
     _known(doc, ("version", "listen", "secret_file", "redis", "workers", "routing", "policy"),
            "router config")
-    if doc.get("version", 1) != 1:
+    if isinstance(doc.get("version", 1), bool) or doc.get("version", 1) != 1:
         raise ValueError(f"version must be 1, got {doc.get('version')!r}")
     if "secret_file" not in doc:
         raise ValueError("secret_file is required (the engines' trust.secret_file key)")
@@ -215,7 +228,7 @@ def parse_config(doc: Any) -> RouterConfig:
     if "url" not in mapping_of(doc.get("redis"), "redis"):
         raise ValueError("redis.url is required (session state lives in Redis)")
     redis_cfg = _section(doc, "redis", RedisConfig, {
-        "url": _string, "namespace": _string, "state_ttl_s": _positive})
+        "url": _string, "namespace": _string, "state_ttl_s": _whole_seconds})
     workers = doc.get("workers")
     if not isinstance(workers, list) or not workers:
         raise ValueError("workers must be a non-empty list")
@@ -261,4 +274,6 @@ def load_config(path: str) -> RouterConfig:
         raise ValueError(f"router config {path!r}: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise ValueError(f"router config {path!r}: invalid YAML: {e}") from None
+    except RecursionError:
+        raise ValueError(f"router config {path!r}: YAML nested too deep") from None
     return parse_config(doc)

@@ -125,9 +125,14 @@ def mapping_of(value: Any, where: str) -> Mapping[str, Any]:
     return value
 
 
+MAX_NUMBER = 1e9        # seconds (31 years), rates, counts: finite and in range
+MAX_INT = 1 << 50       # bytes (1 PiB), blocks
+
+
 def _positive_number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{where} must be a positive number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not 0 < value <= MAX_NUMBER:
+        raise ValueError(f"{where} must be a positive number up to {MAX_NUMBER:g}, got {value!r}")
     return float(value)
 
 
@@ -166,8 +171,8 @@ def _parse_trust(raw: Any, source: str) -> Trust:
 
 def _positive_int(value: Any, where: str) -> int:
     # bool is an int subclass; "true" is never a size.
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{where} must be a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_INT:
+        raise ValueError(f"{where} must be a positive integer up to 2**50, got {value!r}")
     return value
 
 
@@ -176,7 +181,7 @@ def parse_policy(doc: Any, source: str = "policy") -> TierPolicy:
     doc = mapping_of(doc, source)
     _reject_unknown(doc, ("version", "g2", "g3", "sessions", "limits", "trust"), f"{source}: ")
     version = doc.get("version", 1)
-    if version != 1:
+    if isinstance(version, bool) or version != 1:
         raise ValueError(f"{source}: version must be 1, got {version!r}")
     g2 = mapping_of(doc.get("g2"), f"{source}: g2")
     _reject_unknown(g2, ("eviction",), f"{source}: g2.")
@@ -217,6 +222,8 @@ def load_policy_file(path: str) -> TierPolicy:
             doc = yaml.safe_load(f)
         except yaml.YAMLError as e:
             raise ValueError(f"{SUBKEY}.policy_file {path!r}: invalid YAML: {e}") from e
+        except RecursionError:
+            raise ValueError(f"{SUBKEY}.policy_file {path!r}: YAML nested too deep") from None
     return parse_policy(doc, source=path)
 
 

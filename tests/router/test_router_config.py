@@ -1,6 +1,7 @@
 """router.yaml parsing, the routing rule, and session state on a real Redis."""
 
 import asyncio
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -8,7 +9,7 @@ import pytest
 
 from sessionkv.hints import HintOutcome, Status
 from sessionkv.router import parse_config
-from sessionkv.router.config import RedisConfig
+from sessionkv.router.config import RedisConfig, load_config
 from sessionkv.router.policy import (Counters, NoWorker, choose, ends_in_tool_call,
                                      tool_gap_from_header)
 from sessionkv.router.state import SessionStore
@@ -47,10 +48,24 @@ def test_defaults_and_overrides(doc):
     ({"listen": {"port": 70000}}, "listen.port"),
     ({"version": 2}, "version must be 1"),
     ({"bogus": 1}, "router config.bogus: unknown key"),
+    ({"version": True}, "version must be 1"),                       # True == 1 passed
+    ({"redis": {"url": "redis://x", "state_ttl_s": 0.5}}, "redis.state_ttl_s must be at least 1"),
+    ({"policy": {"tool_call": {"expected_gap_s": float("inf")}}},  # a Pin TTL of inf: a 500
+     "policy.tool_call.expected_gap_s must be a positive number"),
+    ({"routing": {"load_poll_s": float("nan")}}, "routing.load_poll_s"),
+    ({"workers": [{"name": "a\x00", "url": "http://h:1", "control": "tcp://h:2"}]},
+     "workers[0].name must not hold control characters"),
 ])
 def test_errors_name_the_key(doc, change, message):
-    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         parse_config({**doc, **change})
+
+
+def test_deep_yaml_is_a_clear_error(tmp_path):
+    path = tmp_path / "router.yaml"
+    path.write_text("version: 1\nworkers: " + "[" * 2000 + "]" * 2000 + "\n")
+    with pytest.raises(ValueError, match="nested too deep"):          # was a RecursionError
+        load_config(str(path))
 
 
 def test_worker_errors(doc):

@@ -104,6 +104,11 @@ def test_bad_config_names_the_key(extra, key):
         ("g2: [1, 2]\n", "g2"),
         ("- a\n- b\n", "must be a mapping"),
         ("g2: {eviction: [\n", "invalid YAML"),
+        ("limits: {max_ttl_s: .inf}\n", "limits.max_ttl_s"),           # was an OverflowError
+        ("limits: {hints_per_s_per_client: .nan}\n", "limits.hints_per_s_per_client"),
+        ("sessions: {idle_timeout_s: 1.0e+300}\n", "sessions.idle_timeout_s"),
+        ("version: true\n", "version"),                                 # True == 1 passed
+        ("g2: " + "[" * 2000 + "]" * 2000 + "\n", "nested too deep"),   # was a RecursionError
     ],
 )
 def test_bad_policy_file_names_the_key(tmp_path, text, key):
