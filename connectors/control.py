@@ -84,6 +84,7 @@ class ControlChannel:
             self._ctx.destroy(linger=0)
             raise
         self.info = {**(info or {}), "events": self.events_endpoint}
+        self.dropped_events = 0      # events that could not be encoded (not published)
         self._stop_r, self._stop_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name="sessionkv-control", daemon=True)
         self._closed = False
@@ -137,13 +138,21 @@ class ControlChannel:
                         break
                     self._serve(frames)
             if mover is not None and mover.wake_fd in ready:
-                self._manager.apply_moves()     # copies ended: finish them now
+                try:
+                    self._manager.apply_moves()     # copies ended: finish them now
+                except Exception:   # a bug costs these copies' outcomes, never the thread
+                    logger.exception("sessionkv: finishing hint copies failed")
             if self._events.wake_fd in ready:
                 self._publish()
 
     def _publish(self) -> None:
         for ev in self._events.drain_new():
-            payload = encode_event(ev)
+            try:
+                payload = encode_event(ev)
+            except Exception:        # unencodable (a bug upstream): dropped and counted
+                self.dropped_events += 1
+                logger.exception("sessionkv: event %d not published", ev.seq)
+                continue
             tag = wire.mac(wire.EVENT_DOMAIN, payload, self._secret)
             try:
                 self._pub.send_multipart([ev.__struct_config__.tag.encode(), payload, tag],
@@ -158,12 +167,32 @@ class ControlChannel:
         except Exception:            # a bug costs this request, never the thread
             logger.exception("sessionkv: control request failed")
             reply = wire.refused(0, "internal error")
-        payload = wire.request_encoder.encode(reply)
+        try:
+            payload = wire.request_encoder.encode(reply)
+        except Exception:            # unencodable (a bug upstream)
+            logger.exception("sessionkv: control reply not encodable")
+            payload = self._encode_without_bad_events(reply)
         tag = wire.mac(wire.REPLY_DOMAIN, payload, self._secret)
         try:
             self._router.send_multipart([identity, payload, tag], zmq.NOBLOCK)
         except zmq.ZMQError:         # the client is gone or not reading
             pass
+
+    def _encode_without_bad_events(self, reply: wire.ControlReply) -> bytes:
+        """An events page without the events that cannot be encoded (its
+        ``last_seq`` still past them, so readers go on), else a refusal."""
+        good = []
+        for ev in reply.events:
+            try:
+                encode_event(ev)
+                good.append(ev)
+            except Exception:
+                pass
+        try:
+            return wire.request_encoder.encode(msgspec.structs.replace(reply, events=good))
+        except Exception:
+            return wire.request_encoder.encode(
+                wire.refused(reply.counter, "internal error: reply not encodable"))
 
     def _handle(self, body: list[bytes]) -> wire.ControlReply:
         if len(body) != 2:

@@ -166,6 +166,25 @@ def test_bad_frames_get_rejected_outcomes_and_the_engine_keeps_serving(engine, c
     assert client.pin("h", ttl_s=10**9).status == "clipped"      # ttl over max_ttl_s
 
 
+def test_an_unencodable_event_is_dropped_and_the_channel_keeps_serving(engine, client):
+    """Fault injection (no path makes such an event: identifiers are checked
+    on entry): an event with a lone surrogate in its session id, appended to
+    the engine's log, once killed the channel's thread for good ("no reply
+    within 2000 ms" for the next hello). Now it is dropped and counted, the
+    events op steps past it, and the channel keeps answering."""
+    from sessionkv.events import Association, Op
+    ch = channel(engine)
+    log = engine.llm_engine.engine_core.engine_core.scheduler.connector.manager.event_log
+    seq = log.append(Association(session_id="\ud800", op=Op.EXTEND, blocks=1))
+    deadline = time.monotonic() + 5
+    while ch.dropped_events == 0:                    # the publisher met it
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert client.hello()["engine_id"]
+    page = client.events(seq - 1, 10)
+    assert page.last_seq == seq and all(ev.seq != seq for ev in page.events)
+
+
 def test_a_flooding_client_is_rate_limited_others_are_served(engine):
     llm = engine
     ref = cold(llm, "G")
