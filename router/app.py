@@ -62,6 +62,7 @@ import logging
 import signal
 import time
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 import aiohttp
@@ -74,7 +75,7 @@ from sessionkv.router import policy as rules
 from sessionkv.router.config import RouterConfig
 from sessionkv.router.overlap import score
 from sessionkv.router.session_policy import End, Out, SessionHints
-from sessionkv.router.state import SessionStore
+from sessionkv.router.state import ResilientStore, SessionStore, StateError
 from sessionkv.router.workers import Worker
 
 log = logging.getLogger("sessionkv.router")
@@ -97,11 +98,12 @@ class Router:
         self.counters = rules.Counters()
         self.policy = SessionHints(cfg.policy, clock)
         self._outbox: asyncio.Queue[Out] = asyncio.Queue(OUTBOX)
-        self.store = SessionStore(cfg.redis)
+        self.store = ResilientStore(SessionStore(cfg.redis), cfg.policy.max_sessions)
         self.workers: dict[str, Worker] = {}
         self._http: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._last_body: dict[str, tuple[str, dict[str, Any]]] = {}
+        # Each session's last body, for warm-ups: at most policy.max_sessions.
+        self._last_body: OrderedDict[str, tuple[str, dict[str, Any]]] = OrderedDict()
         self.app = web.Application(client_max_size=64 << 20)
         self.app.add_routes([
             web.post("/v1/completions", self._generate),
@@ -115,7 +117,10 @@ class Router:
     # ---- lifecycle ----------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.store.ping()
+        try:
+            await self.store.ping()
+        except StateError as e:     # routing goes on from this replica's memory
+            log.warning("%s: starting without session state", e)
         self._http = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.cfg.routing.request_timeout_s))
         for w in self.cfg.workers:
@@ -295,7 +300,8 @@ class Router:
         if await self.store.move(session_id, state.worker, choice):
             await self._move(session_id, self.workers[state.worker], self.workers[choice])
             return self.workers[choice]
-        return self.workers[(await self.store.get(session_id)).worker]
+        now = await self.store.get(session_id)      # another replica moved it first
+        return self.workers.get(now.worker, self.workers[choice]) if now else self.workers[choice]
 
     async def _move(self, session_id: str, old: Worker, new: Worker) -> None:
         """Share from ``old`` (and Prefetch on ``new``) per ``policy.on_move``."""
@@ -335,6 +341,9 @@ class Router:
                                      status=400)
         forward = self._forward_body(body, session_id, gap)
         self._last_body[session_id] = (request.path, forward)
+        self._last_body.move_to_end(session_id)
+        while len(self._last_body) > self.cfg.policy.max_sessions:
+            self._last_body.popitem(last=False)
         await self.store.turn_started(session_id)
         for attempt in range(len(self.workers)):
             try:
@@ -524,7 +533,8 @@ class Router:
 
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response({"workers": [w.status() for w in self.workers.values()],
-                                  **self.counters.to_dict(), "policy": self.policy.status()})
+                                  **self.counters.to_dict(), "policy": self.policy.status(),
+                                  "state": self.store.status()})
 
     async def _health(self, request: web.Request) -> web.Response:
         ok = any(w.healthy for w in self.workers.values())

@@ -11,12 +11,16 @@ session from the active set, so exactly one replica acts on an end.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
 from sessionkv.router.config import RedisConfig
+
+log = logging.getLogger("sessionkv.router")
 
 # KEYS[1] the session hash, ARGV: expected worker, new worker. 1 when moved.
 _MOVE = """
@@ -133,3 +137,117 @@ class SessionStore:
 
     async def close(self) -> None:
         await self._redis.aclose()
+
+
+class ResilientStore:
+    """``SessionStore`` for a router that keeps routing while Redis does not
+    answer: every call that fails falls back to this replica's own memory
+    (the placements it made or read lately, at most ``max_sessions``, least
+    recently used first out) and is counted; nothing raises. Without Redis a
+    session sticks to the worker this replica last sent it to, placements of
+    other replicas are not seen, and idle sessions are not ended (the sweep
+    reads Redis) until it answers again.
+
+    Threading: the router's event loop only."""
+
+    def __init__(self, store: SessionStore, max_sessions: int):
+        self._store = store
+        self._max = max_sessions
+        self._local: OrderedDict[str, SessionState] = OrderedDict()
+        self._rr = 0
+        self.errors = 0
+        self.last_error = ""
+
+    def status(self) -> dict:
+        return {"errors": self.errors, "last_error": self.last_error,
+                "local_sessions": len(self._local)}
+
+    def _failed(self, what: str, e: Exception) -> None:
+        self.errors += 1
+        if not self.last_error:
+            log.warning("session state: %s failed (%r): routing from this replica's memory",
+                        what, e)
+        self.last_error = f"{what}: {e!r}"[:200]
+
+    def _remember(self, state: SessionState | None) -> SessionState | None:
+        if state is not None:
+            self._local[state.session_id] = state
+            self._local.move_to_end(state.session_id)
+            while len(self._local) > self._max:
+                self._local.popitem(last=False)
+        return state
+
+    def _placed(self, session_id: str, worker: str) -> None:
+        old = self._local.get(session_id)
+        now = time.time()
+        self._remember(SessionState(session_id, worker, old.turns if old else 0,
+                                    old.created if old else now, now, 0.0))
+
+    async def get(self, session_id: str) -> SessionState | None:
+        try:
+            state = await self._store.get(session_id)
+        except Exception as e:
+            self._failed("get", e)
+            return self._local.get(session_id)
+        self.last_error = ""
+        return self._remember(state)
+
+    async def claim(self, session_id: str, worker: str) -> str:
+        try:
+            placed = await self._store.claim(session_id, worker)
+        except Exception as e:
+            self._failed("claim", e)
+            placed = worker
+        self._placed(session_id, placed)
+        return placed
+
+    async def move(self, session_id: str, old: str, new: str) -> bool:
+        try:
+            moved = await self._store.move(session_id, old, new)
+        except Exception as e:
+            self._failed("move", e)
+            moved = True
+        if moved:
+            self._placed(session_id, new)
+        return moved
+
+    async def turn_started(self, session_id: str) -> None:
+        try:
+            await self._store.turn_started(session_id)
+        except Exception as e:
+            self._failed("turn_started", e)
+
+    async def turn_ended(self, session_id: str, gap_s: float | None) -> None:
+        try:
+            await self._store.turn_ended(session_id, gap_s)
+        except Exception as e:      # the turn is done: never an error for the client
+            self._failed("turn_ended", e)
+
+    async def end(self, session_id: str) -> SessionState | None:
+        local = self._local.pop(session_id, None)
+        try:
+            return await self._store.end(session_id)
+        except Exception as e:
+            self._failed("end", e)
+            return local
+
+    async def idle(self, idle_s: float) -> list[str]:
+        try:
+            return await self._store.idle(idle_s)
+        except Exception as e:
+            self._failed("idle", e)
+            return []
+
+    async def round_robin(self) -> int:
+        try:
+            return await self._store.round_robin()
+        except Exception as e:
+            self._failed("round_robin", e)
+            self._rr += 1
+            return self._rr
+
+    async def ping(self) -> None:
+        await self._store.ping()
+
+    async def close(self) -> None:
+        await self._store.close()

@@ -298,3 +298,42 @@ def test_odd_session_ids_get_a_clear_400(cluster):
             assert "session_id" in r.json()["error"]["message"] and why in r.text
     finally:
         router.stop()
+
+
+def test_redis_down_keeps_routing_and_a_restart_without_it_starts(cluster, tmp_path):
+    """The router's own Redis (a real server) stops after the first turn: the
+    next turns stay on the session's worker (this replica's memory) and
+    succeed, a turn the engine finished is never turned into an error, and a
+    router restarted while Redis is down starts and serves. Outputs equal a
+    cold recompute."""
+    from sessionkv.devtools.services import start_redis
+    d, workers, servers, _ = cluster
+    url, redis_server = start_redis(tmp_path)
+    cfg = router_config(workers, url, f"r-{uuid.uuid4().hex[:6]}")
+    cfg["secret_file"] = str(d / "secret")
+    router = RouterProcess(cfg, d / f"router-{uuid.uuid4().hex[:6]}.yaml")
+    prompt, turns = NEW[2], []
+    try:
+        try:
+            turns.append((prompt, *turn(router, "down", prompt)))
+            redis_server.stop()
+            for extra in (NEW[3][:20], NEW[4][:20]):
+                prompt = prompt + tokens(turns[-1][2]) + extra
+                turns.append((prompt, *turn(router, "down", prompt)))
+            state = router.status()["state"]
+        finally:
+            router.stop()
+        assert len({w for _, w, _, _ in turns}) == 1, [w for _, w, _, _ in turns]
+        assert state["errors"] > 0 and state["local_sessions"] == 1, state
+        router = RouterProcess(cfg, d / f"router-{uuid.uuid4().hex[:6]}.yaml")   # Redis still down
+        prompt = prompt + tokens(turns[-1][2]) + NEW[5][:20]
+        turns.append((prompt, *turn(router, "down", prompt)))
+    finally:
+        router.stop()
+        redis_server.stop()
+    # After the restart, overlap routing (the engines' events) finds the prefix's worker.
+    assert turns[-1][1] == turns[0][1]
+    ref = cold(servers[turns[0][1]], [p for p, _, _, _ in turns])
+    for i, ((_, _, out, report), (want, served)) in enumerate(zip(turns, ref)):
+        assert served["recomputed"] == report["tokens"]["recomputed"], (i, served, report)
+        assert outputs(out) == want, f"turn {i + 1}: {report}"
