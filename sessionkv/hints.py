@@ -18,7 +18,7 @@ A hint is target + action + bounds. Wire forms:
 
 Request-borne hints must be signed by the router: ``kv_transfer_params
 ["kv_hints_sig"] = sign(envelope, session_id, secret)``, an HMAC-SHA256 over the
-envelope's canonical JSON and the session id.
+envelope's canonical JSON, the session id and an expiry (``SIG_TTL_S``).
 
 Parsing never raises: every action yields one ``KvHint`` or one ``rejected``
 ``HintOutcome``; an envelope that cannot be read at all yields one outcome.
@@ -31,6 +31,7 @@ import hmac
 import json
 import math
 import re
+import time
 import uuid
 from enum import Enum
 from typing import Any, Mapping
@@ -47,6 +48,8 @@ MAX_ACTIONS = 64           # per envelope; more is refused as a whole
 MAX_ID_LEN = 128
 MAX_KEYS = 65_536          # per target
 MAX_ENDPOINT_LEN = 512
+SIG_TTL_S = 300.0          # a request signature's lifetime
+SIG_MAX_AHEAD_S = 3600.0   # expiries further ahead are refused (clock skew fits inside)
 # C0 and C1 controls (NUL included) and lone surrogates: not valid in an
 # HTTP header, a log line or UTF-8 (an outcome with one could not be encoded).
 _NOT_IN_IDS = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
@@ -137,22 +140,41 @@ def canonical(envelope: Any) -> bytes:
                       ensure_ascii=False, allow_nan=False).encode()
 
 
-def sign(envelope: Any, session_id: str, secret: bytes) -> str:
-    """The router's signature over an envelope and the request's session id;
-    send it as ``kv_transfer_params["kv_hints_sig"]``."""
-    msg = canonical(envelope) + b"\n" + session_id.encode()
+def sign(envelope: Any, session_id: str, secret: bytes, *, ttl_s: float = SIG_TTL_S,
+         now: float | None = None) -> str:
+    """The router's signature over an envelope, the request's session id and
+    an expiry (``ttl_s`` from now, Unix time): ``"<expiry>.<hex HMAC>"``; send
+    it as ``kv_transfer_params["kv_hints_sig"]``. A captured request so
+    replays its hints for at most ``ttl_s``. Raises ``TypeError`` /
+    ``ValueError`` for an envelope that is not JSON or a session id that is
+    not valid UTF-8."""
+    exp = int((time.time() if now is None else now) + ttl_s)
+    return f"{exp}.{_sig_mac(envelope, session_id, secret, exp)}"
+
+
+def _sig_mac(envelope: Any, session_id: str, secret: bytes, exp: int) -> str:
+    msg = canonical(envelope) + b"\n" + session_id.encode() + b"\n" + str(exp).encode()
     return hmac.new(derive(secret, HINT_SIG), msg, hashlib.sha256).hexdigest()
 
 
-def verify(envelope: Any, session_id: str | None, signature: Any, secret: bytes | None) -> bool:
+def verify(envelope: Any, session_id: str | None, signature: Any, secret: bytes | None,
+           now: float | None = None) -> bool:
+    """Whether ``signature`` is the router's over these and has not expired
+    (nor expires more than ``SIG_MAX_AHEAD_S`` ahead). Never raises."""
     if not secret or not isinstance(signature, str) or not isinstance(session_id, str):
         return False
+    exp_s, dot, tag = signature.partition(".")
+    if not dot or not (exp_s.isascii() and exp_s.isdigit()) or len(exp_s) > 12:
+        return False
+    exp, now = int(exp_s), time.time() if now is None else now
+    if not now <= exp <= now + SIG_MAX_AHEAD_S:
+        return False
     try:
-        want = sign(envelope, session_id, secret)
+        want = _sig_mac(envelope, session_id, secret, exp)
     except (TypeError, ValueError, RecursionError):
         return False
     # As bytes: compare_digest refuses str with non-ASCII characters.
-    return hmac.compare_digest(want.encode(), signature.encode("utf-8", "surrogatepass"))
+    return hmac.compare_digest(want.encode(), tag.encode("utf-8", "surrogatepass"))
 
 
 def id_problem(value: Any, field: str, max_len: int = MAX_ID_LEN) -> str:

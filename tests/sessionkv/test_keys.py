@@ -23,12 +23,27 @@ def test_each_use_has_its_own_key_and_none_is_the_secret():
 
 
 def test_hint_signatures_use_the_derived_key():
-    env, msg_tail = {"actions": []}, b"\ns1"
-    raw = hmac.new(SECRET, canonical(env) + msg_tail, hashlib.sha256).hexdigest()
-    assert not verify(env, "s1", raw, SECRET)              # signed with the bare secret
-    want = hmac.new(derive(SECRET, HINT_SIG), canonical(env) + msg_tail,
-                    hashlib.sha256).hexdigest()
-    assert sign(env, "s1", SECRET) == want and verify(env, "s1", want, SECRET)
+    env, exp = {"actions": []}, 2_000_000_000
+    msg = canonical(env) + b"\ns1\n" + str(exp).encode()
+    raw = hmac.new(SECRET, msg, hashlib.sha256).hexdigest()
+    now = exp - 100
+    assert not verify(env, "s1", f"{exp}.{raw}", SECRET, now=now)    # the bare secret
+    want = f"{exp}." + hmac.new(derive(SECRET, HINT_SIG), msg, hashlib.sha256).hexdigest()
+    assert sign(env, "s1", SECRET, ttl_s=100, now=now) == want
+    assert verify(env, "s1", want, SECRET, now=now)
+
+
+def test_a_signature_expires_and_its_expiry_is_covered():
+    env = {"actions": []}
+    sig = sign(env, "s1", SECRET, ttl_s=300, now=1_000_000)
+    assert verify(env, "s1", sig, SECRET, now=1_000_000 + 299)
+    assert not verify(env, "s1", sig, SECRET, now=1_000_000 + 301)     # a replay, too late
+    exp, tag = sig.split(".")
+    assert not verify(env, "s1", f"{int(exp) + 600}.{tag}", SECRET, now=1_000_000)   # moved
+    far = sign(env, "s1", SECRET, ttl_s=86400, now=1_000_000)
+    assert not verify(env, "s1", far, SECRET, now=1_000_000)            # too far ahead
+    for odd in ("", "12", ".ab", "²³.ab", "1" * 13 + ".ab", "x.ab"):
+        assert not verify(env, "s1", odd, SECRET, now=1_000_000)
 
 
 def test_control_frames_use_the_derived_key():
