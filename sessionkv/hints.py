@@ -227,6 +227,9 @@ def _target(payload: Mapping[str, Any], session_id: str | None) -> Target:
     if raw is None:
         if session_id is None:
             raise ValueError("no target and the request has no session_id")
+        bad = id_problem(session_id, "session_id")
+        if bad:
+            raise ValueError(bad)
         return SessionTarget(session_id)
     if not isinstance(raw, Mapping):
         raise ValueError("target must be an object")
