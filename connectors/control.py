@@ -84,6 +84,7 @@ class ControlChannel:
             self._ctx.destroy(linger=0)
             raise
         self.info = {**(info or {}), "events": self.events_endpoint}
+        self._engine_id = str(self.info.get("engine_id") or "")
         self.dropped_events = 0      # events that could not be encoded (not published)
         self._stop_r, self._stop_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name="sessionkv-control", daemon=True)
@@ -218,6 +219,8 @@ class ControlChannel:
 
     def _dispatch(self, req: wire.ControlRequest, client: str) -> wire.ControlReply:
         reply = wire.ControlReply(counter=req.counter)
+        if req.op != "hello" and self._engine_id and req.engine != self._engine_id:
+            return wire.refused(req.counter, "frame for another engine (ask hello for its id)")
         if req.session_id is not None and id_problem(req.session_id, "session_id"):
             return wire.refused(req.counter, id_problem(req.session_id, "session_id"))
         if req.op == "hello":

@@ -78,6 +78,7 @@ class _Protocol:
         self._timeout_ms = int(timeout_s * 1000)
         self._counter = 0
         self.skipped_events = 0     # events of kinds or fields this client does not know
+        self.engine_id: str | None = None   # from the first hello: frames name their engine
 
     @classmethod
     def from_endpoint_file(cls, path: str, secret: bytes, **kwargs):
@@ -87,7 +88,8 @@ class _Protocol:
     def _frames(self, op: str, **fields: Any) -> tuple[int, list[bytes]]:
         self._counter = max(self._counter + 1, time.time_ns())
         payload = wire.request_encoder.encode(
-            wire.ControlRequest(client=self.client_id, counter=self._counter, op=op, **fields))
+            wire.ControlRequest(client=self.client_id, counter=self._counter, op=op,
+                                engine="" if op == "hello" else self.engine_id or "", **fields))
         return self._counter, [payload, wire.mac(wire.REQUEST_DOMAIN, payload, self._secret)]
 
     def _reply(self, frames: list[bytes], counter: int | None) -> wire.ControlReply:
@@ -162,7 +164,9 @@ class HintClient(_Protocol):
         return self._sock
 
     def call(self, op: str, **fields: Any) -> wire.ControlReply:
-        """One request, its authentic reply."""
+        """One request, its authentic reply (a hello first, to learn the engine's id)."""
+        if op != "hello" and self.engine_id is None:
+            self.hello()
         counter, frames = self._frames(op, **fields)
         sock = self._socket()
         sock.send_multipart(frames)
@@ -176,7 +180,9 @@ class HintClient(_Protocol):
             return reply
 
     def hello(self) -> dict[str, Any]:
-        return self.call("hello").info
+        info = self.call("hello").info
+        self.engine_id = str(info.get("engine_id") or "")
+        return info
 
     def hints(self, env: dict[str, Any], session_id: str | None = None) -> list[HintOutcome]:
         """Send an envelope (``sessionkv.hints.envelope``); one outcome per action."""
@@ -296,6 +302,8 @@ class AsyncHintClient(_Protocol):
         self._sending = asyncio.Lock()
 
     async def call(self, op: str, **fields: Any) -> wire.ControlReply:
+        if op != "hello" and self.engine_id is None:
+            await self.hello()
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
@@ -334,7 +342,9 @@ class AsyncHintClient(_Protocol):
                 fut.set_result(reply)
 
     async def hello(self) -> dict[str, Any]:
-        return (await self.call("hello")).info
+        info = (await self.call("hello")).info
+        self.engine_id = str(info.get("engine_id") or "")
+        return info
 
     async def hints(self, env: dict[str, Any], session_id: str | None = None) -> list[HintOutcome]:
         return (await self.call("hints", hints=env, session_id=session_id)).outcomes

@@ -62,6 +62,8 @@ class ControlRequest(msgspec.Struct, kw_only=True):
     client: str
     counter: int
     op: str
+    engine: str = ""              # the engine_id it is for (every op but hello): a frame
+                                  # captured on one engine does not replay on another
     session_id: str | None = None
     hints: Any = None
     after: int = 0

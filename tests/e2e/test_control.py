@@ -244,6 +244,12 @@ def test_two_engines_side_by_side_have_their_own_channels(engine, tmp_path_facto
             hello = cb.hello()
             assert hello["engine_id"] == other_id
             assert (hello["dp_rank"], hello["dp_size"]) == (0, 1)     # what the router checks
+            # A frame for engine a (captured, say) does not replay on engine b.
+            client.hello()
+            _, frames = client._frames("status")
+            moved = raw_call(b.endpoint, frames)
+            assert not moved.ok and "another engine" in moved.error
+            assert raw_call(a.endpoint, frames).ok
             assert client.hello()["engine_id"] != other_id
             run(other, "Y", session="only-on-b")
             assert cb.pin("only-on-b", ttl_s=30).status == "accepted"
