@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import os
 import uuid
 from collections import OrderedDict
@@ -46,6 +45,7 @@ from sessionkv.router.overlap import PROBE_TOKENS, BlockHasher, OverlapIndex, Pr
 
 log = logging.getLogger("sessionkv.router")
 FINALS_KEPT = 1024
+MAX_SAMPLE = 1e9            # a /metrics request count past this is unreadable
 
 
 class DataParallelWorker(ValueError):
@@ -66,7 +66,7 @@ def _metric_sum(text: str, name: str) -> tuple[float, int]:
             except (IndexError, ValueError):
                 bad += 1
                 continue
-            if math.isfinite(value):
+            if 0 <= value <= MAX_SAMPLE:       # request counts: finite, not negative
                 total += value
             else:
                 bad += 1

@@ -20,9 +20,11 @@ def test_metric_samples_without_a_value_are_skipped_and_counted():
         "vllm:num_requests_running{x}",                     # no value: was an IndexError
         'vllm:num_requests_running{engine="1"} 2 1700000000000',   # with a timestamp
         "vllm:num_requests_running NaN",
+        "vllm:num_requests_running -1.7e308",               # negative (fuzz: two made -inf)
+        "vllm:num_requests_running 1.7e308",
         "vllm:num_requests_running_total 99",               # another metric
     ])
-    assert _metric_sum(text, "vllm:num_requests_running") == (5.0, 2)
+    assert _metric_sum(text, "vllm:num_requests_running") == (5.0, 4)
 
 
 @pytest.mark.parametrize("change", [
