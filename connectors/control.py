@@ -208,8 +208,9 @@ class ControlChannel:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             return wire.refused(0, f"malformed request: {e}")
         client = req.client
-        if id_problem(client, "client"):
-            return wire.refused(req.counter, id_problem(client, "client"))
+        bad = id_problem(client, "client")
+        if bad:
+            return wire.refused(req.counter, bad)
         why = self._guard.check(client, req.counter)
         if why:
             return wire.refused(req.counter, why)
@@ -221,8 +222,9 @@ class ControlChannel:
         reply = wire.ControlReply(counter=req.counter)
         if req.op != "hello" and self._engine_id and req.engine != self._engine_id:
             return wire.refused(req.counter, "frame for another engine (ask hello for its id)")
-        if req.session_id is not None and id_problem(req.session_id, "session_id"):
-            return wire.refused(req.counter, id_problem(req.session_id, "session_id"))
+        bad = "" if req.session_id is None else id_problem(req.session_id, "session_id")
+        if bad:
+            return wire.refused(req.counter, bad)
         if req.op == "hello":
             reply.info = self.info
         elif req.op == "hints":

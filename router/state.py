@@ -183,68 +183,53 @@ class ResilientStore:
         self._remember(SessionState(session_id, worker, old.turns if old else 0,
                                     old.created if old else now, now, 0.0))
 
-    async def get(self, session_id: str) -> SessionState | None:
+    async def _try(self, what: str, call, fallback):
+        """``await call``, or ``fallback`` (counted) when Redis fails."""
         try:
-            state = await self._store.get(session_id)
+            return await call
         except Exception as e:
-            self._failed("get", e)
+            self._failed(what, e)
+            return fallback
+
+    async def get(self, session_id: str) -> SessionState | None:
+        marker = object()
+        state = await self._try("get", self._store.get(session_id), marker)
+        if state is marker:
             return self._local.get(session_id)
         self.last_error = ""
         return self._remember(state)
 
     async def claim(self, session_id: str, worker: str) -> str:
-        try:
-            placed = await self._store.claim(session_id, worker)
-        except Exception as e:
-            self._failed("claim", e)
-            placed = worker
+        placed = await self._try("claim", self._store.claim(session_id, worker), worker)
         self._placed(session_id, placed)
         return placed
 
     async def move(self, session_id: str, old: str, new: str) -> bool:
-        try:
-            moved = await self._store.move(session_id, old, new)
-        except Exception as e:
-            self._failed("move", e)
-            moved = True
+        moved = await self._try("move", self._store.move(session_id, old, new), True)
         if moved:
             self._placed(session_id, new)
         return moved
 
     async def turn_started(self, session_id: str) -> None:
-        try:
-            await self._store.turn_started(session_id)
-        except Exception as e:
-            self._failed("turn_started", e)
+        await self._try("turn_started", self._store.turn_started(session_id), None)
 
     async def turn_ended(self, session_id: str, gap_s: float | None) -> None:
-        try:
-            await self._store.turn_ended(session_id, gap_s)
-        except Exception as e:      # the turn is done: never an error for the client
-            self._failed("turn_ended", e)
+        # The turn is done: a failure here is never an error for the client.
+        await self._try("turn_ended", self._store.turn_ended(session_id, gap_s), None)
 
     async def end(self, session_id: str) -> SessionState | None:
         local = self._local.pop(session_id, None)
-        try:
-            return await self._store.end(session_id)
-        except Exception as e:
-            self._failed("end", e)
-            return local
+        return await self._try("end", self._store.end(session_id), local)
 
     async def idle(self, idle_s: float) -> list[str]:
-        try:
-            return await self._store.idle(idle_s)
-        except Exception as e:
-            self._failed("idle", e)
-            return []
+        return await self._try("idle", self._store.idle(idle_s), [])
 
     async def round_robin(self) -> int:
-        try:
-            return await self._store.round_robin()
-        except Exception as e:
-            self._failed("round_robin", e)
+        rr = await self._try("round_robin", self._store.round_robin(), None)
+        if rr is None:
             self._rr += 1
             return self._rr
+        return rr
 
     async def ping(self) -> None:
         await self._store.ping()

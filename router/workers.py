@@ -182,10 +182,7 @@ class Worker:
                 page = await self.control.events(after, 1000)
                 for ev in page.events:
                     if ev.seq <= upto:
-                        try:
-                            self.index.apply(ev)
-                        except Exception:   # dropped and counted, as when following
-                            self.bad_events += 1
+                        self._guarded(self.index.apply, ev)
                 if page.last_seq == 0 or page.last_seq >= upto:
                     break
                 after = page.last_seq               # past kinds this router skipped
@@ -339,8 +336,11 @@ class Worker:
             await asyncio.sleep(0.1)     # at most ~10 reads a second under a busy stream
 
     def _event(self, ev) -> None:
+        self._guarded(self._apply, ev)
+
+    def _guarded(self, fn, ev) -> None:
         try:
-            self._apply(ev)
+            fn(ev)
         except Exception:           # a bad event is dropped and counted, never fatal
             self.bad_events += 1
             log.exception("worker %s: event %s dropped", self.name, getattr(ev, "seq", "?"))

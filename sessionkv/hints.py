@@ -257,8 +257,9 @@ def _bounds(payload: Mapping[str, Any]) -> Bounds:
     if priority > 1_000_000:
         raise ValueError("priority must be <= 1000000")
     dest = payload.get("destination")
-    if dest is not None and id_problem(dest, "destination"):
-        raise ValueError(id_problem(dest, "destination"))
+    bad = "" if dest is None else id_problem(dest, "destination")
+    if bad:
+        raise ValueError(bad)
     max_blocks = _number(payload.get("max_blocks"), "max_blocks", integer=True)
     if max_blocks == 0:
         raise ValueError("max_blocks must be > 0")
