@@ -14,12 +14,20 @@ primary tier, the copy itself on the G3 tier's threads); it never calls
 ``lookup`` (ARCHITECTURE.md, "Threads"). The reply is sent after the hint took
 effect: a request sent after the reply sees it.
 
-Bounds: ZMQ queues at most ``QUEUE_FRAMES`` requests (then the sender
-blocks or drops, per its socket), requests over ``MAX_FRAME_BYTES`` get a
-``rejected`` outcome and ZMQ disconnects peers over ``HARD_MAX_FRAME_BYTES``;
-each client gets ``rate`` requests per second and, separately, ``rate`` hints
-per second (the hint executor's buckets). ROUTER sockets queue fairly between
-peers, so one client's flood delays the others by at most its share.
+Authentication at the socket (``sessionkv.control``): both sockets are
+CURVE servers and this thread answers their ZAP requests, admitting only the
+client key derived from the secret. A peer without the secret costs one
+refused handshake (at most ``HANDSHAKE_MS`` of a connection) and never a
+queued frame: before CURVE, four peers sending 4 MiB of garbage each grew an
+engine by 513 MiB and delayed real hints behind them.
+
+Bounds, per admitted peer: ZMQ queues at most ``RECV_FRAMES`` requests (then
+the sender blocks or drops, per its socket), requests over
+``MAX_FRAME_BYTES`` get a ``rejected`` outcome and ZMQ disconnects peers over
+``HARD_MAX_FRAME_BYTES``; each client gets ``rate`` requests per second and,
+separately, ``rate`` hints per second (the hint executor's buckets). ROUTER
+sockets queue fairly between peers, so one client's flood delays the others
+by at most its share.
 """
 
 from __future__ import annotations
@@ -45,7 +53,10 @@ from .hint_executor import TokenBuckets
 from .manager import SessionTierManager
 
 logger = init_logger(__name__)
-QUEUE_FRAMES = 1024
+QUEUE_FRAMES = 1024  # frames sent and not yet taken, per peer
+RECV_FRAMES = 64     # requests received and not yet served, per peer
+HANDSHAKE_MS = 2000  # a connection that does not finish its handshake by then is dropped
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"     # fixed by RFC 27, one per ZMQ context
 BATCH = 64          # requests handled before the event log gets a turn
 
 
@@ -74,8 +85,11 @@ class ControlChannel:
         self._frames = TokenBuckets(rate, clock or time.monotonic)
         self._ctx = zmq.Context(io_threads=1)
         try:
+            self._zap = self._ctx.socket(zmq.REP)   # bound before any socket can handshake
+            self._zap.setsockopt(zmq.LINGER, 0)
+            self._zap.bind(ZAP_ENDPOINT)
             self._router = self._socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.RCVHWM, QUEUE_FRAMES)
+            self._router.setsockopt(zmq.RCVHWM, RECV_FRAMES)
             self._router.setsockopt(zmq.MAXMSGSIZE, wire.HARD_MAX_FRAME_BYTES)
             self._pub = self._socket(zmq.PUB)
             self.endpoint = _bind(self._router, host, port)
@@ -86,6 +100,7 @@ class ControlChannel:
         self.info = {**(info or {}), "events": self.events_endpoint}
         self._engine_id = str(self.info.get("engine_id") or "")
         self.dropped_events = 0      # events that could not be encoded (not published)
+        self.peers = {"admitted": 0, "refused": 0}     # CURVE handshakes, by ZAP answer
         self._stop_r, self._stop_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name="sessionkv-control", daemon=True)
         self._closed = False
@@ -94,6 +109,8 @@ class ControlChannel:
         s = self._ctx.socket(kind)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, QUEUE_FRAMES)
+        s.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+        wire.secure_server(s, self._secret)
         return s
 
     def start(self) -> "ControlChannel":
@@ -122,6 +139,7 @@ class ControlChannel:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
+        poller.register(self._zap, zmq.POLLIN)
         poller.register(self._events.wake_fd, zmq.POLLIN)
         poller.register(self._stop_r, zmq.POLLIN)
         mover = self._manager.mover
@@ -131,6 +149,8 @@ class ControlChannel:
             ready = dict(poller.poll())
             if self._stop_r in ready:
                 return
+            if self._zap in ready:
+                self._admit()
             if self._router in ready:
                 for _ in range(BATCH):
                     try:
@@ -145,6 +165,15 @@ class ControlChannel:
                     logger.exception("sessionkv: finishing hint copies failed")
             if self._events.wake_fd in ready:
                 self._publish()
+
+    def _admit(self) -> None:
+        """Answer one ZAP request (a peer's CURVE handshake)."""
+        try:
+            reply, ok = wire.zap_reply(self._zap.recv_multipart(zmq.NOBLOCK), self._secret)
+            self.peers["admitted" if ok else "refused"] += 1
+            self._zap.send_multipart(reply)
+        except zmq.ZMQError:
+            pass
 
     def _publish(self) -> None:
         for ev in self._events.drain_new():

@@ -118,6 +118,7 @@ class _Protocol:
     def _subscriber(self, ctx: zmq.Context, events_endpoint: str, kinds) -> zmq.Socket:
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        wire.secure_client(sub, self._secret)
         for k in kinds or KINDS:
             sub.setsockopt(zmq.SUBSCRIBE, k.encode())
         sub.connect(events_endpoint)
@@ -159,6 +160,7 @@ class HintClient(_Protocol):
         if self._sock is None:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            wire.secure_client(s, self._secret)
             s.connect(self.endpoint)
             self._sock = s
         return self._sock
@@ -175,7 +177,8 @@ class HintClient(_Protocol):
             left = int((deadline - time.monotonic()) * 1000)
             if left <= 0 or not sock.poll(left):
                 self.close()         # a late reply must not answer the next request
-                raise ControlError(f"{self.endpoint}: no reply within {self._timeout_ms} ms")
+                raise ControlError(f"{self.endpoint}: no reply within {self._timeout_ms} ms"
+                                   " (engine down or busy, or another secret)")
             reply = self._reply(sock.recv_multipart(), counter)
             return reply
 
@@ -307,6 +310,7 @@ class AsyncHintClient(_Protocol):
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
+            wire.secure_client(self._sock, self._secret)
             self._sock.connect(self.endpoint)
         # Frames leave in counter order (the engine refuses a counter below
         # one it has seen), even when concurrent calls wait to send.
@@ -320,7 +324,8 @@ class AsyncHintClient(_Protocol):
         try:
             return await asyncio.wait_for(fut, self._timeout_ms / 1000)
         except asyncio.TimeoutError:
-            raise ControlError(f"{self.endpoint}: no reply within {self._timeout_ms} ms") from None
+            raise ControlError(f"{self.endpoint}: no reply within {self._timeout_ms} ms"
+                               " (engine down or busy, or another secret)") from None
         finally:
             self._waiting.pop(counter, None)
 

@@ -4,6 +4,13 @@ Transport: ZMQ. Each engine (each DP rank) binds a ROUTER socket for
 request/reply and a PUB socket for its event stream (``sessionkv.events``).
 Everything on the wire is msgpack (msgspec); nothing is pickled.
 
+Authentication at the socket: both sockets are CURVE servers, and the engine
+admits (ZAP, RFC 27) only the client key pair derived from the cluster secret
+(``curve_keys``; ``secure_server`` / ``secure_client``). A peer without the
+secret never completes the handshake: ZMQ neither queues its frames nor hands
+them to the engine, and a subscriber without it reads no event. The frames'
+HMACs below stay: they bind each frame to its purpose, client and time.
+
 Request: two frames ``[payload, mac]``; ``payload`` is a ``ControlRequest``,
 ``mac`` HMAC-SHA256 over ``REQUEST_DOMAIN + payload`` with the router's shared
 secret. ``counter`` must grow per client (clients use ``time.time_ns()``) and lie
@@ -36,22 +43,26 @@ frame is the topic subscribers filter on.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
+import zmq
+from zmq.utils import z85
 
 from sessionkv.events import AnyEvent
 from sessionkv.hints import HintOutcome, Status
-from sessionkv.keys import CONTROL, derive
+from sessionkv.keys import CONTROL, CURVE_CLIENT, CURVE_SERVER, derive
 
 REQUEST_DOMAIN = b"sessionkv-control-request-v1\n"
 REPLY_DOMAIN = b"sessionkv-control-reply-v1\n"
 EVENT_DOMAIN = b"sessionkv-event-v1\n"
 MAX_FRAME_BYTES = 4 << 20        # larger requests are refused with an outcome
-HARD_MAX_FRAME_BYTES = 16 << 20  # ZMQ drops a peer that sends more (ZMQ_MAXMSGSIZE)
+HARD_MAX_FRAME_BYTES = MAX_FRAME_BYTES + (1 << 20)  # ZMQ drops a peer that sends more
+ZAP_DOMAIN = b"sessionkv"
 REPLAY_WINDOW_S = 60.0
 MAX_EVENTS_PER_REPLY = 10_000
 OPS = ("hello", "hints", "end_session", "events", "resolve", "probe", "status")
@@ -93,6 +104,56 @@ def mac(domain: bytes, payload: bytes, secret: bytes) -> bytes:
 
 def authentic(domain: bytes, payload: bytes, tag: bytes, secret: bytes) -> bool:
     return hmac.compare_digest(mac(domain, payload, secret), tag)
+
+
+class CurveKeys(NamedTuple):
+    """Z85 CURVE keys derived from one cluster secret."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+
+@functools.lru_cache(maxsize=16)
+def curve_keys(secret: bytes) -> CurveKeys:
+    """The engines' and the clients' key pairs: any 32 bytes are a Curve25519
+    secret key, so each is a derived key and its public half follows."""
+    server = z85.encode(derive(secret, CURVE_SERVER))
+    client = z85.encode(derive(secret, CURVE_CLIENT))
+    return CurveKeys(zmq.curve_public(server), server, zmq.curve_public(client), client)
+
+
+def secure_server(sock: zmq.Socket, secret: bytes) -> None:
+    """Make ``sock`` (before it binds) a CURVE server whose handshakes the
+    context's ZAP handler decides; with no handler every handshake fails."""
+    keys = curve_keys(secret)
+    sock.curve_secretkey = keys.server_secret
+    sock.curve_publickey = keys.server_public
+    sock.curve_server = True
+    sock.zap_domain = ZAP_DOMAIN
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+
+
+def secure_client(sock: zmq.Socket, secret: bytes) -> None:
+    """Make ``sock`` (before it connects) a CURVE client of the engines."""
+    keys = curve_keys(secret)
+    sock.curve_serverkey = keys.server_public
+    sock.curve_publickey = keys.client_public
+    sock.curve_secretkey = keys.client_secret
+
+
+def zap_reply(frames: list[bytes], secret: bytes) -> tuple[list[bytes], bool]:
+    """The answer to one ZAP request (RFC 27) and whether it admits the peer:
+    CURVE in our domain with the clients' derived public key, nothing else."""
+    if len(frames) < 6:          # not a ZAP request: answer what can be answered
+        return [b"1.0", frames[1] if len(frames) > 1 else b"", b"400", b"malformed", b"", b""], False
+    version, request_id, domain, _address, _identity, mechanism, *creds = frames
+    ok = (version == b"1.0" and domain == ZAP_DOMAIN and mechanism == b"CURVE"
+          and len(creds) == 1
+          and hmac.compare_digest(creds[0], z85.decode(curve_keys(secret).client_public)))
+    return [b"1.0", request_id, b"200" if ok else b"400",
+            b"OK" if ok else b"unknown client key", b"client" if ok else b"", b""], ok
 
 
 def refused(counter: int, reason: str) -> ControlReply:

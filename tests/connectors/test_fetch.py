@@ -2,15 +2,20 @@
 successful fetch between two real engines is in tests/e2e/test_moves.py."""
 
 import threading
+import time
 
 import zmq
 
+from sessionkv import control as wire
 from sessionkv.connectors.fetch import Fetcher
 from sessionkv.hints import Action, Bounds, HashesTarget, KvHint, Status
 from sessionkv.devtools.server import free_port
 
 
-def fetch_from(source: str, secret: bytes = b"s" * 32):
+SECRET = b"s" * 32
+
+
+def fetch_from(source: str, secret: bytes = SECRET):
     """(first outcome, final outcome) of a fetch of two blocks from ``source``."""
     done, emitted = threading.Event(), []
 
@@ -43,15 +48,29 @@ def test_an_unreachable_source_gives_a_rejected_final_outcome():
 
 
 def test_a_source_that_does_not_answer_authentically_is_rejected_too():
-    """A peer that answers with garbage (not a reply under our secret)."""
+    """A fake source (a peer holding the secret that answers garbage: no
+    engine does) admits the fetcher's CURVE handshake, then answers with
+    frames that are not a reply under our secret."""
     ctx = zmq.Context()
+    zap = ctx.socket(zmq.REP)
+    zap.bind("inproc://zeromq.zap.01")
     sock = ctx.socket(zmq.ROUTER)
+    wire.secure_server(sock, SECRET)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
 
     def answer():
-        if sock.poll(5000):
-            ident, *_ = sock.recv_multipart()
-            sock.send_multipart([ident, b"junk", b"not-a-mac"])
+        poller = zmq.Poller()
+        poller.register(zap, zmq.POLLIN)
+        poller.register(sock, zmq.POLLIN)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            ready = dict(poller.poll(100))
+            if zap in ready:
+                zap.send_multipart(wire.zap_reply(zap.recv_multipart(), SECRET)[0])
+            if sock in ready:
+                ident, *_ = sock.recv_multipart()
+                sock.send_multipart([ident, b"junk", b"not-a-mac"])
+                return
 
     t = threading.Thread(target=answer)
     t.start()
@@ -62,4 +81,5 @@ def test_a_source_that_does_not_answer_authentically_is_rejected_too():
     finally:
         t.join()
         sock.close(linger=0)
+        zap.close(linger=0)
         ctx.term()

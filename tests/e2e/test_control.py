@@ -108,10 +108,12 @@ def test_events_in_order_live_and_for_a_late_subscriber(engine, client):
 
 
 def raw_call(endpoint, frames):
-    """Send frames as they are; the reply decoded without checking its MAC."""
+    """Send frames as they are (over a CURVE-authenticated socket); the reply
+    decoded without checking its MAC."""
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    wire.secure_client(s, SECRET)
     s.connect(endpoint)
     try:
         s.send_multipart(frames)
@@ -127,9 +129,9 @@ def test_bad_frames_get_rejected_outcomes_and_the_engine_keeps_serving(engine, c
     llm = engine
     ref = cold(llm, "H")
     ep = channel(llm).endpoint
-    # Wrong secret: the client cannot trust the answer; the engine refused it.
-    with HintClient(ep, b"not-the-router-secret-at-all") as wrong:
-        with pytest.raises(ControlError, match="not authentic"):
+    # Wrong secret: the engine refuses the CURVE handshake, so no frame arrives.
+    with HintClient(ep, b"not-the-router-secret-at-all", timeout_s=1.0) as wrong:
+        with pytest.raises(ControlError, match="another secret"):
             wrong.pin("h")
     counter, frames = client._frames("hints", session_id="h", hints={})
     bad = raw_call(ep, [frames[0], b"\0" * 32])
@@ -164,6 +166,46 @@ def test_bad_frames_get_rejected_outcomes_and_the_engine_keeps_serving(engine, c
     tok, lps, _ = run(llm, "H", session="h")
     assert (tok, lps) == ref["H"]
     assert client.pin("h", ttl_s=10**9).status == "clipped"      # ttl over max_ttl_s
+
+
+def test_peers_without_the_secret_reach_nothing_and_read_no_events(engine, client):
+    """CURVE at the socket: a peer without the cluster secret (plain ZMQ, a
+    CURVE client with other keys, or raw TCP garbage) gets no reply and no
+    event, and its frames never reach the channel's thread, while a client
+    with the secret is served throughout. On the old code the plain peer's
+    authentic-looking frames were answered and a plain SUB read every event."""
+    llm = engine
+    ch = channel(llm)
+    refused0 = ch.peers["refused"]
+    counter, frames = client._frames("hello")
+    ctx = zmq.Context()
+    try:
+        plain = ctx.socket(zmq.DEALER)
+        other = ctx.socket(zmq.DEALER)
+        other_keys = wire.curve_keys(b"another-cluster-secret")
+        other.curve_serverkey = wire.curve_keys(SECRET).server_public   # knows the engine's key
+        other.curve_publickey, other.curve_secretkey = other_keys.client_public, \
+            other_keys.client_secret
+        plain_sub, good_sub = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB)
+        wire.secure_client(good_sub, SECRET)
+        for sub in (plain_sub, good_sub):
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(ch.events_endpoint)
+        for s in (plain, other):
+            s.connect(ch.endpoint)
+            s.send_multipart(frames)            # a real client's frame, captured
+        import socket
+        host, port = ch.endpoint.removeprefix("tcp://").rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as raw:
+            raw.sendall(b"\xff" + b"garbage" * 1000)
+            time.sleep(0.5)
+        assert client.pin("nobody", ttl_s=5).status == "missing"   # served throughout
+        assert client.end_session("nobody").status == "missing"    # publishes an event
+        assert good_sub.poll(3000)
+        assert not plain_sub.poll(200) and not plain.poll(200) and not other.poll(200)
+        assert ch.peers["refused"] > refused0                        # the other keys' handshake
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_an_unencodable_event_is_dropped_and_the_channel_keeps_serving(engine, client):
