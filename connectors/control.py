@@ -275,7 +275,9 @@ class ControlChannel:
             reply.events, reply.oldest, reply.next_seq = self._events.since(req.after, limit)
             reply.last_seq = reply.events[-1].seq if reply.events else 0
         elif req.op == "status":
-            reply.info = self._manager.status()
+            reply.info = {**self._manager.status(),
+                          "control": {"peers": dict(self.peers),
+                                      "dropped_events": self.dropped_events}}
         elif req.op == "probe":
             if self._probe is None:
                 return wire.refused(req.counter, "this engine cannot be probed")
