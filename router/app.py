@@ -6,7 +6,9 @@ several vLLM engines running ``SessionTierConnector``.
 Each turn (``POST /v1/completions`` or ``/v1/chat/completions``, streaming or
 not) belongs to a session: the ``X-Session-ID`` header or the body's
 ``session_id``, else one the router makes (unguessable) and returns in
-``X-Session-ID``. The turn goes where ``policy.choose`` says (affinity, then
+``X-Session-ID``. A session id belongs to the client (API key) whose turn
+named it first: another client's turns in it get 403, its endpoints 404, and
+router Pins count against each client's quota. The turn goes where ``policy.choose`` says (affinity, then
 KV overlap, then load; state in Redis), with the body's ``session_id`` set and the router's
 own hints, signed, in ``kv_transfer_params`` (a client's own ``kv_hints`` are
 dropped: only the router signs). Responses pass through unchanged, with
@@ -57,6 +59,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
 import signal
@@ -70,6 +74,7 @@ from aiohttp import web
 
 from sessionkv.hints import (Action, HINTS_PARAM, KVCR_PARAM, SIG_PARAM, envelope, hint_action,
                              id_problem, sign)
+from sessionkv.keys import ROUTER_CLIENT, derive
 from sessionkv.report import RequestReport
 from sessionkv.router import policy as rules
 from sessionkv.router.config import RouterConfig
@@ -99,6 +104,8 @@ class Router:
         self.policy = SessionHints(cfg.policy, clock)
         self._outbox: asyncio.Queue[Out] = asyncio.Queue(OUTBOX)
         self.store = ResilientStore(SessionStore(cfg.redis), cfg.policy.max_sessions)
+        self._pins = rules.PinQuota(cfg.policy.tool_call.max_pins_per_client,
+                                    cfg.policy.max_sessions, clock)
         self.workers: dict[str, Worker] = {}
         self._http: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -339,7 +346,14 @@ class Router:
         if bad:             # a NUL could not even be echoed in X-Session-ID
             return web.json_response({"error": {"message": bad, "type": "BadRequest"}},
                                      status=400)
-        forward = self._forward_body(body, session_id, gap)
+        client = self._client_of(request)
+        if await self.store.bind(session_id, client) != client:
+            self.counters.event("sessions_refused")
+            return web.json_response({"error": {"message": "session_id belongs to another "
+                                                "client (sessions are bound to the API key "
+                                                "that started them)", "type": "Forbidden"}},
+                                     status=403)
+        forward = self._forward_body(body, session_id, gap, client)
         self._last_body[session_id] = (request.path, forward)
         self._last_body.move_to_end(session_id)
         while len(self._last_body) > self.cfg.policy.max_sessions:
@@ -382,20 +396,43 @@ class Router:
                                                 "type": "BadGateway"}}, status=502)
         if gap is None and tool_call and self.cfg.policy.tool_call.pin:
             gap = self.cfg.policy.tool_call.expected_gap_s
-            await self._hint(worker, Action.PIN, session_id,
-                             ttl_s=rules.pin_ttl(self.cfg.policy, gap))
+            ttl = rules.pin_ttl(self.cfg.policy, gap)
+            if self._may_pin(client, session_id, ttl):
+                await self._hint(worker, Action.PIN, session_id, ttl_s=ttl)
         await self.store.turn_ended(session_id, gap)
         self._policy(self.policy.turn_ended(session_id))
         if gap is not None and self.cfg.policy.warmup.enabled:
             self._spawn(self._warmup(session_id, gap))
         return resp
 
+    def _client_of(self, request: web.Request) -> str:
+        """Who sends a turn: a name for its API key (``Authorization: Bearer``,
+        as OpenAI clients send it; the key itself is never stored), "" for
+        clients without one (their sessions are shared among them)."""
+        auth = request.headers.get("Authorization", "")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if not token:
+            return ""
+        name = hmac.new(derive(self.cfg.secret, ROUTER_CLIENT),
+                        token.encode("utf-8", "replace"), hashlib.sha256)
+        return "k-" + name.hexdigest()[:32]
+
+    def _may_pin(self, client: str, session_id: str, ttl_s: float) -> bool:
+        """Whether the client's Pin quota (``tool_call.max_pins_per_client``)
+        takes a Pin of this session."""
+        if self._pins.take(client, session_id, ttl_s):
+            return True
+        self.counters.event("pins_over_quota")
+        return False
+
     def _forward_body(self, body: dict[str, Any], session_id: str,
-                      gap: float | None) -> dict[str, Any]:
+                      gap: float | None, client: str) -> dict[str, Any]:
         params = {k: v for k, v in (body.get("kv_transfer_params") or {}).items()
                   if k not in (HINTS_PARAM, SIG_PARAM, KVCR_PARAM)}
-        if gap is not None and self.cfg.policy.tool_call.pin:
-            env = envelope(hint_action(Action.PIN, ttl_s=rules.pin_ttl(self.cfg.policy, gap)))
+        ttl = rules.pin_ttl(self.cfg.policy, gap) if gap is not None else 0.0
+        if gap is not None and self.cfg.policy.tool_call.pin \
+                and self._may_pin(client, session_id, ttl):
+            env = envelope(hint_action(Action.PIN, ttl_s=ttl))
             params[HINTS_PARAM] = env
             params[SIG_PARAM] = sign(env, session_id, self.cfg.secret)
         out = {**body, "session_id": session_id}
@@ -511,14 +548,21 @@ class Router:
 
     # ---- small endpoints ---------------------------------------------------------------
 
+    async def _mine(self, request: web.Request) -> bool:
+        """Whether the session named in the path is the caller's: another
+        client's session answers as unknown (its existence is not told)."""
+        return await self.store.owner(request.match_info["sid"]) == self._client_of(request)
+
     async def _end_api(self, request: web.Request) -> web.Response:
-        worker = await self.end_session(request.match_info["sid"], "api")
+        worker = await self.end_session(request.match_info["sid"], "api") \
+            if await self._mine(request) else None
         if worker is None:
             return web.json_response({"error": {"message": "unknown session"}}, status=404)
         return web.json_response({"ended": True, "worker": worker})
 
     async def _session_api(self, request: web.Request) -> web.Response:
-        state = await self.store.get(request.match_info["sid"])
+        state = await self.store.get(request.match_info["sid"]) \
+            if await self._mine(request) else None
         if state is None:
             return web.json_response({"error": {"message": "unknown session"}}, status=404)
         return web.json_response(state.__dict__)

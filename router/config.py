@@ -90,6 +90,7 @@ class ToolCallPolicy:
     pin: bool = False                # also Pin through a tool gap (Retains do by default)
     expected_gap_s: float = 60.0     # when the client does not say
     pin_ttl_factor: float = 1.5      # Pin TTL = expected gap x this
+    max_pins_per_client: int = 16    # sessions one client may hold router Pins for at once
 
 
 @dataclass(frozen=True)
@@ -257,7 +258,9 @@ def parse_config(doc: Any) -> RouterConfig:
         "prior_gap_s": _positive})
     tool_call = _section({"policy.tool_call": policy_doc.get("tool_call")}, "policy.tool_call",
                          ToolCallPolicy, {"pin": _flag, "expected_gap_s": _positive,
-                                          "pin_ttl_factor": _positive})
+                                          "pin_ttl_factor": _positive,
+                                          "max_pins_per_client":
+                                              lambda v, w: _positive(v, w, integer=True)})
     warmup = _section({"policy.warmup": policy_doc.get("warmup")}, "policy.warmup",
                       WarmupPolicy, {"enabled": _flag, "lead_s": _positive})
     policy = dataclasses.replace(policy, tool_call=tool_call, warmup=warmup)

@@ -15,7 +15,7 @@ A session whose worker is unhealthy moves the same way.
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any, Mapping, Protocol, Sequence
 
 from sessionkv.hints import HintOutcome
@@ -121,3 +121,33 @@ class Counters:
                 outcomes.setdefault(action, {}).setdefault(via, {})[status] = n
             return {"outcomes": outcomes, "blocks": dict(self._blocks),
                     "events": dict(self._events)}
+
+
+class PinQuota:
+    """Router Pins per client (not per session id, which clients choose):
+    each client holds Pins for at most ``per_client`` sessions at once, a
+    Pin counting until its TTL ends. At most ``max_clients`` clients are
+    remembered (least recently pinning first out), each with at most
+    ``per_client`` entries, so the map is bounded.
+
+    Threading: the router's event loop only."""
+
+    def __init__(self, per_client: int, max_clients: int, clock):
+        self._per = per_client
+        self._max = max_clients
+        self._clock = clock
+        self._pins: OrderedDict[str, dict[str, float]] = OrderedDict()
+
+    def take(self, client: str, session_id: str, ttl_s: float) -> bool:
+        """Record a Pin of ``session_id`` for ``ttl_s``; False (nothing
+        recorded) when the client already holds its quota of other sessions."""
+        now = self._clock()
+        held = {s: t for s, t in self._pins.pop(client, {}).items() if t > now}
+        if session_id not in held and len(held) >= self._per:
+            self._pins[client] = held
+            return False
+        held[session_id] = now + ttl_s
+        self._pins[client] = held
+        while len(self._pins) > self._max:
+            self._pins.popitem(last=False)
+        return True

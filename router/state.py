@@ -1,7 +1,8 @@
 """Session state in Redis, shared by every router replica.
 
-Per session, one hash ``{namespace}:s:{session_id}``: ``worker`` (where its
-turns go), ``turns``, ``created``, ``last_ts`` (when its last turn ended or
+Per session, one hash ``{namespace}:s:{session_id}``: ``owner`` (the client
+that named it first, ``bind``: a session id is that client's alone),
+``worker`` (where its turns go), ``turns``, ``created``, ``last_ts`` (when its last turn ended or
 began), ``gap_until`` (a tool gap's expected end, 0 when none). A sorted set
 ``{namespace}:active`` orders live sessions by ``last_ts`` for the idle sweep.
 Placement is claimed with ``HSETNX`` and moves are compare-and-set, so
@@ -70,6 +71,21 @@ class SessionStore:
         return SessionState(session_id, f["worker"], int(f.get("turns", 0)),
                             float(f.get("created", 0)), float(f.get("last_ts", 0)),
                             float(f.get("gap_until", 0)))
+
+    async def bind(self, session_id: str, owner: str) -> str:
+        """The session's owner: ``owner`` unless another client named it first."""
+        key = self._key(session_id)
+        async with self._redis.pipeline(transaction=True) as p:
+            p.hsetnx(key, "owner", owner)
+            p.hget(key, "owner")
+            p.expire(key, int(self._cfg.state_ttl_s))
+            _, bound, _ = await p.execute()
+        return bound.decode()
+
+    async def owner(self, session_id: str) -> str | None:
+        """Who the session is bound to; None when it is unknown."""
+        raw = await self._redis.hget(self._key(session_id), "owner")
+        return None if raw is None else raw.decode()
 
     async def claim(self, session_id: str, worker: str) -> str:
         """Place a new session on ``worker`` unless a replica placed it first;
@@ -154,6 +170,7 @@ class ResilientStore:
         self._store = store
         self._max = max_sessions
         self._local: OrderedDict[str, SessionState] = OrderedDict()
+        self._owners: OrderedDict[str, str] = OrderedDict()
         self._rr = 0
         self.errors = 0
         self.last_error = ""
@@ -199,6 +216,19 @@ class ResilientStore:
         self.last_error = ""
         return self._remember(state)
 
+    async def bind(self, session_id: str, owner: str) -> str:
+        bound = await self._try("bind", self._store.bind(session_id, owner),
+                                self._owners.get(session_id, owner))
+        self._owners[session_id] = bound
+        self._owners.move_to_end(session_id)
+        while len(self._owners) > self._max:
+            self._owners.popitem(last=False)
+        return bound
+
+    async def owner(self, session_id: str) -> str | None:
+        return await self._try("owner", self._store.owner(session_id),
+                               self._owners.get(session_id))
+
     async def claim(self, session_id: str, worker: str) -> str:
         placed = await self._try("claim", self._store.claim(session_id, worker), worker)
         self._placed(session_id, placed)
@@ -219,6 +249,7 @@ class ResilientStore:
 
     async def end(self, session_id: str) -> SessionState | None:
         local = self._local.pop(session_id, None)
+        self._owners.pop(session_id, None)
         return await self._try("end", self._store.end(session_id), local)
 
     async def idle(self, idle_s: float) -> list[str]:

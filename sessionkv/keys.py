@@ -5,7 +5,8 @@ says nothing of the secret or of the others.
 Every key the project uses comes from here: the request hints' signatures
 (``HINT_SIG``, ``sessionkv.hints``), the control channel's frames
 (``CONTROL``, ``sessionkv.control``), the control channel's CURVE key pairs
-(``CURVE_SERVER``, ``CURVE_CLIENT``) and the G3 objects' MAC (``G3_MAC``).
+(``CURVE_SERVER``, ``CURVE_CLIENT``), the router's client names
+(``ROUTER_CLIENT``) and the G3 objects' MAC (``G3_MAC``).
 Every engine process that holds a G3 tier holds the G3 MAC key, so an engine
 that leaks it gives away neither the hint signatures nor the control channel.
 """
@@ -21,6 +22,8 @@ HINT_SIG = "hint-signature"     # HMAC-SHA256 over a request's hint envelope and
 CONTROL = "control-frame"       # HMAC-SHA256 over each control channel frame
 CURVE_SERVER = "curve-server"   # the engines' CURVE secret key (ZMQ socket authentication)
 CURVE_CLIENT = "curve-client"   # the one CURVE secret key of every client holding the secret
+ROUTER_CLIENT = "router-client" # HMAC-SHA256 naming a router client by its API key (kept
+                                # in Redis instead of the key itself)
 
 
 # Each frame and hint derives its key again: a few secrets, so a small cache.

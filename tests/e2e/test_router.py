@@ -337,3 +337,40 @@ def test_redis_down_keeps_routing_and_a_restart_without_it_starts(cluster, tmp_p
     for i, ((_, _, out, report), (want, served)) in enumerate(zip(turns, ref)):
         assert served["recomputed"] == report["tokens"]["recomputed"], (i, served, report)
         assert outputs(out) == want, f"turn {i + 1}: {report}"
+
+
+def test_sessions_are_bound_to_their_client_and_pins_quota_per_client(cluster):
+    """The router as a deputy: a session id belongs to the API key that
+    started it (another key, or none, gets 403 for its turns and 404 for its
+    endpoints), and router Pins are counted per client, not per session id:
+    client A's second pinned session gets no Pin, client B's first still
+    does. On the old code B's turn in A's session was served (and signed),
+    B read and ended A's session, and A's Pins took the pool session by session."""
+    router = start_router(cluster, f"r-{uuid.uuid4().hex[:6]}",
+                          tool_call={"pin": True, "max_pins_per_client": 1})
+    a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+    gap = {"X-Session-Tool-Gap": "30"}
+    url = router.url + "/v1/completions"
+    try:
+        _, _, rep = turn(router, "a-1", NEW[1], {**a, **gap})
+        assert [(h["action"], h["status"] != "rejected") for h in rep["hints"]] == \
+            [("kv.pin", True)]          # a signed Pin went with the turn (G3 part deferred)
+        for headers in (b, {}):
+            r = requests.post(url, json=body(NEW[1]), timeout=60,
+                              headers={"X-Session-ID": "a-1", **headers})
+            assert r.status_code == 403 and "another client" in r.text
+            assert requests.get(router.url + "/v1/sessions/a-1", headers=headers,
+                                timeout=10).status_code == 404
+            assert requests.post(router.url + "/v1/sessions/a-1/end", headers=headers,
+                                 timeout=10).status_code == 404
+        assert requests.get(router.url + "/v1/sessions/a-1", headers=a, timeout=10).ok
+        _, _, rep = turn(router, "a-2", NEW[2], {**a, **gap})
+        assert rep["hints"] == []                                   # over A's quota
+        _, _, rep = turn(router, "b-1", NEW[3], {**b, **gap})
+        assert [(h["action"], h["status"] != "rejected") for h in rep["hints"]] == \
+            [("kv.pin", True)]          # a signed Pin went with the turn (G3 part deferred)
+        events = router.status()["events"]
+        assert (events["pins_over_quota"], events["sessions_refused"]) == (1, 2)
+        assert requests.post(router.url + "/v1/sessions/a-1/end", headers=a, timeout=10).ok
+    finally:
+        router.stop()

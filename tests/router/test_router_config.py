@@ -165,3 +165,19 @@ def test_routing_affinity_then_overlap_then_load():
     # a dead worker's session goes where its prefix is
     c.healthy = False
     assert choose([a, b, c], "c", 4, scores={"b": 1}) == "b"
+
+
+def test_pin_quota_counts_sessions_per_client_until_their_pins_end():
+    from sessionkv.router.policy import PinQuota
+    now = [0.0]
+    q = PinQuota(per_client=2, max_clients=3, clock=lambda: now[0])
+    assert q.take("a", "s1", 10) and q.take("a", "s2", 10)
+    assert not q.take("a", "s3", 10)            # a third session of a's: over quota
+    assert q.take("a", "s1", 10)                # a session it holds: renewed
+    assert q.take("b", "s3", 10)                # another client's quota is its own
+    now[0] = 10.5
+    assert q.take("a", "s3", 10)                # a's Pins of s1 and s2 ended at 10
+    now[0] = 0
+    for c in "cdef":
+        q.take(c, "x", 10)
+    assert len(q._pins) == 3                    # bounded: least recently pinning first out
