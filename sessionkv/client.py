@@ -11,6 +11,8 @@ An endpoint comes from the engine's configuration (``sessionkv.control.port``)
 or from the JSON file it writes (``sessionkv.control.endpoint_file``):
 ``HintClient.from_endpoint_file(path, secret)``.
 
+Both sockets are CURVE clients with keys derived from the secret (an engine
+with another secret refuses the handshake: ``HintClient`` says so at once).
 Every reply is authenticated; a reply that is not, or none within
 ``timeout_s``, raises ``ControlError``. Frames the engine refused come back as
 one ``rejected`` outcome (``reply.error`` says why), not as exceptions.
@@ -30,6 +32,7 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from sessionkv import control as wire
 from sessionkv.events import KINDS, AnyEvent, Outcome
@@ -39,6 +42,10 @@ from sessionkv.hints import Action, HintOutcome, envelope, hint_action, id_probl
 
 class ControlError(RuntimeError):
     """No authentic reply: the engine is unreachable, slow, or has another secret."""
+
+
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class EventPage(tuple):
@@ -155,12 +162,16 @@ class HintClient(_Protocol):
         super().__init__(endpoint, secret, client_id, timeout_s)
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             wire.secure_client(s, self._secret)
+            # An engine with another secret refuses the CURVE handshake: say
+            # so at once rather than time out as if it were down.
+            self._monitor = s.get_monitor_socket(_HANDSHAKE_FAILED)
             s.connect(self.endpoint)
             self._sock = s
         return self._sock
@@ -172,15 +183,24 @@ class HintClient(_Protocol):
         counter, frames = self._frames(op, **fields)
         sock = self._socket()
         sock.send_multipart(frames)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         deadline = time.monotonic() + self._timeout_ms / 1000
         while True:
             left = int((deadline - time.monotonic()) * 1000)
-            if left <= 0 or not sock.poll(left):
+            ready = dict(poller.poll(left)) if left > 0 else {}
+            if sock in ready:
+                return self._reply(sock.recv_multipart(), counter)
+            if self._monitor in ready:
+                recv_monitor_message(self._monitor)
+                self.close()
+                raise ControlError(f"{self.endpoint}: handshake refused: not authentic "
+                                   "(another secret?)")
+            if not ready:
                 self.close()         # a late reply must not answer the next request
                 raise ControlError(f"{self.endpoint}: no reply within {self._timeout_ms} ms"
-                                   " (engine down or busy, or another secret)")
-            reply = self._reply(sock.recv_multipart(), counter)
-            return reply
+                                   " (engine down or busy)")
 
     def hello(self) -> dict[str, Any]:
         info = self.call("hello").info
@@ -281,8 +301,10 @@ class HintClient(_Protocol):
 
     def close(self) -> None:
         if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
             self._sock.close(linger=0)
-            self._sock = None
+            self._sock = self._monitor = None
 
     def __enter__(self) -> "HintClient":
         return self
