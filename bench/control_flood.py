@@ -37,29 +37,22 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import requests
 import zmq
+from idle_cpu import ARGS, tree_sum
 
 from sessionkv import control as wire
 from sessionkv.client import HintClient
 from sessionkv.devtools.engines import TINY, kv_transfer_config, new_engine_id
 from sessionkv.devtools.server import ServerProcess, remove_offload_region
 
-ARGS = ["--enforce-eager", "--block-size", "32", "--max-model-len", "1024", "--dtype", "float32"]
 SECRET = b"control-flood-bench-secret-0123456789"
 FRAME = 4 << 20
 GOALS = {"rss_growth_mib_max": 64, "p50_ratio_max": 2.0}
 
 
 def tree_rss_mib(pid: int) -> float:
-    total = 0
-    for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total / 2**20
+    return tree_sum(pid, lambda p: p.memory_info().rss) / 2**20
 
 
 def flood(endpoint: str, peers: int, stop, counts) -> None:

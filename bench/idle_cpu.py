@@ -27,16 +27,20 @@ from sessionkv.devtools.server import ServerProcess, remove_offload_region
 ARGS = ["--enforce-eager", "--block-size", "32", "--max-model-len", "1024", "--dtype", "float32"]
 
 
-def tree_cpu_s(pid: int) -> float:
-    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+def tree_sum(pid: int, measure) -> float:
+    """``measure(process)`` summed over a server's process tree (processes
+    that end meanwhile count 0)."""
     total = 0.0
-    for p in procs:
+    for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
         try:
-            t = p.cpu_times()
-            total += t.user + t.system
+            total += measure(p)
         except psutil.NoSuchProcess:
             pass
     return total
+
+
+def tree_cpu_s(pid: int) -> float:
+    return tree_sum(pid, lambda p: sum(p.cpu_times()[:2]))     # user + system
 
 
 def idle_cpu(policy: Path, seconds: float) -> float:

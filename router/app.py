@@ -429,12 +429,12 @@ class Router:
                       gap: float | None, client: str) -> dict[str, Any]:
         params = {k: v for k, v in (body.get("kv_transfer_params") or {}).items()
                   if k not in (HINTS_PARAM, SIG_PARAM, KVCR_PARAM)}
-        ttl = rules.pin_ttl(self.cfg.policy, gap) if gap is not None else 0.0
-        if gap is not None and self.cfg.policy.tool_call.pin \
-                and self._may_pin(client, session_id, ttl):
-            env = envelope(hint_action(Action.PIN, ttl_s=ttl))
-            params[HINTS_PARAM] = env
-            params[SIG_PARAM] = sign(env, session_id, self.cfg.secret)
+        if gap is not None and self.cfg.policy.tool_call.pin:
+            ttl = rules.pin_ttl(self.cfg.policy, gap)
+            if self._may_pin(client, session_id, ttl):
+                env = envelope(hint_action(Action.PIN, ttl_s=ttl))
+                params[HINTS_PARAM] = env
+                params[SIG_PARAM] = sign(env, session_id, self.cfg.secret)
         out = {**body, "session_id": session_id}
         if params:
             out["kv_transfer_params"] = params
