@@ -108,6 +108,18 @@ def read_request_hints(
     return out
 
 
+def router_signed(params: Mapping[str, Any] | None, envelope: Any, session_id: Any,
+                  secret: bytes | None) -> bool:
+    """Whether the request carries a valid router signature (over its vLLM
+    envelope or its kv.fetch; an envelope with no actions is how a router
+    signs a turn it has no hint for). Never raises."""
+    params = params if isinstance(params, Mapping) else {}
+    raw = envelope if envelope is not None else params.get(HINTS_PARAM)
+    return ((raw is not None and verify(raw, session_id, params.get(SIG_PARAM), secret))
+            or (params.get(KVCR_PARAM) is not None
+                and verify(params[KVCR_PARAM], session_id, params.get(KVCR_SIG_PARAM), secret)))
+
+
 def _mark(h: KvHint, signed: bool) -> KvHint:
     return msgspec.structs.replace(h, signed=signed)
 

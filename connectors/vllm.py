@@ -60,7 +60,7 @@ from sessionkv.tiers.g3_spec import IDENTITY_KEY
 from sessionkv.types import Tier
 
 from .control import ControlChannel
-from .hint_executor import read_request_hints
+from .hint_executor import read_request_hints, router_signed
 from .manager import SessionTierManager
 from .probe import Probe, make_probe
 from .spec import SessionTierSpec, has_device_worker
@@ -199,6 +199,7 @@ class _Tracked:
     request: "Request"
     session: str | None
     hints: tuple[KvHint | HintOutcome, ...] = ()      # parsed on arrival, run at the end
+    per_tier: bool = False       # its report may carry per-tier counts (report.per_tier)
     keys: list[bytes] = field(default_factory=list)   # OffloadKey per full block
     admitted: int = 0            # leading blocks the index holds as computed in G1
     g1_tokens: int = 0           # G1 prefix hits of the last scheduling attempt
@@ -285,10 +286,21 @@ class SessionTierConnector(OffloadingConnector):
             else params.get(SESSION_PARAM)
         # An invalid id runs without a session; its hints get one rejected outcome.
         session = given if is_id(given) else None
+        hints = self._read_hints(request, params, given)
         self._tracked[request.request_id] = _Tracked(
-            request, session, self._read_hints(request, params, given))
+            request, session, hints, self._per_tier(request, params, given, hints))
         with self._locked():
             super().on_new_request(request)
+
+    def _per_tier(self, request: "Request", params: dict, session: Any,
+                  hints: tuple[KvHint | HintOutcome, ...]) -> bool:
+        """Whether this request's report gets per-tier counts: always with
+        ``report.per_tier: all``, else only when the router signed it."""
+        policy = self.manager.config.policy
+        if policy.report.per_tier == "all":
+            return True
+        return any(isinstance(h, KvHint) and h.signed for h in hints) or router_signed(
+            params, request.kv_hints, session, policy.trust.secret)
 
     def _read_hints(self, request: "Request", params: dict,
                     session: Any) -> tuple[KvHint | HintOutcome, ...]:
@@ -391,7 +403,7 @@ class SessionTierConnector(OffloadingConnector):
             g3_tokens=g3,
         )
         self.manager.stats.tokens(report)
-        return report
+        return report if tr is not None and tr.per_tier else report.totals_only()
 
     def request_finished(
         self, request: "Request", block_ids: list[int]

@@ -56,7 +56,8 @@ def make_engine(tier: dict, workdir: Path):
             "retry_s": RETRY_S}
     secret, policy = workdir / "cluster.secret", workdir / "policy.yaml"
     secret.write_text("g3-faults-cluster-secret-0123456789")
-    policy.write_text(f"version: 1\ntrust: {{secret_file: {secret}}}\n")
+    # report.per_tier all: the bench reads which tier served each request.
+    policy.write_text(f"version: 1\nreport: {{per_tier: all}}\ntrust: {{secret_file: {secret}}}\n")
     extra = {"secondary_tiers": [tier], "sessionkv": {"policy_file": str(policy)}}
     # 64 G1 blocks, not the 16,384 a 1 GiB CPU KV cache holds: G1 is poisoned
     # before every request, and writing 1 GiB of noise each time starved the

@@ -429,16 +429,17 @@ class Router:
                       gap: float | None, client: str) -> dict[str, Any]:
         params = {k: v for k, v in (body.get("kv_transfer_params") or {}).items()
                   if k not in (HINTS_PARAM, SIG_PARAM, KVCR_PARAM)}
+        actions = []
         if gap is not None and self.cfg.policy.tool_call.pin:
             ttl = rules.pin_ttl(self.cfg.policy, gap)
             if self._may_pin(client, session_id, ttl):
-                env = envelope(hint_action(Action.PIN, ttl_s=ttl))
-                params[HINTS_PARAM] = env
-                params[SIG_PARAM] = sign(env, session_id, self.cfg.secret)
-        out = {**body, "session_id": session_id}
-        if params:
-            out["kv_transfer_params"] = params
-        return out
+                actions.append(hint_action(Action.PIN, ttl_s=ttl))
+        # Every turn is signed, hints or not: engines give per-tier counts in
+        # their reports only to signed requests (report.per_tier: signed).
+        env = envelope(*actions)
+        params[HINTS_PARAM] = env
+        params[SIG_PARAM] = sign(env, session_id, self.cfg.secret)
+        return {**body, "session_id": session_id, "kv_transfer_params": params}
 
     async def _plain(self, request, worker, body, headers, session_id):
         async with self._http.post(worker.url + request.path, json=body,

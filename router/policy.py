@@ -106,9 +106,12 @@ class Counters:
 
     def report(self, report: RequestReport) -> None:
         with self._lock:
+            self._events["reports"] += 1
+            if report.blocks is None:       # the engine withheld them (report.per_tier)
+                self._events["reports_without_tiers"] += 1
+                return
             for tier in ("g1", "g2", "g3", "recomputed"):
                 self._blocks[tier] += getattr(report.blocks, tier)
-            self._events["reports"] += 1
 
     def event(self, name: str, n: int = 1) -> None:
         with self._lock:

@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -127,10 +128,14 @@ def main() -> int:
     args = ap.parse_args()
 
     engine_id = f"demo-{uuid.uuid4().hex[:8]}"
+    # One trusted user and no router: per-tier counts for every request.
+    policy = Path(tempfile.mkdtemp(prefix="sessionkv-demo-")) / "tiers.yaml"
+    policy.write_text("version: 1\nreport: {per_tier: all}\n")
     kv = {"kv_connector": "SessionTierConnector",
           "kv_connector_module_path": "sessionkv.connectors.vllm", "kv_role": "kv_both",
           "engine_id": engine_id,
-          "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30}}
+          "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30,
+                                        "sessionkv": {"policy_file": str(policy)}}}
     server_args = ["--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", "4096",
                    "--dtype", "float32", "--seed", "0", "--return-tokens-as-token-ids",
                    "--max-num-batched-tokens", "8192",

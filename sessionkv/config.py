@@ -73,6 +73,21 @@ class Trust:
     secret_file: str | None = None
 
 
+REPORT_PER_TIER = ("signed", "all")
+
+
+@dataclass(frozen=True)
+class ReportPolicy:
+    """What a response's report (``sessionkv.report``) tells the client.
+
+    Per-tier counts say which tier held a prefix: on a shared G3 that tells a
+    client whether someone on another engine sent that prefix, an oracle vLLM's
+    own total (``cached_tokens``) does not give. ``signed``: only requests the
+    router signed get them; ``all``: every request (trusted clients only)."""
+
+    per_tier: str = "signed"
+
+
 @dataclass(frozen=True)
 class TierPolicy:
     """The YAML tier policy file, parsed. Defaults apply when no file is given."""
@@ -82,6 +97,7 @@ class TierPolicy:
     sessions: SessionPolicy = field(default_factory=SessionPolicy)
     limits: Limits = field(default_factory=Limits)
     trust: Trust = field(default_factory=Trust)
+    report: ReportPolicy = field(default_factory=ReportPolicy)
 
 
 @dataclass(frozen=True)
@@ -179,7 +195,8 @@ def _positive_int(value: Any, where: str) -> int:
 def parse_policy(doc: Any, source: str = "policy") -> TierPolicy:
     """Parse a tier policy document (the YAML file's content)."""
     doc = mapping_of(doc, source)
-    _reject_unknown(doc, ("version", "g2", "g3", "sessions", "limits", "trust"), f"{source}: ")
+    _reject_unknown(doc, ("version", "g2", "g3", "sessions", "limits", "trust", "report"),
+                    f"{source}: ")
     version = doc.get("version", 1)
     if isinstance(version, bool) or version != 1:
         raise ValueError(f"{source}: version must be 1, got {version!r}")
@@ -210,7 +227,18 @@ def parse_policy(doc: Any, source: str = "policy") -> TierPolicy:
     return TierPolicy(g2=G2Policy(eviction=eviction), g3=G3Policy(write_through=write_through),
                       sessions=sessions,
                       limits=_parse_limits(doc.get("limits"), source),
-                      trust=_parse_trust(doc.get("trust"), source))
+                      trust=_parse_trust(doc.get("trust"), source),
+                      report=_parse_report(doc.get("report"), source))
+
+
+def _parse_report(raw: Any, source: str) -> ReportPolicy:
+    raw = mapping_of(raw, f"{source}: report")
+    _reject_unknown(raw, ("per_tier",), f"{source}: report.")
+    per_tier = raw.get("per_tier", ReportPolicy.per_tier)
+    if per_tier not in REPORT_PER_TIER:
+        raise ValueError(f"{source}: report.per_tier must be one of "
+                         f"{', '.join(REPORT_PER_TIER)}, got {per_tier!r}")
+    return ReportPolicy(per_tier=per_tier)
 
 
 def load_policy_file(path: str) -> TierPolicy:

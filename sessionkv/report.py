@@ -4,6 +4,14 @@ A finished request's response carries ``kv_transfer_params["sessionkv"]``: where
 its prompt KV came from. Counts are in tokens and in blocks of the engine's
 G1 block size; hits are whole blocks, the recomputed tail may end mid-block.
 Only non-streaming responses carry ``kv_transfer_params`` (a vLLM limitation).
+
+``cached_tokens`` (prompt tokens not recomputed, the total vLLM itself reports
+as ``usage.prompt_tokens_details.cached_tokens``) is always there. The per-tier
+``tokens`` and ``blocks`` are null unless the policy's ``report.per_tier``
+gives them to this request (``signed``, the default: only requests the router
+signed, see ``sessionkv.config.ReportPolicy``).
+
+Readers tolerate fields they do not know (a newer engine's).
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from sessionkv.hints import HintOutcome
 REPORT_KEY = "sessionkv"
 
 
-class TierCounts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class TierCounts(msgspec.Struct, frozen=True):
     """Prompt tokens (or blocks) by where their KV came from."""
 
     g1: int = 0
@@ -26,15 +34,16 @@ class TierCounts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     recomputed: int = 0
 
 
-class RequestReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class RequestReport(msgspec.Struct, frozen=True):
     """Where one request's prompt KV came from."""
 
     session_id: str | None
     block_size: int
     prompt_tokens: int
-    tokens: TierCounts
-    blocks: TierCounts
+    tokens: TierCounts | None       # None: withheld (``report.per_tier``)
+    blocks: TierCounts | None
     hints: tuple[HintOutcome, ...] = ()     # one outcome per hint the request carried
+    cached_tokens: int = 0          # prompt tokens whose KV was not recomputed
 
     @classmethod
     def build(
@@ -65,7 +74,12 @@ class RequestReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             g3_tokens // block_size,
             -(-recomputed // block_size),
         )
-        return cls(session_id, block_size, prompt_tokens, tokens, blocks, tuple(hints))
+        return cls(session_id, block_size, prompt_tokens, tokens, blocks, tuple(hints),
+                   prompt_tokens - recomputed)
+
+    def totals_only(self) -> "RequestReport":
+        """This report without the per-tier counts: what vLLM itself tells."""
+        return msgspec.structs.replace(self, tokens=None, blocks=None)
 
     def to_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` entry, JSON-ready."""

@@ -42,6 +42,7 @@ def engine(request, tmp_path_factory):
     (d / "secret").write_bytes(SECRET)
     # The session-aware G2 policy: un-hinted, it must serve exactly as vLLM's LRU.
     (d / "tiers.yaml").write_text(f"g2: {{eviction: session}}\n"
+                                  "report: {per_tier: all}\n"   # the test reads the tiers
                                   f"trust: {{secret_file: {d / 'secret'}}}\n")
     llm = LLM(
         model=TINY, enforce_eager=True, block_size=BLOCK, max_model_len=1024, seed=0,

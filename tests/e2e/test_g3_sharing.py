@@ -179,7 +179,8 @@ def engine(tmp_path, tiers, prompts, model=TINY, poison=False, block_size=32, po
     tmp_path.mkdir(parents=True, exist_ok=True)
     secret = tmp_path / "cluster.secret"
     secret.write_text(SECRET)
-    policy = (policy or "") + f"trust: {{secret_file: {secret}}}\n"
+    # report.per_tier all: the test client reads which tier served each run.
+    policy = (policy or "") + f"report: {{per_tier: all}}\ntrust: {{secret_file: {secret}}}\n"
     out = engine_process(tmp_path, {"model": model, "block_size": block_size, "tiers": tiers,
                                     "prompts": prompts, "poison": poison, "policy": policy,
                                     "await_stored": await_stored, "names_of": names_of})

@@ -7,6 +7,7 @@ response must carry exactly one outcome per hint.
 
 import json
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -15,7 +16,7 @@ import requests
 
 from sessionkv.devtools.engines import TINY, kv_transfer_config, new_engine_id
 from sessionkv.devtools.hint_cases import expected_count, hostile_envelope, hostile_kvcr
-from sessionkv.hints import sign
+from sessionkv.hints import envelope, sign
 from sessionkv.report import RequestReport
 from sessionkv.devtools.server import ServerProcess, remove_offload_region
 
@@ -70,6 +71,23 @@ def test_unsigned_rejected_signed_resolved_other_session_rejected(server):
     _, rep = complete(server, PROMPTS[0], "s-live",
                       {"kv_hints": env, "kv_hints_sig": sign(env, "s-other", SECRET)})
     assert rep.hints[0].reason.startswith("unsigned")
+
+
+def test_per_tier_counts_go_only_to_router_signed_requests(server):
+    # report.per_tier: signed (the default). Per-tier counts would tell any
+    # client which tier (a shared G3: another engine's traffic) held a prefix.
+    complete(server, PROMPTS[2], "s-tiers")                 # 100 tokens: 3 full blocks
+    _, rep = complete(server, PROMPTS[2], "s-tiers")
+    assert (rep.tokens, rep.blocks, rep.cached_tokens) == (None, None, 96)
+    env = envelope()        # no actions: how the router signs a turn it has no hint for
+    for sig in (sign(env, "s-other", SECRET), sign(env, "s-tiers", SECRET, now=time.time() - 400),
+                sign(env, "s-tiers", b"another-secret-0123456789")):
+        _, rep = complete(server, PROMPTS[2], "s-tiers", {"kv_hints": env, "kv_hints_sig": sig})
+        assert (rep.tokens, rep.hints) == (None, ()), sig
+    _, rep = complete(server, PROMPTS[2], "s-tiers",
+                      {"kv_hints": env, "kv_hints_sig": sign(env, "s-tiers", SECRET)})
+    assert rep.hints == () and rep.cached_tokens == 96
+    assert (rep.blocks.g1 + rep.blocks.g2, rep.tokens.recomputed) == (3, 4)
 
 
 def test_malformed_json_never_reaches_the_connector(server):

@@ -22,7 +22,8 @@ P = np.random.default_rng(5).integers(10, 4000, 100).tolist()     # 3 full block
 def server(tmp_path_factory, redis_url):
     d = tmp_path_factory.mktemp("metrics")
     (d / "secret").write_bytes(SECRET)
-    (d / "tiers.yaml").write_text(f"version: 1\ntrust:\n  secret_file: {d / 'secret'}\n")
+    (d / "tiers.yaml").write_text(f"version: 1\nreport: {{per_tier: all}}\n"
+                                  f"trust:\n  secret_file: {d / 'secret'}\n")
     engine_id = new_engine_id()
     tier = {"type": "RedisTier", "module_path": "sessionkv.tiers.redis", "url": redis_url,
             "namespace": f"metrics-{engine_id}", "timeout_s": 10.0}
@@ -52,8 +53,10 @@ def test_metrics_count_the_scenario(server):
     complete(server, P, "m")                                    # cold: 100 recomputed
     env = pin("m")
     _, rep = complete(server, P, "m", {"kv_hints": env, "kv_hints_sig": sign(env, "m", SECRET)})
-    # Deferred: the Pin holds the G3 copies too; its final outcome is what counts.
-    assert rep.tokens.g1 == 96 and [o.status for o in rep.hints] == ["deferred"]
+    # Deferred while the cold turn's G3 copies are still being written (the Pin
+    # holds them too; accepted when they were done first, as on a loaded
+    # machine): the final outcome is what counts.
+    assert rep.tokens.g1 == 96 and [o.status for o in rep.hints] in (["deferred"], ["accepted"])
     want = {
         ("sessionkv:hint_outcomes_total", (("action", "kv.pin"), ("outcome", "accepted"))): 1,
         ("sessionkv:prompt_tokens_total", (("source", "g1"),)): 96,

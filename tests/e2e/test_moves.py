@@ -23,7 +23,8 @@ from sessionkv.devtools.keys import keys_of
 from test_pin_retain import CHUNK_BYTES, G2_CHUNKS, P, SECRET, cold, in_g2, reset_g1, run
 
 POLICY = ("g2: {eviction: session}\ng3: {write_through: false}\n"
-          "limits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n")
+          "limits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n"
+          "report: {per_tier: all}\n")     # the test client reads where KV came from
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ def make_engine(tmp_path_factory, eviction):
     (d / "tiers.yaml").write_text(
         f"g2: {{eviction: {eviction}}}\n"
         "limits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n"
+        "report: {per_tier: all}\n"       # the test client reads where KV came from
         f"trust: {{secret_file: {d / 'secret'}}}\n")
     engine_id = new_engine_id()
     llm = LLM(model=TINY, enforce_eager=True, block_size=BLOCK, max_model_len=1024, seed=0,

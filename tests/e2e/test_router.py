@@ -74,7 +74,7 @@ def turn(router, session, prompt, headers=None):
 def cold(server, prompts):
     """The session replayed alone on ``server`` from KV computed afresh (a new
     cache salt: no cached block matches the router's run): each turn's
-    (outputs, prompt tokens served from G1). A turn's cached prefix holds KV
+    (outputs, {"recomputed": prompt tokens not served from a cache}). A turn's cached prefix holds KV
     computed by earlier turns' prefills and decode steps, whose last bits
     differ from one long prefill's; the replay computes the same KV the same
     way, so tokens and logprobs must be equal."""
@@ -83,7 +83,10 @@ def cold(server, prompts):
         r = requests.post(server.url + "/v1/completions", json=body(prompt, cache_salt=salt),
                           timeout=300)
         r.raise_for_status()
-        out.append((outputs(r.json()), r.json()["kv_transfer_params"]["sessionkv"]["tokens"]))
+        rep = r.json()["kv_transfer_params"]["sessionkv"]
+        # Unsigned, so totals only (report.per_tier: signed, the default).
+        assert rep["tokens"] is None, rep
+        out.append((outputs(r.json()), {"recomputed": rep["prompt_tokens"] - rep["cached_tokens"]}))
     return out
 
 

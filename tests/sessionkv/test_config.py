@@ -101,6 +101,9 @@ def test_bad_config_names_the_key(extra, key):
         ("limits: {hints_per_s: 5}\n", "hints_per_s"),
         ("trust: {secret_file: /nonexistent/secret}\n", "trust.secret_file"),
         ("trust: {secret: abc}\n", "secret"),
+        ("report: {per_tier: some}\n", "report.per_tier"),
+        ("report: {per_tier: [all]}\n", "report.per_tier"),
+        ("report: {tiers: all}\n", "tiers"),
         ("g2: [1, 2]\n", "g2"),
         ("- a\n- b\n", "must be a mapping"),
         ("g2: {eviction: [\n", "invalid YAML"),
@@ -136,3 +139,10 @@ def test_a_short_secret_is_refused(tmp_path):
     path = policy_file(tmp_path, f"trust: {{secret_file: {secret}}}\n")
     with pytest.raises(ValueError, match="at least 16 bytes"):
         parse_extra_config({**BASE, "sessionkv": {"policy_file": path}})
+
+
+def test_per_tier_reports_default_to_signed_requests_only(tmp_path):
+    assert parse_extra_config(BASE).policy.report.per_tier == "signed"
+    path = policy_file(tmp_path, "report: {per_tier: all}\n")
+    assert parse_extra_config({**BASE, "sessionkv": {"policy_file": path}}
+                              ).policy.report.per_tier == "all"

@@ -15,3 +15,18 @@ def test_report_caps_hits_at_the_prompt():
     rep = RequestReport.build(None, 32, prompt_tokens=100, g1_tokens=64, g2_tokens=64, g3_tokens=32)
     assert rep.tokens == TierCounts(64, 36, 0, 0)
     assert rep.blocks == TierCounts(2, 1, 0, 0)
+
+
+def test_totals_only_keeps_what_vllm_reports():
+    rep = RequestReport.build("s1", 32, prompt_tokens=200, g1_tokens=64, g2_tokens=96, g3_tokens=0)
+    assert rep.cached_tokens == 160
+    bare = rep.totals_only()
+    assert (bare.tokens, bare.blocks, bare.cached_tokens, bare.prompt_tokens) == (None, None, 160, 200)
+    assert RequestReport.from_params(bare.to_params()) == bare
+
+
+def test_a_newer_engines_fields_are_tolerated():
+    doc = RequestReport.build(None, 32, 64, 32, 0, 0).to_params()
+    doc["sessionkv"]["from_the_future"] = 1
+    doc["sessionkv"]["tokens"]["g4"] = 0
+    assert RequestReport.from_params(doc).cached_tokens == 32
