@@ -12,7 +12,7 @@ or from the JSON file it writes (``sessionkv.control.endpoint_file``):
 ``HintClient.from_endpoint_file(path, secret)``.
 
 Both sockets are CURVE clients with keys derived from the secret (an engine
-with another secret refuses the handshake: ``HintClient`` says so at once).
+with another secret refuses the handshake: both clients say so at once).
 Every reply is authenticated; a reply that is not, or none within
 ``timeout_s``, raises ``ControlError``. Frames the engine refused come back as
 one ``rejected`` outcome (``reply.error`` says why), not as exceptions.
@@ -324,16 +324,37 @@ class AsyncHintClient(_Protocol):
         self._sock: zmq.asyncio.Socket | None = None
         self._waiting: dict[int, Any] = {}
         self._reader = None
+        self._watcher = None
+        self._monitor: zmq.asyncio.Socket | None = None
         self._sending = asyncio.Lock()
+
+    def _open(self) -> None:
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        wire.secure_client(s, self._secret)
+        self._monitor = s.get_monitor_socket(_HANDSHAKE_FAILED)
+        s.connect(self.endpoint)
+        self._sock = s
+        self._watcher = asyncio.ensure_future(self._watch(self._monitor))
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        """An engine with another secret refuses the CURVE handshake: fail
+        the waiting calls at once (as ``HintClient`` does), not at their
+        timeout; the next call connects afresh."""
+        await monitor.recv_multipart()
+        err = ControlError(f"{self.endpoint}: handshake refused: not authentic "
+                           "(another secret?)")
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._watcher = None            # close() must not cancel this task
+        self.close()
 
     async def call(self, op: str, **fields: Any) -> wire.ControlReply:
         if op != "hello" and self.engine_id is None:
             await self.hello()
         if self._sock is None:
-            self._sock = self._ctx.socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            wire.secure_client(self._sock, self._secret)
-            self._sock.connect(self.endpoint)
+            self._open()
         # Frames leave in counter order (the engine refuses a counter below
         # one it has seen), even when concurrent calls wait to send.
         async with self._sending:
@@ -347,7 +368,7 @@ class AsyncHintClient(_Protocol):
             return await asyncio.wait_for(fut, self._timeout_ms / 1000)
         except asyncio.TimeoutError:
             raise ControlError(f"{self.endpoint}: no reply within {self._timeout_ms} ms"
-                               " (engine down or busy, or another secret)") from None
+                               " (engine down or busy)") from None
         finally:
             self._waiting.pop(counter, None)
 
@@ -400,9 +421,12 @@ class AsyncHintClient(_Protocol):
             sub.close(linger=0)
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            self._reader = None
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+        self._reader = self._watcher = None
         if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
             self._sock.close(linger=0)
-            self._sock = None
+            self._sock = self._monitor = None

@@ -135,6 +135,17 @@ def test_bad_frames_get_rejected_outcomes_and_the_engine_keeps_serving(engine, c
         with pytest.raises(ControlError, match="handshake refused: not authentic"):
             wrong.pin("h")
         assert time.monotonic() - t0 < 2.5      # at once, not after its 5 s timeout
+
+    async def refused():                        # the router's client, likewise
+        wrong = AsyncHintClient(ep, b"not-the-router-secret-at-all")
+        try:
+            await wrong.pin("h")
+        finally:
+            wrong.close()
+    t0 = time.monotonic()
+    with pytest.raises(ControlError, match="handshake refused: not authentic"):
+        asyncio.run(refused())
+    assert time.monotonic() - t0 < 2.5
     counter, frames = client._frames("hints", session_id="h", hints={})
     bad = raw_call(ep, [frames[0], b"\0" * 32])
     assert (bad.ok, bad.outcomes[0].status) == (False, "rejected")
