@@ -122,6 +122,18 @@ class _Protocol:
                 self.skipped_events += 1    # a kind or field unknown here (a newer engine)
         return None
 
+    def _dealer(self, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
+        """The request socket, connected, and a monitor of its failed
+        handshakes: an engine with another secret refuses the CURVE
+        handshake, and the client says so at once rather than time out as if
+        the engine were down."""
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        wire.secure_client(s, self._secret)
+        monitor = s.get_monitor_socket(_HANDSHAKE_FAILED)
+        s.connect(self.endpoint)
+        return s, monitor
+
     def _subscriber(self, ctx: zmq.Context, events_endpoint: str, kinds) -> zmq.Socket:
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
@@ -166,14 +178,7 @@ class HintClient(_Protocol):
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
-            s = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            wire.secure_client(s, self._secret)
-            # An engine with another secret refuses the CURVE handshake: say
-            # so at once rather than time out as if it were down.
-            self._monitor = s.get_monitor_socket(_HANDSHAKE_FAILED)
-            s.connect(self.endpoint)
-            self._sock = s
+            self._sock, self._monitor = self._dealer(self._ctx)
         return self._sock
 
     def call(self, op: str, **fields: Any) -> wire.ControlReply:
@@ -329,17 +334,11 @@ class AsyncHintClient(_Protocol):
         self._sending = asyncio.Lock()
 
     def _open(self) -> None:
-        s = self._ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        wire.secure_client(s, self._secret)
-        self._monitor = s.get_monitor_socket(_HANDSHAKE_FAILED)
-        s.connect(self.endpoint)
-        self._sock = s
+        self._sock, self._monitor = self._dealer(self._ctx)
         self._watcher = asyncio.ensure_future(self._watch(self._monitor))
 
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
-        """An engine with another secret refuses the CURVE handshake: fail
-        the waiting calls at once (as ``HintClient`` does), not at their
+        """A refused handshake fails the waiting calls at once, not at their
         timeout; the next call connects afresh."""
         await monitor.recv_multipart()
         err = ControlError(f"{self.endpoint}: handshake refused: not authentic "
