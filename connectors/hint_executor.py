@@ -17,6 +17,10 @@ in the index by then); the outcomes go back in that response. Control-channel
 hints (authenticated by the channel, so treated as signed) act at once.
 ``release(session)`` drops what an ended session pinned and retained.
 
+Cost: the pin book (``PinBook``) is indexed by owner and counted per pool, and
+lapses come from the policy (``take_unpinned``): a hint costs its own chunks
+and a session's end its own pins, never a pass over every live pin.
+
 Threading: callers hold the tier manager's lock (the scheduler thread during
 its pass, or any other thread); it only changes metadata.
 """
@@ -124,6 +128,51 @@ def _mark(h: KvHint, signed: bool) -> KvHint:
     return msgspec.structs.replace(h, signed=signed)
 
 
+class PinBook:
+    """The executor's pins: chunk -> (owner, hint id, signed), with each
+    owner's chunks and each pool's count (signed, unsigned) kept as they change."""
+
+    def __init__(self) -> None:
+        self.entries: dict[bytes, tuple[str, str, bool]] = {}
+        self._by_owner: dict[str, set[bytes]] = {}
+        self._pooled = {True: 0, False: 0}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, k: bytes) -> bool:
+        return k in self.entries
+
+    def of(self, owner: str) -> frozenset[bytes]:
+        return frozenset(self._by_owner.get(owner, ()))
+
+    def pooled(self, signed: bool) -> int:
+        return self._pooled[signed]
+
+    def add(self, k: bytes, owner: str, hint_id: str, signed: bool) -> None:
+        self.pop(k)
+        self.entries[k] = (owner, hint_id, signed)
+        self._by_owner.setdefault(owner, set()).add(k)
+        self._pooled[signed] += 1
+
+    def pop(self, k: bytes) -> tuple[str, str, bool] | None:
+        entry = self.entries.pop(k, None)
+        if entry is not None:
+            owner, _, signed = entry
+            mine = self._by_owner[owner]
+            mine.discard(k)
+            if not mine:
+                del self._by_owner[owner]
+            self._pooled[signed] -= 1
+        return entry
+
+    def pop_owner(self, owner: str) -> list[bytes]:
+        mine = list(self._by_owner.get(owner, ()))
+        for k in mine:
+            self.pop(k)
+        return mine
+
+
 class HintExecutor:
     """Gives every hint one outcome (see the module docstring).
 
@@ -151,7 +200,7 @@ class HintExecutor:
         self._cap_session = cap(limits.pin_fraction_session)
         self._cap_global = cap(limits.pin_fraction_global)
         self._cap_unsigned = cap(limits.unsigned_pin_fraction)
-        self._pins: dict[bytes, tuple[str, str, bool]] = {}   # chunk -> (owner, hint, signed)
+        self._pins = PinBook()
         self._mover = mover
         self._fetcher = fetcher
 
@@ -248,18 +297,18 @@ class HintExecutor:
         """Pin within the quotas: (chunks pinned, clip reason or "")."""
         owner = self._owner(hint, session_id)
         self._forget_lapsed()
-        mine = {k for k, (o, _, _) in self._pins.items() if o == owner}
-        pool = [k for k, (_, _, signed) in self._pins.items() if signed == hint.signed]
+        mine = self._pins.of(owner)
+        pool = self._pins.pooled(hint.signed)
         if hint.signed:
-            room = min(self._cap_session - len(mine), self._cap_global - len(pool))
+            room = min(self._cap_session - len(mine), self._cap_global - pool)
         else:
-            room = self._cap_unsigned - len(pool)
+            room = self._cap_unsigned - pool
         new = [k for k in chunks if k not in self._pins]
         take = new[:max(room, 0)]
         again = [k for k in chunks if k in mine]      # re-pinning extends the TTL
         self._policy.pin(again + take, ttl)
         for k in take:
-            self._pins[k] = (owner, hint.hint_id, hint.signed)
+            self._pins.add(k, owner, hint.hint_id, hint.signed)
         lost = len(new) - len(take)
         return again + take, (f"pin quota: {lost} chunks not pinned" if lost else "")
 
@@ -282,7 +331,7 @@ class HintExecutor:
         self._forget_lapsed()
         now = self._policy.clock()
         groups: dict[tuple[str, str], list[float]] = {}
-        for k, (owner, hint_id, _) in self._pins.items():
+        for k, (owner, hint_id, _) in self._pins.entries.items():
             expiry = self._policy.pin_expiry(k)
             if expiry is not None:
                 groups.setdefault((owner, hint_id), []).append(expiry - now)
@@ -294,16 +343,13 @@ class HintExecutor:
         """Drop the pins and retains ``session`` holds (it ended); how many chunks."""
         if self._policy is None:
             return 0
-        mine = [k for k, (o, _, _) in self._pins.items() if o == session]
+        mine = self._pins.pop_owner(session)
         self._policy.unpin(mine)
-        for k in mine:
-            del self._pins[k]
         return len(mine) + self._policy.release_retains(session)
 
     def _forget_lapsed(self) -> None:
-        live = self._policy.pinned()
-        for k in [k for k in self._pins if k not in live]:
-            del self._pins[k]
+        for k in self._policy.take_unpinned():
+            self._pins.pop(k)
 
     def collect_clipped(self) -> list[HintOutcome]:
         """Pins the policy clipped under G2 pressure since the last call, one
@@ -311,9 +357,10 @@ class HintExecutor:
         policy's list of clipped pins stays short."""
         if self._policy is None:
             return []
+        self._forget_lapsed()           # every step: the policy's set stays small
         lost: dict[str, int] = {}
         for k in self._policy.take_clipped():
-            entry = self._pins.pop(k, None)
+            entry = self._pins.pop(k)
             if entry is not None:
                 lost[entry[1]] = lost.get(entry[1], 0) + 1
         return [HintOutcome(hint_id, Action.PIN.action_type, Status.CLIPPED, 0, n,

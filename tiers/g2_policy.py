@@ -11,7 +11,11 @@ Eviction order, for ``evict(n, protected)``:
    (``take_clipped()`` hands them to the hint executor for its outcomes), so
    pins never stall a store.
 
-Pins and retains carry an expiry; lapsed ones are dropped lazily. The policy
+Pins and retains carry an expiry; lapsed ones are dropped lazily. Every pin
+that ends other than by ``unpin`` or a clip (it lapsed, its chunk was removed
+or demoted, a reset) is handed out once by ``take_unpinned()``, so the hint
+executor keeps its pin book without a pass over all pins; it drains the set
+every step, which bounds it. The policy
 never drops a chunk itself: every eviction runs through vLLM's LRU ``evict()``
 (the chosen chunks are the only unprotected ones), which keeps the heap, the
 free list and the counters right, and keeps ``evict`` atomic.
@@ -53,6 +57,7 @@ class SessionCachePolicy(LRUCachePolicy):
         self._retains: dict[OffloadKey, tuple[int, float, str | None]] = {}
         self._owned: dict[str, set[OffloadKey]] = {}     # owner -> the keys it retains
         self._clipped: list[OffloadKey] = []
+        self._unpinned: set[OffloadKey] = set()         # see take_unpinned
         # Biased chunks with ref_cnt 0, kept out of LRU's ``_evictable``.
         self._held: set[OffloadKey] = set()
         # (expiry, key) of every pin and retain set, lazily invalidated: lapses
@@ -89,6 +94,7 @@ class SessionCachePolicy(LRUCachePolicy):
             if k in self.chunks:
                 pinned_at = self._pins.get(k, (now, 0.0))[0]
                 self._pins[k] = (pinned_at, now + ttl_s)
+                self._unpinned.discard(k)
                 self._track(now + ttl_s, k)
                 self._sync(k)
                 n += 1
@@ -148,7 +154,7 @@ class SessionCachePolicy(LRUCachePolicy):
             if k not in self.chunks:
                 continue
             self._demoted_keys.add(k)
-            self._pins.pop(k, None)
+            self._lose_pin(k)
             self._drop_retain(k)
             self._sync(k)
             self._demoted -= 1                 # below every rank LRU assigns
@@ -161,6 +167,17 @@ class SessionCachePolicy(LRUCachePolicy):
     def pinned(self) -> set[OffloadKey]:
         self._expire()
         return set(self._pins)
+
+    def take_unpinned(self) -> set[OffloadKey]:
+        """Chunks whose pin ended since the last call, other than by
+        ``unpin`` or a clip (``take_clipped``): lapsed, removed, demoted, reset."""
+        self._expire()
+        out, self._unpinned = self._unpinned, set()
+        return out
+
+    def _lose_pin(self, k: OffloadKey) -> None:
+        if self._pins.pop(k, None) is not None:
+            self._unpinned.add(k)
 
     def pin_expiry(self, key: OffloadKey) -> float | None:
         """When ``key``'s pin lapses (the policy's clock), or None when unpinned."""
@@ -180,7 +197,7 @@ class SessionCachePolicy(LRUCachePolicy):
             pin, ret = self._pins.get(k), self._retains.get(k)
             changed = False
             if pin is not None and pin[1] <= now:
-                del self._pins[k]
+                self._lose_pin(k)
                 changed = True
             if ret is not None and ret[1] <= now:
                 self._drop_retain(k)
@@ -213,7 +230,7 @@ class SessionCachePolicy(LRUCachePolicy):
         super().remove(key)
         self._demoted_keys.discard(key)
         self._held.discard(key)
-        self._pins.pop(key, None)
+        self._lose_pin(key)
         self._drop_retain(key)
 
     def clear(self) -> None:
@@ -221,6 +238,7 @@ class SessionCachePolicy(LRUCachePolicy):
         self._demoted_keys.clear()
         self._held.clear()
         self._expiries.clear()
+        self._unpinned.update(self._pins)
         self._pins.clear()
         self._retains.clear()
         self._owned.clear()
