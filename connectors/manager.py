@@ -254,9 +254,9 @@ class SessionTierManager(TieringOffloadingManager):
         blocks per tier, pins and their expiry, hint outcome counts since
         start, the latest evictions the event log holds."""
         with self.lock:
-            summaries = [self.index.summary(s) for s in self.index.sessions()]
-            live = sorted((s for s in summaries if s is not None),
-                          key=lambda s: -s.last_access)[:max_sessions]
+            # Only the sessions it returns: the lock is held for what it shows.
+            summaries = [self.index.summary(s) for s in self.index.recent_sessions(max_sessions)]
+            live = [s for s in summaries if s is not None]
             out = {
                 "sessions": [{"session_id": s.session_id, "blocks": s.blocks,
                               "per_tier": {t.name: n for t, n in s.per_tier.items()},
@@ -278,7 +278,7 @@ class SessionTierManager(TieringOffloadingManager):
         """vLLM's offloading stats, with sessionkv's (``connectors.metrics``)."""
         stats = super().get_stats()
         with self.lock:
-            mine = self.stats.take(len(self.index), len(self.index.sessions()),
+            mine = self.stats.take(len(self.index), self.index.num_sessions,
                                    self.executor.pinned_chunks,
                                    {t.tier_type: t.rejected for t in self.secondary_tiers
                                     if isinstance(t, G3Tier)})

@@ -17,7 +17,11 @@ Invariants, kept by every operation:
 - no frontier is an ancestor of another frontier of the same session;
 - every leaf is resident or a frontier: nodes with no copy and no resident
   descendant are pruned; parent-only nodes stay while they connect resident
-  descendants.
+  descendants;
+- sessions are kept in order of last access, oldest first, and an access is
+  dated no earlier than the newest before it (the callers' clocks are
+  monotonic): idle expiry and ``recent_sessions`` cost what they return, not
+  a pass over every session.
 
 G1 copies have no eviction callback in vLLM, so G1 residency is refreshed
 lazily: a query first asks ``g1_probe`` (the connector's view of vLLM's block
@@ -32,6 +36,7 @@ Python objects are the key bytes and its dict entry.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -213,11 +218,14 @@ class SessionPrefixIndex:
         slots[first_new:] = new
 
     def _touch_session(self, session: str, now: float) -> _Session:
-        st = self._sessions.get(session)
+        if self._sessions:
+            now = max(now, self._sessions[next(reversed(self._sessions))].last_access)
+        st = self._sessions.pop(session, None)    # back in at the end: access order
         if st is None:
-            st = self._sessions[session] = _Session()
+            st = _Session()
             self._tombstones.pop(session, None)   # a new request reopens it
         st.last_access = max(st.last_access, now)
+        self._sessions[session] = st
         return st
 
     def _ancestor_at(self, slot: int, depth: int) -> int:
@@ -393,7 +401,11 @@ class SessionPrefixIndex:
         if self._idle_timeout_s is None:
             return []
         limit = now - self._idle_timeout_s
-        idle = [s for s, st in self._sessions.items() if st.last_access < limit]
+        idle = []
+        for s, st in self._sessions.items():      # oldest first
+            if st.last_access >= limit:
+                break
+            idle.append(s)
         for s in idle:
             self.end_session(s, now)
         return idle
@@ -407,6 +419,14 @@ class SessionPrefixIndex:
 
     def sessions(self) -> list[str]:
         return list(self._sessions)
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    def recent_sessions(self, n: int) -> list[str]:
+        """The ``n`` sessions accessed last, the most recent first."""
+        return list(itertools.islice(reversed(self._sessions), max(n, 0)))
 
     # --------------------------------------------------------------- queries
 

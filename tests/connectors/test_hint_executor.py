@@ -11,6 +11,7 @@ from sessionkv.hints import SIG_PARAM, Status, sign
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers.g2_policy import SessionCachePolicy
 from sessionkv.types import Tier
+from sessionkv.devtools.cost import lines_run
 from sessionkv.devtools.keys import block_key
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 
@@ -208,28 +209,6 @@ def test_pins_clipped_under_pressure_come_back_as_late_outcomes():
     assert ex.collect_clipped() == []
 
 
-def _lines_run(fn, files=("hint_executor.py", "g2_policy.py")) -> int:
-    """Python lines executed in the executor and the policy while ``fn`` runs
-    (every loop iteration is one): a count of work that machine noise does
-    not change."""
-    import sys
-    n = 0
-
-    def tracer(frame, event, arg):
-        nonlocal n
-        if not frame.f_code.co_filename.endswith(files):
-            return None
-        if event == "line":
-            n += 1
-        return tracer
-    sys.settrace(tracer)
-    try:
-        fn()
-    finally:
-        sys.settrace(None)
-    return n
-
-
 def _pinned_sessions(others: int):
     """An executor with ``others`` sessions of one pinned chunk each, and
     session "me" with three."""
@@ -253,14 +232,15 @@ def _pinned_sessions(others: int):
 def test_a_pin_and_a_session_end_cost_their_own_pins_not_everyones():
     # Issue "production scale": expiring 1,000 sessions with 16k pins live
     # took 1.56 s, each release and each Pin scanning every live pin.
+    FILES = ("hint_executor.py", "g2_policy.py")
     def costs(others):
         ex = _pinned_sessions(others)
         hint = read_request_hints({"kv_hints": env({"ttl_s": 90}),
                                    SIG_PARAM: sign(env({"ttl_s": 90}), "me", SECRET)},
                                   None, "me", SECRET)
-        pin = _lines_run(lambda: ex.execute_all(hint, "me"))
-        step = _lines_run(ex.collect_clipped)
-        end = _lines_run(lambda: ex.release("me"))
+        pin = lines_run(lambda: ex.execute_all(hint, "me"), FILES)
+        step = lines_run(ex.collect_clipped, FILES)
+        end = lines_run(lambda: ex.release("me"), FILES)
         assert ex.pinned_chunks == others
         return pin, step, end
     few, many = costs(10), costs(2000)

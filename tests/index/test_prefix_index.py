@@ -4,6 +4,7 @@ import pytest
 
 from sessionkv.index.prefix_index import SessionPrefixIndex, alias64
 from sessionkv.types import Tier
+from sessionkv.devtools.cost import lines_run
 from sessionkv.devtools.keys import block_key
 
 
@@ -149,3 +150,23 @@ def test_chain_to_and_clear_tier():
     assert idx.chain_to(AD, 2) == []
     idx.clear_tier(Tier.G2)
     assert len(idx) == 0 and idx.frontiers("s") == []
+
+
+def test_sessions_in_access_order_and_expiry_costs_what_it_ends():
+    # Issue "production scale": expiry and the status op passed over every
+    # session; with sessions kept in access order they cost what they return.
+    def build(n):
+        idx = SessionPrefixIndex(idle_timeout_s=10)
+        idx.admit("old", [A], Tier.G2, now=0.0)
+        for i in range(n):
+            idx.admit(f"s{i}", [block_key(f"x{i}")], Tier.G2, now=100.0 + i)
+        return idx
+    costs = []
+    for n in (10, 2000):
+        idx, got = build(n), []
+        costs.append((lines_run(lambda: got.append(idx.expire(now=50.0)), ("prefix_index.py",)),
+                      lines_run(lambda: got.append(idx.recent_sessions(3)), ("prefix_index.py",))))
+        assert got == [["old"], [f"s{n - 1}", f"s{n - 2}", f"s{n - 3}"]]
+        idx.admit("s0", [block_key("x0")], None, now=1.0)     # a late clock: dated the newest
+        assert idx.recent_sessions(1) == ["s0"] and idx.summary("s0").last_access == 100.0 + n - 1
+    assert costs[0] == costs[1], costs
