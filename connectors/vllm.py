@@ -206,10 +206,13 @@ class _Tracked:
     sources: dict[CacheHitSource, int] = field(default_factory=dict)
 
     def keys_upto(self, n_blocks: int) -> list[bytes]:
+        return self.keys_between(0, n_blocks)
+
+    def keys_between(self, first: int, end: int) -> list[bytes]:
         hashes = self.request.block_hashes
-        if len(self.keys) < n_blocks:
-            self.keys.extend(make_offload_key(h, 0) for h in hashes[len(self.keys):n_blocks])
-        return self.keys[:n_blocks]
+        if len(self.keys) < end:
+            self.keys.extend(make_offload_key(h, 0) for h in hashes[len(self.keys):end])
+        return self.keys[first:end]
 
 
 class SessionTierConnector(OffloadingConnector):
@@ -372,7 +375,13 @@ class SessionTierConnector(OffloadingConnector):
             req = tr.request
             full = min(len(req.block_hashes), (req.num_computed_tokens + n_sched) // bs)
             if full > tr.admitted:
-                index.admit(tr.session, tr.keys_upto(full), Tier.G1, start=tr.admitted, now=now)
+                # The blocks this step filled, below the last one admitted;
+                # the whole chain only when that one was pruned meanwhile.
+                new = tr.keys_between(tr.admitted, full)
+                if not (tr.admitted and index.extend(tr.session, tr.keys[tr.admitted - 1], new,
+                                                     Tier.G1, now)):
+                    index.admit(tr.session, tr.keys_upto(full), Tier.G1, start=tr.admitted,
+                                now=now)
                 tr.admitted = full
                 self._associated(tr, full, Tier.G1)
         index.sweep_g1(G1_SWEEP_PER_STEP)

@@ -194,16 +194,50 @@ class SessionPrefixIndex:
             if tail >= 0:
                 self._extend_branch(session, slots, tail)
 
-    def _link(self, chain: Sequence[bytes], slots: list, first_new: int) -> None:
+    def extend(self, session: str | None, parent: bytes, keys: Sequence[bytes], tier: Tier,
+               now: float = 0.0) -> bool:
+        """``admit`` of a chain's next blocks: ``keys`` are the children of
+        ``parent``, each gets a copy in ``tier``. It touches only ``keys``
+        and the session's frontiers, so a step's admission costs the blocks
+        it adds, not the context (``admit`` looks up the whole chain). False,
+        with nothing done, when ``parent`` is no longer indexed (pruned): the
+        caller admits the whole chain instead."""
+        p = self._slot.get(parent)
+        if p is None:
+            return False
+        n = len(keys)
+        if n == 0:
+            return True
+        base = int(self._depth[p]) + 1
+        slots = list(map(self._slot.get, keys))
+        try:
+            first_new = slots.index(None)
+        except ValueError:
+            first_new = n
+        if first_new < n:
+            self._link(keys, slots, first_new, p, base)
+        idx = np.asarray(slots, np.int64)
+        row = self._copies[tier]
+        row[idx] = np.maximum(row[idx], 1)
+        self._recount(idx)
+        if session is not None:
+            self._touch_session(session, now)
+            self._extend_branch(session, slots, n - 1, base, p)
+        return True
+
+    def _link(self, chain: Sequence[bytes], slots: list, first_new: int,
+              root: int = _NONE, base: int = 0) -> None:
+        """Link ``chain[first_new:]`` in; ``chain[0]`` is a child of ``root``
+        (the tree's root by default) at depth ``base``."""
         n = len(chain)
         # Chained hashes make every descendant of a missing node missing too.
         if slots.count(None) != n - first_new:
             raise ValueError("chain holds a known key below an unknown one: not a prefix chain")
         new = self._alloc(n - first_new)
-        parent = slots[first_new - 1] if first_new else _NONE
+        parent = slots[first_new - 1] if first_new else root
         idx = np.asarray(new, np.int64)
         self._parent[idx] = [parent, *new[:-1]]
-        self._depth[idx] = np.arange(first_new, n, dtype=np.int32)
+        self._depth[idx] = np.arange(base + first_new, base + n, dtype=np.int32)
         self._nchild[idx] = 1
         self._nchild[new[-1]] = 0
         self._copies[:, idx] = 0
@@ -235,18 +269,23 @@ class SessionPrefixIndex:
             d -= 1
         return slot
 
-    def _extend_branch(self, session: str, slots: list, tail: int) -> None:
+    def _extend_branch(self, session: str, slots: list, tail: int, base: int = 0,
+                       above: int = _NONE) -> None:
         """Make ``slots[tail]`` a frontier of the session, unless a branch
-        already covers it; frontiers on the chain above it are superseded."""
+        already covers it; frontiers on the chain above it are superseded.
+        ``slots`` start at depth ``base``, below node ``above`` (``extend``):
+        a frontier above them is found by a walk from ``above``, none for the
+        frontier the chain's last admission left there."""
         st = self._sessions[session]
-        t = slots[tail]
+        t, deepest = slots[tail], base + tail
         depth = self._depth
         for f in list(st.frontiers):
             d = int(depth[f])
-            if d <= tail and slots[d] == f:
-                if f != t:
-                    self._drop_frontier(session, st, f)
-            elif d > tail and self._ancestor_at(f, tail) == t:
+            if d <= deepest:
+                if (slots[d - base] if d >= base else self._ancestor_at(above, d)) == f:
+                    if f != t:
+                        self._drop_frontier(session, st, f)
+            elif self._ancestor_at(f, deepest) == t:
                 return
         self._put_frontier(session, st, t)
 

@@ -64,7 +64,8 @@ class RefIndex:
             if session not in self.sessions:
                 self.sessions[session] = set()
                 self.tombstones.pop(session, None)
-            self.last[session] = max(self.last.get(session, 0.0), now)
+            # re-inserted: ``last`` is in access order, the order idle sessions end in
+            self.last[session] = max(self.last.pop(session, 0.0), now)
             if resident:
                 t = resident[-1]
                 self.sessions[session] = self.maximal(self.sessions[session] | {t})
@@ -103,7 +104,7 @@ class RefIndex:
     def expire(self, now):
         if self.idle is None:
             return []
-        idle = [s for s in self.sessions if self.last[s] < now - self.idle]
+        idle = [s for s in self.last if self.last[s] < now - self.idle]
         for s in idle:
             self.end_session(s, now)
         return idle

@@ -170,3 +170,26 @@ def test_sessions_in_access_order_and_expiry_costs_what_it_ends():
         idx.admit("s0", [block_key("x0")], None, now=1.0)     # a late clock: dated the newest
         assert idx.recent_sessions(1) == ["s0"] and idx.summary("s0").last_access == 100.0 + n - 1
     assert costs[0] == costs[1], costs
+
+
+class _CountingDict(dict):
+    """The index's key -> slot map, counting lookups."""
+    lookups = 0
+
+    def get(self, k, default=None):
+        _CountingDict.lookups += 1
+        return super().get(k, default)
+
+
+def test_a_steps_admission_looks_up_only_the_blocks_it_adds():
+    # Issue "production scale": admission looked up the request's whole chain
+    # on every step that filled a block (0.28 ms per admit of 4,096 blocks).
+    idx = SessionPrefixIndex()
+    chain = [block_key(f"c{i}") for i in range(4097)]
+    idx.admit("s", chain[:4096], Tier.G1, now=1.0)
+    idx._slot = _CountingDict(idx._slot)
+    assert idx.extend("s", chain[4095], chain[4096:], Tier.G1, now=2.0)
+    assert _CountingDict.lookups <= 2
+    assert idx.frontiers("s") == [chain[4096]] and len(idx) == 4097
+    assert idx.resolve_session("s").keys == chain
+    assert not idx.extend("s", block_key("never-seen"), [block_key("x")], Tier.G1)

@@ -60,6 +60,24 @@ class IndexMachine(RuleBasedStateMachine):
         self.idx.admit(s, chain, tier, start, self.now)
         self.ref.admit(s, chain, None if tier is None else int(tier), start, self.now)
 
+    @rule(c=st.integers(0, 10**6), s=st.sampled_from(SESSIONS + [None]), cut=st.integers(2, 20),
+          tier=TIER, start=st.integers(1, 19), dt=st.floats(0, 20))
+    def extend(self, c, s, cut, tier, start, dt):
+        """A step's admission (``extend``): the blocks after ``start`` below
+        the chain's block ``start - 1``; the whole chain when that one is gone.
+        Either way the same as ``admit`` with ``start``."""
+        chain = self.chains[c % len(self.chains)][:cut]
+        if not 1 <= start < len(chain):
+            return
+        self.now += dt
+        if tier == Tier.G1:
+            for k in chain[start:]:
+                self.pool[k] = max(self.pool.get(k, 0), 1)
+        if not self.idx.extend(s, chain[start - 1], chain[start:], tier, self.now):
+            assert chain[start - 1] not in self.idx
+            self.idx.admit(s, chain, tier, start, self.now)
+        self.ref.admit(s, chain, int(tier), start, self.now)
+
     @rule(tier=TIER, picks=st.lists(st.integers(0, 10**6), max_size=6),
           count=st.integers(0, 2), absolute=st.booleans(), delta=st.integers(-2, 2))
     def copies(self, tier, picks, count, absolute, delta):
