@@ -171,11 +171,7 @@ class SessionPrefixIndex:
         n = len(chain)
         if n == 0:
             return
-        slots = list(map(self._slot.get, chain))
-        try:
-            first_new = slots.index(None)
-        except ValueError:
-            first_new = n
+        slots, first_new = self._lookup(chain)
         if first_new < n:
             self._link(chain, slots, first_new)
         if tier is not None and start < n:
@@ -209,11 +205,7 @@ class SessionPrefixIndex:
         if n == 0:
             return True
         base = int(self._depth[p]) + 1
-        slots = list(map(self._slot.get, keys))
-        try:
-            first_new = slots.index(None)
-        except ValueError:
-            first_new = n
+        slots, first_new = self._lookup(keys)
         if first_new < n:
             self._link(keys, slots, first_new, p, base)
         idx = np.asarray(slots, np.int64)
@@ -224,6 +216,14 @@ class SessionPrefixIndex:
             self._touch_session(session, now)
             self._extend_branch(session, slots, n - 1, base, p)
         return True
+
+    def _lookup(self, chain: Sequence[bytes]) -> tuple[list, int]:
+        """The slots of ``chain`` (None where unknown) and the first unknown one."""
+        slots = list(map(self._slot.get, chain))
+        try:
+            return slots, slots.index(None)
+        except ValueError:
+            return slots, len(slots)
 
     def _link(self, chain: Sequence[bytes], slots: list, first_new: int,
               root: int = _NONE, base: int = 0) -> None:
