@@ -182,7 +182,11 @@ class G3Tier(SecondaryTierManager):
         self._pins = pins_for(backend, self.guard, self._layout, time.monotonic)
         self._pool = ThreadPoolExecutor(max_workers=int(io_threads),
                                         thread_name_prefix=f"sessionkv-{tier_type}")
-        self._pending: set[Future] = set()
+        self._pending: set[Future] = set()      # vLLM's jobs
+        # Hint copies and pins: outside vLLM's job table, they finish through
+        # the Mover's wake-up of the control channel, so they must not keep an
+        # idle engine stepping (``has_pending_work``).
+        self._hint_work: set[Future] = set()
         self._done: list[JobResult] = []
         self._failed: dict[str, float] = {}     # name -> until when it is a miss
         self._lock = threading.Lock()
@@ -259,6 +263,7 @@ class G3Tier(SecondaryTierManager):
         return [r for r, _ in done]
 
     def has_pending_work(self) -> bool:
+        """vLLM's jobs only (see ``_hint_work``)."""
         with self._lock:
             return bool(self._pending or self._done)
 
@@ -267,7 +272,7 @@ class G3Tier(SecondaryTierManager):
 
     def drain_jobs(self) -> None:
         with self._lock:
-            pending = list(self._pending)
+            pending = [*self._pending, *self._hint_work]
         wait(pending)
 
     def shutdown(self) -> None:
@@ -320,6 +325,13 @@ class G3Tier(SecondaryTierManager):
     def _finished(self, fut: Future) -> None:
         with self._lock:
             self._pending.discard(fut)
+            self._hint_work.discard(fut)
+
+    def _hint_job(self, run: Callable[[], None]) -> None:
+        fut = self._pool.submit(run)
+        with self._lock:
+            self._hint_work.add(fut)
+        fut.add_done_callback(self._finished)
 
     def _run(self, load: bool, job_id: int, keys: list[OffloadKey], names: list[str],
              offsets: list[int]) -> None:
@@ -384,10 +396,7 @@ class G3Tier(SecondaryTierManager):
                 logger.exception("sessionkv: G3 pin failed")
                 ok = [False] * len(keys)
             done(ok)
-        fut = self._pool.submit(run)
-        with self._lock:
-            self._pending.add(fut)
-        fut.add_done_callback(self._finished)
+        self._hint_job(run)
 
     def move(self, load: bool, keys: list[OffloadKey], chunk_ids: Sequence[int],
              done: Callable[[list[bool]], None]) -> None:
@@ -400,10 +409,7 @@ class G3Tier(SecondaryTierManager):
         keys = list(keys)
         names = [self.name(k) for k in keys]
         offsets = [int(c) * self._chunk for c in chunk_ids]
-        fut = self._pool.submit(lambda: done(self._copy(load, "move", keys, names, offsets)))
-        with self._lock:
-            self._pending.add(fut)
-        fut.add_done_callback(self._finished)
+        self._hint_job(lambda: done(self._copy(load, "move", keys, names, offsets)))
 
     def _remember_failed(self, names: list[str]) -> None:
         until = time.monotonic() + MISS_AFTER_FAILURE_S

@@ -7,6 +7,7 @@ first, so a load that wrote nothing fails), ``get_finished_jobs``,
 ``drain_jobs``.
 """
 
+import threading
 import time
 import uuid
 import weakref
@@ -253,6 +254,25 @@ def test_moves_outside_the_job_table_copy_and_report_through_done(make):
     assert tier.get_finished_jobs() == []                  # not vLLM's jobs
     assert seen == [(False, KEYS[:3], [True] * 3),
                     (True, [KEYS[0], KEYS[6], KEYS[2]], [True, False, True])]
+
+
+def test_a_move_in_flight_does_not_keep_the_engine_stepping(make):
+    # vLLM steps an idle engine while a tier has_pending_work(): a hint copy
+    # (its end comes through the Mover's wake-up) spun a core until it ended.
+    tier, region = make()
+    fill(region, range(2), seed=15)
+    started, release, done = threading.Event(), threading.Event(), []
+
+    def finish(ok):
+        started.set()
+        release.wait(30)
+        done.append(ok)
+    tier.move(False, KEYS[:2], [0, 1], finish)
+    assert started.wait(30)
+    assert not tier.has_pending_work()                     # in flight, yet idle
+    threading.Timer(0.2, release.set).start()
+    tier.drain_jobs()                                      # a reset still waits for it
+    assert done == [[True, True]]
 
 
 def test_pins_hold_the_objects_and_leave_them_readable(make):
