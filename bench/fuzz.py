@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from sessionkv import control as wire
 from sessionkv.client import ControlError, HintClient
 from sessionkv.config import parse_policy
-from sessionkv.connectors.hint_executor import read_request_hints
+from sessionkv.connectors.hint_executor import read_request_hints, router_signed
 from sessionkv.events import EventLog
 from sessionkv.events import decode as decode_event
 from sessionkv.hints import (HintOutcome, KvHint, Status, parse_envelope, parse_kvcr_fetch,
@@ -98,7 +98,8 @@ POLICY = {"version": 1, "g2": {"eviction": "session"}, "g3": {"write_through": T
           "sessions": {"idle_timeout_s": 60, "max_tombstones": 10},
           "limits": {"max_ttl_s": 600, "max_blocks_per_hint": 100, "pin_fraction_session": 0.5,
                      "pin_fraction_global": 0.8, "hints_per_s_per_client": 100,
-                     "unsigned_pin_fraction": 0.1}}
+                     "unsigned_pin_fraction": 0.1},
+          "report": {"per_tier": "signed"}}
 PROBE = {"block_size": 32, "hash_algo": "sha256", "hash_root": "00" * 32,
          "block_hashes": ["00" * 32] * 6}
 
@@ -189,6 +190,7 @@ def targets(tmp: Path) -> dict:
     def request_hints(ex):
         params, env, sid = ex
         outcomes_ok(read_request_hints(params, env, sid, SECRET))
+        assert router_signed(params, env, sid, SECRET) in (True, False)
 
     def control_frames(ex):
         doc, authentic, raw = ex
