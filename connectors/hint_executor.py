@@ -58,6 +58,7 @@ from .fetch import Fetcher
 from .moves import Mover
 
 KVCR_SIG_PARAM = "kv_hint_sig"
+MAX_CLIPPED_HINTS = 4096   # clipped outcomes waiting for collect_clipped (one per hint)
 # A Retain up to a boundary the index no longer holds took the session's
 # deepest branch: clipped, since what was evicted is not held.
 BOUNDARY_GONE = "boundary evicted: the session's deepest branch"
@@ -201,6 +202,7 @@ class HintExecutor:
         self._cap_global = cap(limits.pin_fraction_global)
         self._cap_unsigned = cap(limits.unsigned_pin_fraction)
         self._pins = PinBook()
+        self._clipped: dict[str, int] = {}      # hint id -> its chunks clipped, not yet told
         self._mover = mover
         self._fetcher = fetcher
 
@@ -307,6 +309,9 @@ class HintExecutor:
         take = new[:max(room, 0)]
         again = [k for k in chunks if k in mine]      # re-pinning extends the TTL
         self._policy.pin(again + take, ttl)
+        # Only what the policy pinned (a chunk gone from G2 meanwhile is not):
+        # the book holds no pin the policy will never report ended.
+        take = [k for k in take if self._policy.pin_expiry(k) is not None]
         for k in take:
             self._pins.add(k, owner, hint.hint_id, hint.signed)
         lost = len(new) - len(take)
@@ -348,21 +353,26 @@ class HintExecutor:
         return len(mine) + self._policy.release_retains(session)
 
     def _forget_lapsed(self) -> None:
+        """Bring the book up to date with the policy: pins that ended, and
+        pins it clipped (their outcomes wait for ``collect_clipped``)."""
         for k in self._policy.take_unpinned():
             self._pins.pop(k)
+        for k in self._policy.take_clipped():
+            entry = self._pins.pop(k)
+            if entry is not None:
+                hint_id = entry[1]
+                self._clipped[hint_id] = self._clipped.pop(hint_id, 0) + 1
+                while len(self._clipped) > MAX_CLIPPED_HINTS:    # nobody collects them
+                    del self._clipped[next(iter(self._clipped))]
 
     def collect_clipped(self) -> list[HintOutcome]:
         """Pins the policy clipped under G2 pressure since the last call, one
         ``clipped`` outcome per hint; the owner calls this every step, so the
-        policy's list of clipped pins stays short."""
+        policy's sets stay small."""
         if self._policy is None:
             return []
-        self._forget_lapsed()           # every step: the policy's set stays small
-        lost: dict[str, int] = {}
-        for k in self._policy.take_clipped():
-            entry = self._pins.pop(k)
-            if entry is not None:
-                lost[entry[1]] = lost.get(entry[1], 0) + 1
+        self._forget_lapsed()
+        lost, self._clipped = self._clipped, {}
         return [HintOutcome(hint_id, Action.PIN.action_type, Status.CLIPPED, 0, n,
                             f"{n} pinned chunks evicted: G2 had nothing else left")
                 for hint_id, n in lost.items()]
