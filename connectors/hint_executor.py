@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import msgspec
@@ -328,18 +328,20 @@ class HintExecutor:
         """G2 chunks pinned by hints now."""
         return len(self._pins)
 
-    def pins(self) -> list[dict[str, Any]]:
-        """The live pins, one entry per (session, hint): chunks and seconds
-        until the first and last of them lapse."""
+    def pins(self, owners: Iterable[str]) -> list[dict[str, Any]]:
+        """The live pins of ``owners`` (sessions), one entry per (session,
+        hint): chunks and seconds until the first and last of them lapse.
+        Costs those owners' pins, not every pin."""
         if self._policy is None:
             return []
         self._forget_lapsed()
         now = self._policy.clock()
         groups: dict[tuple[str, str], list[float]] = {}
-        for k, (owner, hint_id, _) in self._pins.entries.items():
-            expiry = self._policy.pin_expiry(k)
-            if expiry is not None:
-                groups.setdefault((owner, hint_id), []).append(expiry - now)
+        for owner in owners:
+            for k in self._pins.of(owner):
+                expiry = self._policy.pin_expiry(k)
+                if expiry is not None:
+                    groups.setdefault((owner, self._pins.entries[k][1]), []).append(expiry - now)
         return [{"session_id": o, "hint_id": h, "chunks": len(left),
                  "expires_in_s": [round(min(left), 3), round(max(left), 3)]}
                 for (o, h), left in sorted(groups.items())]

@@ -251,8 +251,9 @@ class SessionTierManager(TieringOffloadingManager):
 
     def status(self, max_sessions: int = 1000, evictions: int = 20) -> dict:
         """What ``sessionkv status`` shows: sessions (most recent first) with
-        blocks per tier, pins and their expiry, hint outcome counts since
-        start, the latest evictions the event log holds."""
+        blocks per tier, their pins and expiry (and the count of all pinned
+        chunks), hint outcome counts since start, the latest evictions the
+        event log holds."""
         with self.lock:
             # Only the sessions it returns: the lock is held for what it shows.
             summaries = [self.index.summary(s) for s in self.index.recent_sessions(max_sessions)]
@@ -262,7 +263,8 @@ class SessionTierManager(TieringOffloadingManager):
                               "per_tier": {t.name: n for t, n in s.per_tier.items()},
                               "branches": len(s.frontiers), "last_access": s.last_access}
                              for s in live],
-                "pins": self.executor.pins(),
+                "pins": self.executor.pins(s.session_id for s in live),
+                "pinned_chunks": self.executor.pinned_chunks,
                 "outcomes": self.stats.outcome_totals(),
                 "evictions": [],
             }

@@ -245,3 +245,17 @@ def test_a_pin_and_a_session_end_cost_their_own_pins_not_everyones():
         return pin, step, end
     few, many = costs(10), costs(2000)
     assert many == few, (few, many)
+
+
+def test_status_lists_the_pins_of_the_sessions_it_shows_at_their_cost():
+    # The status op lists pins under the lock: it must cost the sessions it
+    # shows, not the 16k pins an engine may hold.
+    costs = []
+    for others in (10, 2000):
+        ex, got = _pinned_sessions(others), []
+        costs.append(lines_run(lambda: got.append(ex.pins(["me", "nobody"])),
+                               ("hint_executor.py", "g2_policy.py")))
+        ((p,),) = got
+        assert (p["session_id"], p["hint_id"], p["chunks"]) == ("me", "h0", 3)
+        assert 50 < p["expires_in_s"][0] <= p["expires_in_s"][1] <= 60     # the policy's clock
+    assert costs[0] == costs[1], costs
