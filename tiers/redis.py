@@ -5,10 +5,14 @@ In ``kv_connector_extra_config``::
     "secondary_tiers": [{"type": "RedisTier", "module_path": "sessionkv.tiers.redis",
                          "url": "redis://127.0.0.1:6379/0", "ttl_s": 3600}]
 
-Every batch is one pipelined round trip (the ``redis`` client with
-``hiredis``); chunks are sent straight from the G2 region (the client writes
-memoryviews without copying); a load reads data and checksum objects in one
-pipeline and copies the verified bytes straight into G2 (``owned_reads``).
+Every batch is one pipelined round trip. Chunks are sent straight from the G2
+region: commands are packed by redis-py's Python serializer, which keeps each
+memoryview as its own piece for the socket (its hiredis serializer, the
+default when ``hiredis`` is installed, runs ``bytes()`` on every value and
+then packs the whole pipeline into one more copy). Replies are still parsed
+by ``hiredis``. A load reads data and checksum objects in one pipeline and
+copies the verified bytes straight into G2 (``owned_reads``); all of that
+pipeline's replies are in memory at once.
 
 Capacity: run Redis with ``maxmemory`` and ``maxmemory-policy volatile-lru``
 (``scripts/services`` does). Under ``volatile-lru`` only keys with a TTL can
@@ -38,6 +42,7 @@ SWEEP_BATCH = 1000                  # ended leases released per sweep
 # A lapse ends leases up to this much past the engine's own expiry: the
 # server's lease began before the pin call returned, so it ends first.
 LAPSE_SLACK_S = 1.0
+BUFFER_CUTOFF = 6000    # redis-py's default: smaller arguments are joined into one piece
 
 _NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) + tonumber(t[2]) / 1e6 "
 
@@ -109,13 +114,17 @@ class RedisBackend(ObjectBackend):
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", ttl_s: int = 3600,
                  max_connections: int = 16):
         import redis
+        from redis.connection import Encoder, PythonRespSerializer
 
         if isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or ttl_s <= 0:
             raise ValueError(f"RedisTier: ttl_s must be a positive integer, got {ttl_s!r}")
         self._ttl = ttl_s
+        # Stateless, so one packer serves every connection of the pool.
+        packer = PythonRespSerializer(BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode)
         self._redis = redis.Redis.from_url(
             url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S,
-            max_connections=max_connections, health_check_interval=0, **_driver_info(redis))
+            max_connections=max_connections, health_check_interval=0, command_packer=packer,
+            **_driver_info(redis))
         # One connection made now, at engine start and outside any deadline:
         # the first one's handshake ran 9-11 s inside an engine's first
         # guarded call (a call thread starved of the GIL while the scheduler
