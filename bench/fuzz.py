@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from sessionkv import control as wire
 from sessionkv.client import ControlError, HintClient
 from sessionkv.config import parse_policy
-from sessionkv.connectors.hint_executor import read_request_hints, router_signed
+from sessionkv.connectors.hint_executor import read_request
 from sessionkv.events import EventLog
 from sessionkv.events import decode as decode_event
 from sessionkv.hints import (HintOutcome, KvHint, Status, parse_envelope, parse_kvcr_fetch,
@@ -189,8 +189,9 @@ def targets(tmp: Path) -> dict:
 
     def request_hints(ex):
         params, env, sid = ex
-        outcomes_ok(read_request_hints(params, env, sid, SECRET))
-        assert router_signed(params, env, sid, SECRET) in (True, False)
+        got = read_request(params, env, sid, SECRET)
+        outcomes_ok(got.hints)
+        assert got.signed in (True, False)
 
     def control_frames(ex):
         doc, authentic, raw = ex

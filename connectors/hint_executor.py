@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -85,44 +85,48 @@ class TokenBuckets:
         return ok
 
 
-def read_request_hints(
+class RequestHints(NamedTuple):
+    hints: list[KvHint | HintOutcome]
+    signed: bool        # a router signature verified (an envelope of no actions counts)
+
+
+def read_request(
     params: Mapping[str, Any] | None, envelope: Any, session_id: Any,
     secret: bytes | None,
-) -> list[KvHint | HintOutcome]:
+) -> RequestHints:
     """Everything a request carries, parsed once: the vLLM envelope (engine API
     ``kv_hints`` wins over ``kv_transfer_params["kv_hints"]``) and KVCR's
-    ``kv.fetch``, each marked signed when its router signature verifies.
-    ``session_id``: as the request gave it (None, or anything: an invalid id
-    rejects its hints, naming the field)."""
+    ``kv.fetch``, each marked signed when its router signature verifies, and
+    whether any did (a router signs a turn it has no hint for with an envelope
+    of no actions). ``session_id``: as the request gave it (None, or anything:
+    an invalid id rejects its hints, naming the field). Never raises."""
     params = params if isinstance(params, Mapping) else {}
     out: list[KvHint | HintOutcome] = []
     raw = envelope if envelope is not None else params.get(HINTS_PARAM)
     bad = "" if session_id is None else id_problem(session_id, "session_id")
     if bad:                 # the request runs without a session; its hints cannot
-        return ([HintOutcome("kv_hints", None, Status.REJECTED, reason=bad)]
-                if raw is not None or params.get(KVCR_PARAM) is not None else [])
+        return RequestHints([HintOutcome("kv_hints", None, Status.REJECTED, reason=bad)]
+                            if raw is not None or params.get(KVCR_PARAM) is not None else [],
+                            False)
+    any_signed = False
     if raw is not None:
         signed = verify(raw, session_id, params.get(SIG_PARAM), secret)
+        any_signed |= signed
         out += [h if isinstance(h, HintOutcome) else _mark(h, signed)
                 for h in parse_envelope(raw, session_id)]
     kvcr = params.get(KVCR_PARAM)
     if kvcr is not None:
         h = parse_kvcr_fetch(kvcr)
         signed = verify(kvcr, session_id, params.get(KVCR_SIG_PARAM), secret)
+        any_signed |= signed
         out.append(h if isinstance(h, HintOutcome) else _mark(h, signed))
-    return out
+    return RequestHints(out, any_signed)
 
 
-def router_signed(params: Mapping[str, Any] | None, envelope: Any, session_id: Any,
-                  secret: bytes | None) -> bool:
-    """Whether the request carries a valid router signature (over its vLLM
-    envelope or its kv.fetch; an envelope with no actions is how a router
-    signs a turn it has no hint for). Never raises."""
-    params = params if isinstance(params, Mapping) else {}
-    raw = envelope if envelope is not None else params.get(HINTS_PARAM)
-    return ((raw is not None and verify(raw, session_id, params.get(SIG_PARAM), secret))
-            or (params.get(KVCR_PARAM) is not None
-                and verify(params[KVCR_PARAM], session_id, params.get(KVCR_SIG_PARAM), secret)))
+def read_request_hints(params: Mapping[str, Any] | None, envelope: Any, session_id: Any,
+                       secret: bytes | None) -> list[KvHint | HintOutcome]:
+    """``read_request``'s hints."""
+    return read_request(params, envelope, session_id, secret).hints
 
 
 def _mark(h: KvHint, signed: bool) -> KvHint:

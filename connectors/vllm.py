@@ -60,7 +60,7 @@ from sessionkv.tiers.g3_spec import IDENTITY_KEY
 from sessionkv.types import Tier
 
 from .control import ControlChannel
-from .hint_executor import read_request_hints, router_signed
+from .hint_executor import read_request
 from .manager import SessionTierManager
 from .probe import Probe, make_probe
 from .spec import SessionTierSpec, has_device_worker
@@ -289,32 +289,26 @@ class SessionTierConnector(OffloadingConnector):
             else params.get(SESSION_PARAM)
         # An invalid id runs without a session; its hints get one rejected outcome.
         session = given if is_id(given) else None
-        hints = self._read_hints(request, params, given)
-        self._tracked[request.request_id] = _Tracked(
-            request, session, hints, self._per_tier(request, params, given, hints))
+        hints, signed = self._read_hints(request, params, given)
+        # Per-tier counts in its report: always with report.per_tier "all",
+        # else only when the router signed it.
+        per_tier = signed or self.manager.config.policy.report.per_tier == "all"
+        self._tracked[request.request_id] = _Tracked(request, session, hints, per_tier)
         with self._locked():
             super().on_new_request(request)
 
-    def _per_tier(self, request: "Request", params: dict, session: Any,
-                  hints: tuple[KvHint | HintOutcome, ...]) -> bool:
-        """Whether this request's report gets per-tier counts: always with
-        ``report.per_tier: all``, else only when the router signed it."""
-        policy = self.manager.config.policy
-        if policy.report.per_tier == "all":
-            return True
-        return any(isinstance(h, KvHint) and h.signed for h in hints) or router_signed(
-            params, request.kv_hints, session, policy.trust.secret)
-
     def _read_hints(self, request: "Request", params: dict,
-                    session: Any) -> tuple[KvHint | HintOutcome, ...]:
-        """Everything the request carries, parsed once (``read_request_hints``)."""
+                    session: Any) -> tuple[tuple[KvHint | HintOutcome, ...], bool]:
+        """Everything the request carries, parsed once (``read_request``), and
+        whether the router signed it."""
         try:
-            return tuple(read_request_hints(params, request.kv_hints, session,
-                                            self.manager.config.policy.trust.secret))
+            got = read_request(params, request.kv_hints, session,
+                               self.manager.config.policy.trust.secret)
+            return tuple(got.hints), got.signed
         except Exception:       # a parser bug must cost one hint, never the engine
             logger.exception("sessionkv: hints of request %s unreadable", request.request_id)
             return (HintOutcome("kv_hints", None, Status.REJECTED,
-                                reason="internal error reading hints"),)
+                                reason="internal error reading hints"),), False
 
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int

@@ -168,12 +168,35 @@ class SessionPrefixIndex:
         for cache hits (no ``tier``: membership only), full-block admission and
         decode-block completion (``tier=G1``, ``start`` = first new block).
         """
+        self._admit(session, chain, tier, start, now)
+
+    def extend(self, session: str | None, parent: bytes, keys: Sequence[bytes], tier: Tier,
+               now: float = 0.0) -> bool:
+        """``admit`` of a chain's next blocks: ``keys`` are the children of
+        ``parent``, each gets a copy in ``tier``. It touches only ``keys``
+        and the session's frontiers, so a step's admission costs the blocks
+        it adds, not the context (``admit`` looks up the whole chain). False,
+        with nothing done, when ``parent`` is no longer indexed (pruned): the
+        caller admits the whole chain instead."""
+        p = self._slot.get(parent)
+        if p is not None:
+            self._admit(session, keys, tier, 0, now, p, int(self._depth[p]) + 1)
+        return p is not None
+
+    def _admit(self, session: str | None, chain: Sequence[bytes], tier: Tier | None,
+               start: int, now: float, root: int = _NONE, base: int = 0) -> None:
+        """``admit`` of ``chain`` below node ``root`` (the tree's root by
+        default), ``chain[0]`` at depth ``base``."""
         n = len(chain)
         if n == 0:
             return
-        slots, first_new = self._lookup(chain)
+        slots = list(map(self._slot.get, chain))
+        try:
+            first_new = slots.index(None)
+        except ValueError:
+            first_new = n
         if first_new < n:
-            self._link(chain, slots, first_new)
+            self._link(chain, slots, first_new, root, base)
         if tier is not None and start < n:
             idx = np.asarray(slots[start:], np.int64)
             row = self._copies[tier]
@@ -188,42 +211,7 @@ class SessionPrefixIndex:
         if session is not None:
             self._touch_session(session, now)
             if tail >= 0:
-                self._extend_branch(session, slots, tail)
-
-    def extend(self, session: str | None, parent: bytes, keys: Sequence[bytes], tier: Tier,
-               now: float = 0.0) -> bool:
-        """``admit`` of a chain's next blocks: ``keys`` are the children of
-        ``parent``, each gets a copy in ``tier``. It touches only ``keys``
-        and the session's frontiers, so a step's admission costs the blocks
-        it adds, not the context (``admit`` looks up the whole chain). False,
-        with nothing done, when ``parent`` is no longer indexed (pruned): the
-        caller admits the whole chain instead."""
-        p = self._slot.get(parent)
-        if p is None:
-            return False
-        n = len(keys)
-        if n == 0:
-            return True
-        base = int(self._depth[p]) + 1
-        slots, first_new = self._lookup(keys)
-        if first_new < n:
-            self._link(keys, slots, first_new, p, base)
-        idx = np.asarray(slots, np.int64)
-        row = self._copies[tier]
-        row[idx] = np.maximum(row[idx], 1)
-        self._recount(idx)
-        if session is not None:
-            self._touch_session(session, now)
-            self._extend_branch(session, slots, n - 1, base, p)
-        return True
-
-    def _lookup(self, chain: Sequence[bytes]) -> tuple[list, int]:
-        """The slots of ``chain`` (None where unknown) and the first unknown one."""
-        slots = list(map(self._slot.get, chain))
-        try:
-            return slots, slots.index(None)
-        except ValueError:
-            return slots, len(slots)
+                self._extend_branch(session, slots, tail, base, root)
 
     def _link(self, chain: Sequence[bytes], slots: list, first_new: int,
               root: int = _NONE, base: int = 0) -> None:
