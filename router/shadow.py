@@ -200,9 +200,20 @@ class ShadowCache:
 class Selector:
     """Scores per strategy (exponentially decayed hits, half-life
     ``half_life_refs`` block references) and the one to follow: the best,
-    kept until another beats it by ``margin``."""
+    kept until another beats it by ``margin``, or leads it by a consistent
+    margin too small for that: by ``z`` standard errors of their per-request
+    differences (decayed the same way).
 
-    def __init__(self, names: Sequence[str], half_life_refs: float, margin: float = 0.02):
+    Why both: the ratio alone kept a strategy that trailed by 1 % for the
+    last 80 % of the conversation trace at 4096 blocks (0.989 of the best
+    fixed strategy's shadow hits, the engine 0.749 x opt against 0.761 for
+    that strategy); a smaller ratio flip-flopped on noisy traffic (Mooncake's
+    synthetic trace: 9 switches, 0.997 -> 0.984 x the best simple policy). A
+    lead of ``z`` standard errors is one noise does not make, at any size.
+    Cost: O(strategies^2) per request (ten pairs for five)."""
+
+    def __init__(self, names: Sequence[str], half_life_refs: float, margin: float = 0.02,
+                 z: float = 2.0):
         if not names:
             raise ValueError("a selector needs at least one strategy")
         self.names = list(names)
@@ -211,6 +222,12 @@ class Selector:
         self.switches = 0
         self._decay_per_ref = math.log(2.0) / max(1.0, half_life_refs)
         self._margin = margin
+        self._z = z
+        # per pair (a, b), a before b in names: decayed sums of hits[a] - hits[b]
+        # and of its square (weights squared: the variance of the decayed sum)
+        self._pairs = [(a, b) for i, a in enumerate(self.names) for b in self.names[i + 1:]]
+        self._diff = dict.fromkeys(self._pairs, 0.0)
+        self._var = dict.fromkeys(self._pairs, 0.0)
 
     def record(self, refs: int, hits: dict[str, float]) -> bool:
         """One request of ``refs`` block references and each strategy's hits
@@ -218,10 +235,24 @@ class Selector:
         d = math.exp(-self._decay_per_ref * refs)
         for name in self.names:
             self.scores[name] = self.scores[name] * d + hits.get(name, 0.0)
+        d2, diff, var = d * d, self._diff, self._var
+        for a, b in self._pairs:
+            x = hits.get(a, 0.0) - hits.get(b, 0.0)
+            diff[a, b] = diff[a, b] * d + x
+            var[a, b] = var[a, b] * d2 + x * x
         best = max(self.names, key=self.scores.__getitem__)
-        if best != self.current and \
-                self.scores[best] > self.scores[self.current] * (1.0 + self._margin):
+        if best != self.current and (
+                self.scores[best] > self.scores[self.current] * (1.0 + self._margin)
+                or self._lead(best, self.current) > self._z):
             self.current = best
             self.switches += 1
             return True
         return False
+
+    def _lead(self, a: str, b: str) -> float:
+        """``a``'s lead over ``b`` in standard errors (0 with no evidence)."""
+        if (a, b) in self._diff:
+            lead, var = self._diff[a, b], self._var[a, b]
+        else:
+            lead, var = -self._diff[b, a], self._var[b, a]
+        return lead / math.sqrt(var) if var > 0.0 else 0.0

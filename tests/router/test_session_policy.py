@@ -252,6 +252,20 @@ def test_selector_switches_only_past_its_margin():
     assert sel.record(10, {"a": 0, "b": 20}) and sel.current == "b" and sel.switches == 1
 
 
+def test_selector_follows_a_small_lead_only_when_it_is_consistent():
+    # b leads by 1 % on every request: far inside the 10 % margin, but no
+    # noise makes it, so the selector follows it within a few requests.
+    sel = Selector(["a", "b"], half_life_refs=10_000, margin=0.1)
+    switched = [sel.record(10, {"a": 100.0, "b": 101.0}) for _ in range(10)]
+    assert sel.current == "b" and switched.index(True) >= 3 and sel.switches == 1
+    # The same 1 % mean lead as noise (b far ahead, then far behind) is not
+    # followed: its lead stays within two standard errors.
+    sel = Selector(["a", "b"], half_life_refs=10_000, margin=0.1)
+    for i in range(2_000):
+        sel.record(10, {"a": 100.0, "b": 150.0 if i % 2 else 52.0})
+    assert sel.current == "a" and sel.switches == 0
+
+
 def test_gap_model_density_is_returns_per_second_held():
     # Every gap is 100 s: a session that has just finished is reused once per
     # ~100 s held; one idle for 50 s once per ~50 s; one idle past every gap
