@@ -1,4 +1,4 @@
-"""SessionCachePolicy: vLLM's LRU policy for G2, biased by Pin and Retain.
+"""SessionCachePolicy: G2's eviction order, vLLM's LRU biased by Pin and Retain.
 
 Eviction order, for ``evict(n, protected)``:
 
@@ -7,24 +7,30 @@ Eviction order, for ``evict(n, protected)``:
    chunks (``demote``: a Demote hint copied them to G3) before all others;
 2. retained chunks, lowest priority first, least recently used first within a
    priority;
-3. pinned chunks only when nothing else is left: the oldest pins are clipped
-   (``take_clipped()`` hands them to the hint executor for its outcomes), so
-   pins never stall a store.
+3. pinned chunks only when nothing else is left: the oldest pins first (least
+   recently used among equals), clipped (``take_clipped()`` hands them to the
+   hint executor for its outcomes), so pins never stall a store.
+
+The evicted chunks come back least recent first, as LRU returns them.
 
 Pins and retains carry an expiry; lapsed ones are dropped lazily. Every pin
 that ends other than by ``unpin`` or a clip (it lapsed, its chunk was removed
 or demoted, a reset) is handed out once by ``take_unpinned()``, so the hint
 executor keeps its pin book without a pass over all pins; it drains the set
-every step, which bounds it. The policy
-never drops a chunk itself: every eviction runs through vLLM's LRU ``evict()``
-(the chosen chunks are the only unprotected ones), which keeps the heap, the
-free list and the counters right, and keeps ``evict`` atomic.
+every step, which bounds it.
 
-Cost: biased chunks (pinned, or retained at a priority above 0) are kept out
-of LRU's evictable set (in ``_held``) while they are biased, so an ordinary
-eviction never walks past them: with most of G2 biased, a store costs what
-vLLM's LRU costs, not a pass over the whole heap. They rejoin LRU's evictable
-set, with their current recency, when the bias lapses or when they are chosen.
+Data structure: the policy owns its ordering (it subclasses vLLM's abstract
+``CachePolicy`` only, none of LRU's private fields). Every evictable chunk
+(ref_cnt 0) sits in one *level*: 0 for plain, the priority for retained, and
+``PIN_LEVEL`` above all for pinned; each level is a lazy min-heap of
+(order, key), order the recency rank (for pins: when pinned, then rank).
+A chunk's valid entry is recorded in ``_at``; moving it (a hint, a touch, a
+lapse) pushes a new entry and the old one is dropped when popped.
+
+Cost: ``evict(n)`` pops O(n + stale + protected) entries from the lowest
+levels, with no sort and no pass over the chunks, however many are pinned or
+retained; a hint or touch costs O(log n) per chunk; heaps are compacted when
+they hold twice their live entries. Memory: O(chunks + live hints).
 
 vLLM builds policies as ``cls(cache_capacity=n)`` (``eviction_policy`` +
 ``cache_policy_module_path``); the limits live in the hint executor, which
@@ -36,55 +42,101 @@ code holding the tier manager's lock; not thread-safe on its own.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
-from vllm.v1.kv_offload.base import OffloadKey
-from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
-from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
+
+PIN_LEVEL = 1 << 62         # above every retain priority: pins go last
+_INF = float("inf")
 
 
-class SessionCachePolicy(LRUCachePolicy):
+class SessionCachePolicy(CachePolicy):
     """LRU with pins (protected until their TTL) and retains (ordered by priority)."""
 
     clock: Callable[[], float] = staticmethod(time.monotonic)
 
     def __init__(self, cache_capacity: int):
         super().__init__(cache_capacity)
+        self.chunks: dict[OffloadKey, ChunkStatus] = {}
+        self._rank: dict[OffloadKey, int] = {}           # recency: higher is later
+        self._next_rank = 0
+        self._demoted = 0               # ranks of demoted chunks count down from here
+        self._demoted_keys: set[OffloadKey] = set()
         self._pins: dict[OffloadKey, tuple[float, float]] = {}    # key -> (pinned_at, expiry)
         # key -> (priority, expiry, owner)
         self._retains: dict[OffloadKey, tuple[int, float, str | None]] = {}
         self._owned: dict[str, set[OffloadKey]] = {}     # owner -> the keys it retains
         self._clipped: list[OffloadKey] = []
         self._unpinned: set[OffloadKey] = set()         # see take_unpinned
-        # Biased chunks with ref_cnt 0, kept out of LRU's ``_evictable``.
-        self._held: set[OffloadKey] = set()
+        # evictable key -> (level, order) of its one valid heap entry
+        self._at: dict[OffloadKey, tuple[int, object]] = {}
+        self._heaps: dict[int, list[tuple[object, OffloadKey]]] = {}
+        self._size: dict[int, int] = {}                  # level -> evictable keys in it
+        self._levels: list[int] = []                     # sorted levels with a key
         # (expiry, key) of every pin and retain set, lazily invalidated: lapses
         # are found without a pass over all hints on every eviction.
         self._expiries: list[tuple[float, OffloadKey]] = []
-        self._demoted = 0               # ranks of demoted chunks count down from here
-        self._demoted_keys: set[OffloadKey] = set()
 
-    def _track(self, expiry: float, k: OffloadKey) -> None:
-        if expiry != float("inf"):
-            heapq.heappush(self._expiries, (expiry, k))
+    # ------------------------------------------------------------ the levels
 
-    def _biased(self, k: OffloadKey) -> bool:
-        r = self._retains.get(k)
-        return k in self._pins or (r is not None and r[0] > 0)
+    def _place(self, k: OffloadKey) -> tuple[int, object]:
+        pin = self._pins.get(k)
+        if pin is not None:
+            return PIN_LEVEL, (pin[0], self._rank[k])
+        ret = self._retains.get(k)
+        return (ret[0] if ret is not None and ret[0] > 0 else 0), self._rank[k]
 
-    def _sync(self, k: OffloadKey) -> None:
-        """Move ``k`` between LRU's evictable set and ``_held`` after its bias changed."""
-        if self._biased(k):
-            if k in self._evictable:
-                self._evictable.remove(k)      # its heap entries lapse lazily
-                self._held.add(k)
-        elif k in self._held:
-            self._held.remove(k)
-            super().mark_evictable(k)          # back in the heap at its current rank
+    def _file(self, k: OffloadKey) -> None:
+        """(Re)file evictable ``k`` at its current level and order."""
+        where = self._place(k)
+        old = self._at.get(k)
+        if old == where:
+            return
+        if old is not None:
+            self._shrink(old[0])
+        self._at[k] = where
+        level, order = where
+        if level not in self._size:
+            self._size[level] = 0
+            self._heaps[level] = []
+            bisect.insort(self._levels, level)
+        self._size[level] += 1
+        heap = self._heaps[level]
+        heapq.heappush(heap, (order, k))
+        if len(heap) > 2 * self._size[level] + 64:       # drop entries that went stale
+            heap[:] = [(o, q) for o, q in heap if self._at.get(q) == (level, o)]
+            heapq.heapify(heap)
+
+    def _unfile(self, k: OffloadKey) -> None:
+        old = self._at.pop(k, None)
+        if old is not None:
+            self._shrink(old[0])
+
+    def _shrink(self, level: int) -> None:
+        self._size[level] -= 1
+        if not self._size[level]:
+            del self._size[level], self._heaps[level]
+            self._levels.pop(bisect.bisect_left(self._levels, level))
+
+    def _refile(self, k: OffloadKey) -> None:
+        """After ``k``'s bias or rank changed: refile it when evictable."""
+        if k in self._at:
+            self._file(k)
+
+    def _new_rank(self, k: OffloadKey) -> None:
+        self._next_rank += 1
+        self._rank[k] = self._next_rank
+        self._refile(k)
 
     # ------------------------------------------------------------------ hints
+
+    def _track(self, expiry: float, k: OffloadKey) -> None:
+        if expiry != _INF:
+            heapq.heappush(self._expiries, (expiry, k))
 
     def pin(self, keys: Iterable[OffloadKey], ttl_s: float) -> int:
         """Protect present chunks until now + ttl_s; how many were pinned."""
@@ -96,20 +148,20 @@ class SessionCachePolicy(LRUCachePolicy):
                 self._pins[k] = (pinned_at, now + ttl_s)
                 self._unpinned.discard(k)
                 self._track(now + ttl_s, k)
-                self._sync(k)
+                self._refile(k)
                 n += 1
         return n
 
     def unpin(self, keys: Iterable[OffloadKey]) -> None:
         for k in keys:
             if self._pins.pop(k, None) is not None:
-                self._sync(k)
+                self._refile(k)
 
     def retain(self, keys: Iterable[OffloadKey], priority: int, ttl_s: float | None,
                owner: str | None = None) -> int:
         """Order present chunks after lower priorities (until now + ttl_s), on
         behalf of ``owner`` (a session); how many."""
-        expiry = float("inf") if ttl_s is None else self.clock() + ttl_s
+        expiry = _INF if ttl_s is None else self.clock() + ttl_s
         n = 0
         for k in keys:
             if k in self.chunks:
@@ -118,7 +170,7 @@ class SessionCachePolicy(LRUCachePolicy):
                 if owner is not None:
                     self._owned.setdefault(owner, set()).add(k)
                 self._track(expiry, k)
-                self._sync(k)
+                self._refile(k)
                 n += 1
         return n
 
@@ -127,7 +179,7 @@ class SessionCachePolicy(LRUCachePolicy):
         mine = self._owned.pop(owner, set())
         for k in mine:
             del self._retains[k]
-            self._sync(k)
+            self._refile(k)
         return len(mine)
 
     def _drop_retain(self, k: OffloadKey) -> bool:
@@ -156,11 +208,9 @@ class SessionCachePolicy(LRUCachePolicy):
             self._demoted_keys.add(k)
             self._lose_pin(k)
             self._drop_retain(k)
-            self._sync(k)
-            self._demoted -= 1                 # below every rank LRU assigns
-            self._ranks[k] = self._demoted
-            if k in self._evictable:
-                self._push_evictable(k)
+            self._demoted -= 1                 # below every rank a use assigns
+            self._rank[k] = self._demoted
+            self._refile(k)
             n += 1
         return n
 
@@ -203,23 +253,40 @@ class SessionCachePolicy(LRUCachePolicy):
                 self._drop_retain(k)
                 changed = True
             if changed:
-                self._sync(k)
+                self._refile(k)
         if len(heap) > 2 * (len(self._pins) + len(self._retains)) + 64:
             self._expiries = [(e, k) for k, (_, e) in self._pins.items()]
-            self._expiries += [(e, k) for k, (_, e, _) in self._retains.items()
-                               if e != float("inf")]
+            self._expiries += [(e, k) for k, (_, e, _) in self._retains.items() if e != _INF]
             heapq.heapify(self._expiries)
 
     # ------------------------------------------------------- vLLM's contract
 
-    def touch(self, keys: Iterable[OffloadKey], req_context) -> None:
+    def get(self, key: OffloadKey) -> ChunkStatus | None:
+        return self.chunks.get(key)
+
+    def insert(self, key: OffloadKey, chunk: ChunkStatus) -> None:
+        self.chunks[key] = chunk
+        self._next_rank += 1
+        self._rank[key] = self._next_rank
+        if chunk.ref_cnt == 0:
+            self._file(key)
+
+    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         keys = list(keys)
         self._demoted_keys.difference_update(keys)
-        super().touch(keys, req_context)
+        self._use(reversed(keys))
 
-    def on_request_finished(self, key_groups, insertion_only_keys, reused_keys,
-                            req_context) -> None:
-        super().on_request_finished(key_groups, insertion_only_keys, reused_keys, req_context)
+    def _use(self, keys: Iterable[OffloadKey]) -> None:
+        """Make present ``keys`` the most recent, the last of them last."""
+        chunks = self.chunks
+        for k in keys:
+            if k in chunks:
+                self._new_rank(k)
+
+    def on_request_finished(self, key_groups: Sequence[Sequence[OffloadKey]],
+                            insertion_only_keys: set[OffloadKey], reused_keys: set[OffloadKey],
+                            req_context: ReqContext) -> None:
+        self._use(reversed(order_request_keys(key_groups, req_context)))
         if self._demoted_keys:
             # The request that stored demoted chunks may finish after the
             # Demote (vLLM waits for its stores): it does not make them recent.
@@ -227,16 +294,22 @@ class SessionCachePolicy(LRUCachePolicy):
             self.demote([k for g in key_groups for k in g if k in self._demoted_keys])
 
     def remove(self, key: OffloadKey) -> None:
-        super().remove(key)
+        del self.chunks[key]
+        self._rank.pop(key, None)
+        self._unfile(key)
         self._demoted_keys.discard(key)
-        self._held.discard(key)
         self._lose_pin(key)
         self._drop_retain(key)
 
     def clear(self) -> None:
-        super().clear()
+        self.chunks.clear()
+        self._rank.clear()
+        self._next_rank = 0
+        self._at.clear()
+        self._heaps.clear()
+        self._size.clear()
+        self._levels.clear()
         self._demoted_keys.clear()
-        self._held.clear()
         self._expiries.clear()
         self._unpinned.update(self._pins)
         self._pins.clear()
@@ -244,46 +317,47 @@ class SessionCachePolicy(LRUCachePolicy):
         self._owned.clear()
 
     def mark_evictable(self, key: OffloadKey) -> None:
-        if self._biased(key):
-            self._held.add(key)
-        else:
-            super().mark_evictable(key)
+        self._file(key)
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
-        if key in self._held:
-            self._held.remove(key)
-        else:
-            super().mark_non_evictable(key)
+        self._unfile(key)
 
     def evict(
         self, n: int, protected: set[OffloadKey]
     ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
+        if n == 0:
+            return []
         self._expire()
-        # 1. plain LRU among the unbiased chunks (the only ones LRU sees)
-        got = super().evict(n, protected)
-        if got is not None or not self._held:
-            return got
-        # 2./3. not enough: every plain chunk goes, then retained ones by
-        # priority and recency, then the oldest pins; evict exactly those
-        # through LRU, the chosen biased ones rejoining its evictable set.
-        rank = self._ranks.__getitem__
-        plain = [k for k in self._evictable if k not in protected]
-        held = [k for k in self._held if k not in protected]
-        retained = sorted((k for k in held if k not in self._pins),
-                          key=lambda k: (self._retains[k][0], rank(k)))
-        pins = sorted((k for k in held if k in self._pins),
-                      key=lambda k: (self._pins[k][0], rank(k)))
-        chosen = (retained + pins)[:n - len(plain)]
-        if len(plain) + len(chosen) < n:
-            return None
-        for k in chosen:
-            self._held.remove(k)
-            super().mark_evictable(k)
-        got = super().evict(n, protected)
-        if got is None:         # cannot happen: exactly n keys are unprotected
-            return None
-        for k, _ in got:
+        at = self._at
+        chosen: list[tuple[int, tuple[object, OffloadKey]]] = []
+        skipped: list[tuple[int, tuple[object, OffloadKey]]] = []     # protected ones
+        seen: set[OffloadKey] = set()
+        for level in self._levels:
+            heap = self._heaps[level]
+            while heap and len(chosen) < n:
+                entry = heapq.heappop(heap)
+                k = entry[1]
+                # stale (moved, used or gone since), or a duplicate: a chunk
+                # that left a level and came back at the same order has two
+                if at.get(k) != (level, entry[0]) or k in seen:
+                    continue
+                seen.add(k)
+                (skipped if k in protected else chosen).append((level, entry))
+            if len(chosen) == n:
+                break
+        for level, entry in skipped if len(chosen) == n else skipped + chosen:
+            heapq.heappush(self._heaps[level], entry)
+        if len(chosen) < n:
+            return None                         # atomic: nothing changed
+        rank = self._rank
+        keys = sorted((entry[1] for _, entry in chosen), key=rank.__getitem__)
+        out = []
+        for k in keys:
+            out.append((k, self.chunks.pop(k)))
+            del self._rank[k]
+            self._unfile(k)
+            self._demoted_keys.discard(k)
             if self._pins.pop(k, None) is not None:
                 self._clipped.append(k)
             self._drop_retain(k)
-        return got
+        return out
