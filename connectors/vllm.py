@@ -78,8 +78,11 @@ SPEC_NAME = SessionTierSpec.__name__
 SPEC_MODULE = SessionTierSpec.__module__
 SESSION_PARAM = "session_id"
 # Per step: nodes whose G1 copies are re-read from the block pool (vLLM reports
-# no G1 evictions), and how often idle sessions are expired.
-G1_SWEEP_PER_STEP = 256
+# no G1 evictions), as many as the blocks the step schedules (each eviction
+# from G1 makes room for one), at least G1_SWEEP_MIN and at most
+# G1_SWEEP_MAX; and how often idle sessions are expired. A fixed 256 was 60 %
+# of our work in a decode step of 64 requests (bench/scale.py).
+G1_SWEEP_MIN, G1_SWEEP_MAX = 16, 256
 EXPIRE_EVERY_S = 1.0
 
 
@@ -362,6 +365,7 @@ class SessionTierConnector(OffloadingConnector):
         # Full-block admission and decode-block completion: blocks this step
         # fills are cached in G1 now (vLLM caches them at allocation).
         bs, now, index = self._block_size, time.monotonic(), self.index
+        scheduled = scheduler_output.total_num_scheduled_tokens
         for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
             tr = self._tracked.get(req_id)
             if tr is None:
@@ -378,7 +382,7 @@ class SessionTierConnector(OffloadingConnector):
                                 now=now)
                 tr.admitted = full
                 self._associated(tr, full, Tier.G1)
-        index.sweep_g1(G1_SWEEP_PER_STEP)
+        index.sweep_g1(min(G1_SWEEP_MAX, max(G1_SWEEP_MIN, scheduled // bs)))
         self.manager.collect_clipped()
         if now >= self._next_expiry:
             self.manager.expire_sessions(now)

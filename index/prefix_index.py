@@ -47,6 +47,10 @@ from sessionkv.types import TIERS, Tier
 
 G1Probe = Callable[[Sequence[bytes]], Sequence[int]]
 _NONE = -1
+_MAX_COPIES = int(np.iinfo(np.uint16).max)
+# Copy updates of at most this many keys run per key in Python, larger ones
+# in numpy (the cheaper side of each, measured by bench/scale.py's steps).
+FEW_KEYS = 16
 
 
 def alias64(key: bytes) -> int:
@@ -321,21 +325,43 @@ class SessionPrefixIndex:
             pairs = [(s, v) for s, v in zip(slots, value) if s is not None]
         if not pairs:
             return
+        if len(pairs) <= FEW_KEYS:
+            self._update_few(tier, pairs, absolute)
+            return
         idx = np.fromiter((s for s, _ in pairs), np.int64, len(pairs))
         vals = np.fromiter((v for _, v in pairs), np.int64, len(pairs))
         before = self._total[idx] != 0
         row = self._copies[tier]
         if absolute:
-            row[idx] = np.clip(vals, 0, np.iinfo(np.uint16).max)
+            row[idx] = np.clip(vals, 0, _MAX_COPIES)
         else:
             # Sequential semantics, a key named twice counts twice; clamped at
             # zero after each step, as a per-key loop would.
             for s, v in pairs:
-                row[s] = min(max(int(row[s]) + v, 0), np.iinfo(np.uint16).max)
+                row[s] = min(max(int(row[s]) + v, 0), _MAX_COPIES)
         self._recount(idx)
         gone = idx[before & (self._total[idx] == 0)]
         if gone.size:
             self._on_gone(np.unique(gone).tolist())
+
+    def _update_few(self, tier: Tier, pairs: list[tuple[int, int]], absolute: bool) -> None:
+        """``_update`` of a few slots, per slot: numpy's per-call overhead
+        (about 50 us for the fromiter/clip/recount above) is most of what a
+        decode step's G2 store or a status summary costs with four or five
+        keys. Same semantics: sequential per key, a slot is gone when it had
+        a copy before the call and has none after."""
+        row, total = self._copies[tier], self._total
+        before: dict[int, bool] = {}
+        for s, v in pairs:
+            if s not in before:
+                before[s] = total[s] != 0
+            old = int(row[s])
+            new = min(max(v if absolute else old + v, 0), _MAX_COPIES)
+            row[s] = new
+            total[s] = int(total[s]) - old + new
+        gone = sorted(s for s, had in before.items() if had and total[s] == 0)
+        if gone:
+            self._on_gone(gone)
 
     def _on_gone(self, gone: list[int]) -> None:
         """Nodes that lost their last copy: retreat their frontiers, then prune."""

@@ -7,6 +7,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from reference import RefIndex
+from sessionkv.index import prefix_index
 from sessionkv.index.prefix_index import SessionPrefixIndex, alias64
 from sessionkv.types import Tier
 from sessionkv.devtools.keys import block_key
@@ -156,3 +157,20 @@ class IndexMachine(RuleBasedStateMachine):
 IndexMachine.TestCase.settings = settings(max_examples=500, stateful_step_count=50,
                                           deadline=None)
 TestIndexAgainstReference = IndexMachine.TestCase
+
+
+class IndexMachineNumpyUpdates(IndexMachine):
+    """The same machine with every copy update on the numpy path (the rules
+    update at most six keys, which the per-key path takes otherwise)."""
+
+    def __init__(self):
+        super().__init__()
+        self._few, prefix_index.FEW_KEYS = prefix_index.FEW_KEYS, 0
+
+    def teardown(self):
+        prefix_index.FEW_KEYS = self._few
+
+
+IndexMachineNumpyUpdates.TestCase.settings = settings(max_examples=200, stateful_step_count=50,
+                                                      deadline=None)
+TestIndexAgainstReferenceNumpyUpdates = IndexMachineNumpyUpdates.TestCase
