@@ -1,0 +1,201 @@
+"""Production sizes: the scheduler side's cost per step, per eviction, per
+expiry and per status, against targets.
+
+    python bench/scale.py --json OUT [--quick]
+
+Everything runs the product's classes in one process (no model):
+
+- ``steps``: a real vLLM ``Scheduler`` with our connector and, on the same
+  schedule, with vLLM's ``OffloadingConnector`` and its LRU policy
+  (``scale_steps``): 256 running requests of 64k-token and of 4k-token
+  prompts at block size 16, G2 of 262,144 chunks. Our extra work per step is
+  the difference of the two connectors' scheduler-side time at each step.
+- ``evict``: ``SessionCachePolicy.evict(1)`` (and the insert that follows, as
+  a store does) with all 262,144 chunks retained at mixed priorities, against
+  vLLM's ``LRUCachePolicy`` with none; p99 of each, in one run.
+- ``expiry``: the tier manager built by that scheduler (index, hint executor,
+  G2 policy) with 10,000 live sessions and 16,384 live pins, 1,000 of the
+  sessions idle past the timeout: one ``expire_sessions``.
+- ``status``: the control channel's ``status`` op (``manager.status()``,
+  the lock held throughout) with those 10,000 sessions.
+
+Targets (issue 26): extra work per decode step p99 <= 0.5 ms and its ratio
+64k / 4k <= 1.2; evict p99 <= 2 x LRU's; expiry <= 5 ms; status <= 5 ms.
+The JSON holds each figure next to its target and ``targets_met``.
+``--quick`` runs smaller sizes (a smoke run; its figures are not the targets').
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
+from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
+
+from replay_router import make_hint
+from scale_steps import StepSpec, make_scheduler, run_steps
+from sessionkv.hints import Action
+from sessionkv.tiers.g2_policy import SessionCachePolicy
+from sessionkv.types import Tier
+
+G2_CHUNKS = 262_144
+
+
+def pct(xs, q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q)) if len(xs) else 0.0
+
+
+def ms(x: float) -> float:
+    return round(x * 1e3, 4)
+
+
+def summary(xs: list[float]) -> dict:
+    return {"p50_ms": ms(pct(xs, 50)), "p99_ms": ms(pct(xs, 99)),
+            "max_ms": ms(max(xs) if xs else 0.0), "steps": len(xs)}
+
+
+# ---- steps ------------------------------------------------------------------
+
+def steps(spec: StepSpec) -> dict:
+    """Ours minus vLLM's per step, per phase, on one schedule."""
+    base = run_steps(False, spec)
+    gc.collect()
+    ours = run_steps(True, spec)
+    out = {}
+    for phase in ("prefill", "decode", "finish"):
+        a, b = base[phase], ours[phase]
+        if len(a) != len(b):
+            raise RuntimeError(f"{phase}: the schedules differ ({len(a)} vs {len(b)} steps)")
+        out[phase] = {"vllm": summary(a), "ours": summary(b),
+                      "extra": summary([y - x for x, y in zip(a, b)])}
+    return out
+
+
+# ---- evict ------------------------------------------------------------------
+
+def _ready(i: int) -> ChunkStatus:
+    c = ChunkStatus(i)
+    c.ref_cnt = 0
+    return c
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(32, "big") + bytes(4)
+
+
+def evict_cost(chunks: int, rounds: int) -> dict:
+    """p99 of evict(1) + insert with every chunk retained (ours) and with
+    none (vLLM's LRU), ``rounds`` each, interleaved so noise hits both."""
+    rng = random.Random(0)
+    lru, ours = LRUCachePolicy(chunks), SessionCachePolicy(chunks)
+    for i in range(chunks):
+        lru.insert(_key(i), _ready(i))
+        ours.insert(_key(i), _ready(i))
+    for i in range(0, chunks, 512):
+        ours.retain([_key(j) for j in range(i, min(chunks, i + 512))], rng.randint(1, 80),
+                    None, owner=f"s{i // 512}")
+    times = {"lru": [], "ours": []}
+    nxt = chunks
+    for r in range(rounds):
+        for name, p in (("lru", lru), ("ours", ours)):
+            t0 = time.perf_counter()
+            (k, c), = p.evict(1, set())
+            p.insert(_key(nxt), c)
+            if name == "ours":
+                p.retain([_key(nxt)], rng.randint(1, 80), None, owner=f"s{r}")
+            times[name].append(time.perf_counter() - t0)
+        nxt += 1
+    lru_p99, ours_p99 = pct(times["lru"], 99), pct(times["ours"], 99)
+    return {"chunks": chunks, "rounds": rounds, "lru_p99_ms": ms(lru_p99),
+            "ours_p99_ms": ms(ours_p99), "ratio": round(ours_p99 / lru_p99, 3)}
+
+
+# ---- expiry and status ------------------------------------------------------
+
+def sessions_and_pins(sessions: int, pins: int, expiring: int, blocks: int) -> dict:
+    """The tier manager of a real scheduler; ``sessions`` live sessions of
+    ``blocks`` G2 blocks each, ``pins`` pinned chunks among the ones that
+    stay, ``expiring`` sessions idle past the timeout (each with pins of
+    its own): one ``expire_sessions`` and one ``status``."""
+    sched = make_scheduler(True, StepSpec(context=1024, running=1, g2_chunks=G2_CHUNKS))
+    manager = sched.connector.manager
+    policy = manager.primary_tier.policy
+    index = manager.index
+    timeout = manager.config.policy.sessions.idle_timeout_s
+    t_new, t_old = 10 * timeout, 8 * timeout
+    slot = 0
+    pinned_live = 0
+    for s in range(sessions):
+        name = f"s{s}"
+        chain = [_key(slot + j) for j in range(blocks)]
+        for j, k in enumerate(chain):
+            policy.insert(k, _ready(slot + j))
+        slot += blocks
+        old = s < expiring
+        index.admit(name, chain, Tier.G2, now=t_old if old else t_new)
+        want = 4 if old else min(blocks, pins - pinned_live)
+        if want > 0:
+            hint = make_hint(Action.PIN, name, ttl_s=600.0, max_blocks=want)
+            (out,) = manager.control_hints([hint], name, client=name)
+            if not old:
+                pinned_live += out.blocks_affected
+    live_pins = manager.executor.pinned_chunks
+    gc.collect()
+    t0 = time.perf_counter()
+    manager.status()
+    status_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    manager.expire_sessions(t_new + 1.0)
+    expire_s = time.perf_counter() - t0
+    sched.shutdown()
+    return {"sessions": sessions, "pins_live": pinned_live, "pins_before_expiry": live_pins,
+            "expired": expiring, "expire_ms": ms(expire_s), "status_ms": ms(status_s),
+            "sessions_after": index.num_sessions}
+
+
+# ---- main -------------------------------------------------------------------
+
+def check(figure: float, target: float) -> dict:
+    return {"value": figure, "target": target, "met": figure <= target}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    args = ap.parse_args()
+    t0 = time.time()
+    q = args.quick
+    long_ctx, short_ctx = (8192, 1024) if q else (65_536, 4096)
+    running = 32 if q else 256
+    out: dict = {"quick": q}
+    out["steps_64k"] = steps(StepSpec(context=long_ctx, running=running))
+    out["steps_4k"] = steps(StepSpec(context=short_ctx, running=running))
+    out["evict"] = evict_cost(16_384 if q else G2_CHUNKS, 200 if q else 2000)
+    out["expiry"] = sessions_and_pins(1000 if q else 10_000, 1600 if q else 16_384,
+                                      100 if q else 1000, 16)
+    dec_long = out["steps_64k"]["decode"]["extra"]["p99_ms"]
+    dec_short = out["steps_4k"]["decode"]["extra"]["p99_ms"]
+    out["targets"] = {
+        "extra_per_decode_step_p99_ms": check(dec_long, 0.5),
+        "extra_ratio_64k_to_4k": check(round(dec_long / max(dec_short, 1e-6), 3), 1.2),
+        "evict_p99_ratio_to_lru": check(out["evict"]["ratio"], 2.0),
+        "expire_1000_sessions_ms": check(out["expiry"]["expire_ms"], 5.0),
+        "status_lock_ms": check(out["expiry"]["status_ms"], 5.0),
+    }
+    out["targets_met"] = all(t["met"] for t in out["targets"].values())
+    out["wall_s"] = round(time.time() - t0, 1)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    for name, t in out["targets"].items():
+        print(f"{name}: {t['value']} (target {t['target']}) {'met' if t['met'] else 'NOT met'}")
+    print("targets_met:", out["targets_met"], f"({out['wall_s']} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Scheduler steps at production sizes: the connector's work per step, ours
+against vLLM's ``OffloadingConnector`` on the same schedule.
+
+A real vLLM ``Scheduler`` (CPU build, no model: outputs are made here, one
+token per running request per step) drives a connector built the way
+``vllm serve`` builds it from ``--kv-transfer-config``: ours
+(``SessionTierConnector``, G2 = ``SessionCachePolicy``) or vLLM's own
+``OffloadingConnector`` with its CPU spec and LRU policy (the baseline). The
+worker side is simulated only as far as the scheduler sees it: every load and
+store job a step's metadata carries is reported complete in the next step's
+output (``OffloadingWorkerMetadata``), which is what vLLM's worker reports
+when a copy ends; no bytes move.
+
+Timed: every scheduler-side connector call (``get_num_new_matched_tokens``,
+``update_state_after_alloc``, ``build_connector_meta``,
+``update_connector_output``, ``request_finished*``), summed per step by a
+subclass that wraps each in ``perf_counter``. Our extra work per step is
+ours minus the baseline at the same step of the same schedule (the
+schedules are identical: both connectors load nothing the other would not,
+since G2 starts empty and every prompt is new).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
+                         SchedulerConfig, VllmConfig)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata, OffloadingWorkerMetadata)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector)
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from sessionkv.connectors.vllm import SessionTierConnector
+from sessionkv.devtools.engines import TINY
+
+BLOCK = 16
+# A chunk here: one block of one layer, one head of size 1, float32 (128
+# bytes), which vLLM's CPU spec rounds up to its alignment; the scheduler
+# side sizes G2 from it and never touches the bytes.
+CHUNK_BYTES = CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
+TIMED = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+         "update_connector_output", "request_finished", "request_finished_all_groups")
+
+
+class _Timer:
+    """Seconds spent in the timed connector calls since the last ``take``."""
+
+    spent = 0.0
+
+    @classmethod
+    def take(cls) -> float:
+        out, cls.spent = cls.spent, 0.0
+        return out
+
+
+def _timed(cls):
+    """A subclass of connector ``cls`` whose scheduler-side calls add their
+    wall time to ``_Timer`` (nested calls counted once)."""
+    depth = [0]
+
+    def wrap(name):
+        base = getattr(cls, name)
+
+        def call(self, *args, **kwargs):
+            depth[0] += 1
+            t0 = time.perf_counter()
+            try:
+                return base(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:
+                    _Timer.spent += time.perf_counter() - t0
+        call.__name__ = name
+        return call
+    return type(f"Timed{cls.__name__}", (cls,), {n: wrap(n) for n in TIMED if hasattr(cls, n)})
+
+
+TimedSessionTierConnector = _timed(SessionTierConnector)
+TimedOffloadingConnector = _timed(OffloadingConnector)
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One schedule: ``running`` requests of ``context`` prompt tokens,
+    prefilled ``batch_tokens`` at a time, then ``decode_steps`` decoding."""
+
+    context: int
+    running: int = 256
+    decode_steps: int = 64
+    g2_chunks: int = 262_144
+    batch_tokens: int = 65_536
+
+    @property
+    def max_len(self) -> int:
+        """Tokens a request reaches: the first ones prefilled decode while the
+        rest prefill."""
+        prefill_steps = -(-self.running * self.context // self.batch_tokens)
+        return self.context + 2 * (prefill_steps + self.decode_steps) + BLOCK
+
+
+def make_scheduler(ours: bool, spec: StepSpec, policy_file: str | None = None) -> Scheduler:
+    blocks = spec.running * (spec.max_len // BLOCK + 1) + 64
+    # Both offload generated tokens (ours by default, agentic turns reuse them).
+    extra = {"cpu_bytes_to_use": spec.g2_chunks * CHUNK_BYTES, "block_size": BLOCK,
+             "offload_prompt_only": False}
+    if ours and policy_file is not None:
+        extra["sessionkv"] = {"policy_file": policy_file}
+    kvt = KVTransferConfig(
+        kv_connector=("TimedSessionTierConnector" if ours else "TimedOffloadingConnector"),
+        kv_connector_module_path=__name__ if __name__ != "__main__" else "scale_steps",
+        kv_role="kv_both", engine_id="scale", kv_connector_extra_config=extra)
+    config = VllmConfig(
+        model_config=ModelConfig(model=TINY, dtype="float32", seed=0),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=spec.running, max_num_batched_tokens=spec.batch_tokens,
+            max_model_len=spec.max_len,
+            enable_chunked_prefill=True, is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9,
+                                 enable_prefix_caching=True),
+        kv_transfer_config=kvt, device_config=DeviceConfig("cpu"))
+    config.cache_config.num_gpu_blocks = blocks
+    kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1,
+                                                      head_size=1, dtype=torch.float32))])
+    return Scheduler(vllm_config=config, kv_cache_config=kv, log_stats=False,
+                     structured_output_manager=StructuredOutputManager(config),
+                     block_size=BLOCK)
+
+
+def make_requests(spec: StepSpec, seed: int = 0) -> list[Request]:
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    out = []
+    for i in range(spec.running):
+        params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
+        params.update_from_generation_config({}, 0)
+        base = (seed * spec.running + i) * spec.context
+        req = Request(request_id=f"r{i}", prompt_token_ids=[
+            (base + t) % 50_000 + 1 for t in range(spec.context)],
+            sampling_params=params, pooling_params=None, mm_features=None,
+            block_hasher=hasher)
+        req.kv_transfer_params = {"session_id": f"s{seed}-{i}"}
+        out.append(req)
+    return out
+
+
+def _output(sched_out, done_jobs: set[int]) -> ModelRunnerOutput:
+    ids = list(sched_out.num_scheduled_tokens)
+    meta = OffloadingWorkerMetadata()
+    for j in done_jobs:
+        meta.mark_completed(j)
+    return ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[7] for _ in ids], logprobs=None, prompt_logprobs_dict={},
+        pooler_output=None,
+        kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=meta))
+
+
+def run_steps(ours: bool, spec: StepSpec, policy_file: str | None = None) -> dict:
+    """Prefill ``spec``'s requests, decode them ``decode_steps`` steps once
+    all are decoding, then finish them all; the connector's seconds per step
+    of each phase (lists, one entry per step)."""
+    sched = make_scheduler(ours, spec, policy_file)
+    reqs = make_requests(spec)
+    for r in reqs:
+        sched.add_request(r)
+    gc.collect()
+    _Timer.take()
+    phases: dict[str, list[float]] = {"prefill": [], "decode": [], "finish": []}
+    pending: set[int] = set()
+
+    def step() -> bool:
+        nonlocal pending
+        out = sched.schedule()
+        meta = out.kv_connector_metadata
+        sched.update_from_output(out, _output(out, pending))
+        pending = set()
+        if isinstance(meta, OffloadingConnectorMetadata):
+            pending = set(meta.load_jobs) | set(meta.store_jobs)
+        return bool(out.num_scheduled_tokens) and \
+            all(n == 1 for n in out.num_scheduled_tokens.values())
+
+    while not step():
+        phases["prefill"].append(_Timer.take())
+    phases["decode"].append(_Timer.take())
+    for _ in range(spec.decode_steps - 1):
+        step()
+        phases["decode"].append(_Timer.take())
+    sched.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_LENGTH_CAPPED)
+    phases["finish"].append(_Timer.take())
+    while sched.has_requests() or pending:
+        step()
+        phases["finish"].append(_Timer.take())
+    sched.shutdown()
+    return phases
