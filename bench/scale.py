@@ -15,12 +15,17 @@ Everything runs the product's classes in one process (no model):
   vLLM's ``LRUCachePolicy`` with none; p99 of each, in one run.
 - ``expiry``: the tier manager built by that scheduler (index, hint executor,
   G2 policy) with 10,000 live sessions and 16,384 live pins, 1,000 of the
-  sessions idle past the timeout: one ``expire_sessions``.
-- ``status``: the control channel's ``status`` op (``manager.status()``,
-  the lock held throughout) with those 10,000 sessions.
+  sessions idle past the timeout: ``expire_sessions`` as the connector calls
+  it, at most ``EXPIRE_PER_PASS`` sessions and released chunks per scheduler
+  pass, until none is left; the worst pass and the total.
+- ``status``: the control channel's ``status`` op (``manager.status()``)
+  with those 10,000 sessions: its longest hold of the lock (it summarizes
+  the 1,000 it shows in batches, letting the lock go in between) and its
+  total time.
 
 Targets (issue 26): extra work per decode step p99 <= 0.5 ms and its ratio
-64k / 4k <= 1.2; evict p99 <= 2 x LRU's; expiry <= 5 ms; status <= 5 ms.
+64k / 4k <= 1.2; evict p99 <= 2 x LRU's; expiry <= 5 ms per pass; status's
+longest hold of the lock <= 5 ms.
 The JSON holds each figure next to its target and ``targets_met``.
 ``--quick`` runs smaller sizes (a smoke run; its figures are not the targets').
 """
@@ -40,6 +45,7 @@ from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
 from replay_router import make_hint
 from scale_steps import StepSpec, make_scheduler, run_steps
+from sessionkv.connectors.vllm import EXPIRE_PER_PASS
 from sessionkv.hints import Action
 from sessionkv.tiers.g2_policy import SessionCachePolicy
 from sessionkv.types import Tier
@@ -122,7 +128,7 @@ def sessions_and_pins(sessions: int, pins: int, expiring: int, blocks: int) -> d
     """The tier manager of a real scheduler; ``sessions`` live sessions of
     ``blocks`` G2 blocks each, ``pins`` pinned chunks among the ones that
     stay, ``expiring`` sessions idle past the timeout (each with pins of
-    its own): one ``expire_sessions`` and one ``status``."""
+    its own): one ``status``, then ``expire_sessions`` pass by pass."""
     sched = make_scheduler(True, StepSpec(context=1024, running=1, g2_chunks=G2_CHUNKS))
     manager = sched.connector.manager
     policy = manager.primary_tier.policy
@@ -148,14 +154,20 @@ def sessions_and_pins(sessions: int, pins: int, expiring: int, blocks: int) -> d
     live_pins = manager.executor.pinned_chunks
     gc.collect()
     t0 = time.perf_counter()
-    manager.status()
+    status = manager.status()
     status_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    manager.expire_sessions(t_new + 1.0)
-    expire_s = time.perf_counter() - t0
+    passes = []             # as the connector expires: a budget per scheduler pass
+    more = True
+    while more:
+        t0 = time.perf_counter()
+        more = manager.expire_sessions(t_new + 1.0, EXPIRE_PER_PASS)
+        passes.append(time.perf_counter() - t0)
     sched.shutdown()
     return {"sessions": sessions, "pins_live": pinned_live, "pins_before_expiry": live_pins,
-            "expired": expiring, "expire_ms": ms(expire_s), "status_ms": ms(status_s),
+            "expired": expiring, "expire_passes": len(passes),
+            "expire_worst_pass_ms": ms(max(passes)), "expire_total_ms": ms(sum(passes)),
+            "status_lock_max_ms": status["lock_max_ms"], "status_total_ms": ms(status_s),
+            "status_sessions": len(status["sessions"]),
             "sessions_after": index.num_sessions}
 
 
@@ -186,8 +198,8 @@ def main() -> None:
         "extra_per_decode_step_p99_ms": check(dec_long, 0.5),
         "extra_ratio_64k_to_4k": check(round(dec_long / max(dec_short, 1e-6), 3), 1.2),
         "evict_p99_ratio_to_lru": check(out["evict"]["ratio"], 2.0),
-        "expire_1000_sessions_ms": check(out["expiry"]["expire_ms"], 5.0),
-        "status_lock_ms": check(out["expiry"]["status_ms"], 5.0),
+        "expire_1000_sessions_ms": check(out["expiry"]["expire_worst_pass_ms"], 5.0),
+        "status_lock_ms": check(out["expiry"]["status_lock_max_ms"], 5.0),
     }
     out["targets_met"] = all(t["met"] for t in out["targets"].values())
     out["wall_s"] = round(time.time() - t0, 1)

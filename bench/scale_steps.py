@@ -94,7 +94,7 @@ TimedOffloadingConnector = _timed(OffloadingConnector)
 
 @dataclass(frozen=True)
 class StepSpec:
-    """One schedule: ``running`` requests of ``context`` prompt tokens,
+    """One schedule: ``running`` requests of ``context`` prompt tokens (less 0..15),
     prefilled ``batch_tokens`` at a time, then ``decode_steps`` decoding."""
 
     context: int
@@ -123,7 +123,10 @@ def make_scheduler(ours: bool, spec: StepSpec, policy_file: str | None = None) -
         kv_connector_module_path=__name__ if __name__ != "__main__" else "scale_steps",
         kv_role="kv_both", engine_id="scale", kv_connector_extra_config=extra)
     config = VllmConfig(
-        model_config=ModelConfig(model=TINY, dtype="float32", seed=0),
+        # No model runs: the tiny model's config only sizes the schedule, its
+        # 8,192 positions raised to the contexts scheduled here.
+        model_config=ModelConfig(model=TINY, dtype="float32", seed=0, max_model_len=spec.max_len,
+                                 hf_overrides={"max_position_embeddings": spec.max_len}),
         scheduler_config=SchedulerConfig(
             max_num_seqs=spec.running, max_num_batched_tokens=spec.batch_tokens,
             max_model_len=spec.max_len,
@@ -148,8 +151,12 @@ def make_requests(spec: StepSpec, seed: int = 0) -> list[Request]:
         params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
         params.update_from_generation_config({}, 0)
         base = (seed * spec.running + i) * spec.context
+        # Prompts of different lengths, as traffic has: their decode steps
+        # fill blocks at different steps (equal lengths would put every
+        # request's block boundary, store and admission on the same step).
+        length = spec.context - i % BLOCK
         req = Request(request_id=f"r{i}", prompt_token_ids=[
-            (base + t) % 50_000 + 1 for t in range(spec.context)],
+            (base + t) % 50_000 + 1 for t in range(length)],
             sampling_params=params, pooling_params=None, mm_features=None,
             block_hasher=hasher)
         req.kv_transfer_params = {"session_id": f"s{seed}-{i}"}
@@ -195,8 +202,10 @@ def run_steps(ours: bool, spec: StepSpec, policy_file: str | None = None) -> dic
 
     while not step():
         phases["prefill"].append(_Timer.take())
-    phases["decode"].append(_Timer.take())
-    for _ in range(spec.decode_steps - 1):
+    # The first step that schedules only decodes still completes the last
+    # prefill chunks' stores (their job ids come back in its output): prefill.
+    phases["prefill"].append(_Timer.take())
+    for _ in range(spec.decode_steps):
         step()
         phases["decode"].append(_Timer.take())
     sched.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_LENGTH_CAPPED)

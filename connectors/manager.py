@@ -36,6 +36,7 @@ and eviction from the primary tier, transfers and outcomes from the manager.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Collection, Iterator
 from typing import NamedTuple
@@ -75,6 +76,11 @@ from .metrics import SessionStats
 from .moves import Mover
 
 logger = init_logger(__name__)
+# The status op holds the lock at most this long per batch of sessions, then
+# sleeps long enough for a thread woken on another core to take it (Python's
+# locks are not fair: a thread that lets go and takes again keeps it).
+STATUS_HOLD_S = 0.002
+STATUS_YIELD_S = 0.0002
 
 
 class G3Copy(NamedTuple):
@@ -253,21 +259,42 @@ class SessionTierManager(TieringOffloadingManager):
         """What ``sessionkv status`` shows: sessions (most recent first) with
         blocks per tier, their pins and expiry (and the count of all pinned
         chunks), hint outcome counts since start, the latest evictions the
-        event log holds."""
+        event log holds, and ``lock_max_ms``, the longest the lock was held
+        for it. Any thread: sessions are summarized in batches of at most
+        ``STATUS_HOLD_S`` under the lock (plus one session), letting it go in
+        between, so a scheduler pass waits that long at most; each session is
+        consistent, the list a view over those few milliseconds."""
         with self.lock:
-            # Only the sessions it returns: the lock is held for what it shows.
-            summaries = [self.index.summary(s) for s in self.index.recent_sessions(max_sessions)]
-            live = [s for s in summaries if s is not None]
-            out = {
-                "sessions": [{"session_id": s.session_id, "blocks": s.blocks,
-                              "per_tier": {t.name: n for t, n in s.per_tier.items()},
-                              "branches": len(s.frontiers), "last_access": s.last_access}
-                             for s in live],
-                "pins": self.executor.pins(s.session_id for s in live),
-                "pinned_chunks": self.executor.pinned_chunks,
-                "outcomes": self.stats.outcome_totals(),
-                "evictions": [],
-            }
+            names = self.index.recent_sessions(max_sessions)
+        sessions: list[dict] = []
+        pins: list[dict] = []
+        longest, i = 0.0, 0
+        while True:
+            with self.lock:
+                t0 = time.perf_counter()
+                live = []
+                while i < len(names):
+                    s = self.index.summary(names[i])
+                    i += 1
+                    if s is not None:
+                        live.append(s.session_id)
+                        sessions.append({
+                            "session_id": s.session_id, "blocks": s.blocks,
+                            "per_tier": {t.name: n for t, n in s.per_tier.items()},
+                            "branches": len(s.frontiers), "last_access": s.last_access})
+                    if time.perf_counter() - t0 >= STATUS_HOLD_S:
+                        break
+                pins += self.executor.pins(live)
+                if i == len(names):
+                    out = {"sessions": sessions, "pins": sorted(
+                               pins, key=lambda p: (p["session_id"], p["hint_id"])),
+                           "pinned_chunks": self.executor.pinned_chunks,
+                           "outcomes": self.stats.outcome_totals(), "evictions": []}
+                longest = max(longest, time.perf_counter() - t0)
+            if i == len(names):
+                break
+            time.sleep(STATUS_YIELD_S)
+        out["lock_max_ms"] = round(longest * 1e3, 3)
         if self.event_log is not None:
             _, _, next_seq = self.event_log.since(0, 0)
             recent, _, _ = self.event_log.since(max(0, next_seq - 1 - 10_000), 10_000)
@@ -306,12 +333,20 @@ class SessionTierManager(TieringOffloadingManager):
                 self.emit(Association(session_id=session, op=Op.END, reason=reason))
             return live
 
-    def expire_sessions(self, now: float) -> None:
-        """End the sessions idle past the policy's timeout (scheduler thread)."""
+    def expire_sessions(self, now: float, max_chunks: int | None = None) -> bool:
+        """End the sessions idle past the policy's timeout, the oldest first,
+        until their pins and retains released reach ``max_chunks`` (scheduler
+        thread: a pass's cost stays bounded however many idle out at once);
+        whether it stopped there, so that more may be waiting."""
+        work = 0
         with self.lock:
-            for s in self.index.expire(now):
-                self.executor.release(s)
-                self.emit(Association(session_id=s, op=Op.END, reason="idle"))
+            while max_chunks is None or work < max_chunks:
+                ended = self.index.expire(now, 1)
+                if not ended:
+                    return False
+                work += 1 + self.executor.release(ended[0])   # a session counts as a chunk
+                self.emit(Association(session_id=ended[0], op=Op.END, reason="idle"))
+            return True
 
     def collect_clipped(self) -> None:
         """Emit the pins the G2 policy clipped since the last call, one

@@ -45,6 +45,10 @@ import numpy as np
 
 from sessionkv.types import TIERS, Tier
 
+from .views import Resolved, SessionSummary, alias64
+
+__all__ = ["SessionPrefixIndex", "Resolved", "SessionSummary", "alias64"]
+
 G1Probe = Callable[[Sequence[bytes]], Sequence[int]]
 _NONE = -1
 _MAX_COPIES = int(np.iinfo(np.uint16).max)
@@ -53,36 +57,10 @@ _MAX_COPIES = int(np.iinfo(np.uint16).max)
 FEW_KEYS = 16
 
 
-def alias64(key: bytes) -> int:
-    """The 64-bit alias event consumers see for a key: the low 64 bits of its
-    block hash, as vLLM's KV events report it (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
-    return int.from_bytes(key[-12:-4], "big")
-
-
 @dataclass
 class _Session:
     frontiers: set[int] = field(default_factory=set)
     last_access: float = 0.0
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """Resident blocks a selector names, per tier, each list root-to-leaf
-    (shallower first; ties by key). ``keys`` holds every resident block once."""
-
-    keys: list[bytes]
-    per_tier: dict[Tier, list[bytes]]
-
-
-@dataclass(frozen=True)
-class SessionSummary:
-    """A session at a glance, for status views."""
-
-    session_id: str
-    frontiers: list[bytes]
-    blocks: int                      # resident member blocks
-    per_tier: dict[Tier, int]        # member blocks with a copy in each tier
-    last_access: float
 
 
 class SessionPrefixIndex:
@@ -202,10 +180,17 @@ class SessionPrefixIndex:
         if first_new < n:
             self._link(chain, slots, first_new, root, base)
         if tier is not None and start < n:
-            idx = np.asarray(slots[start:], np.int64)
             row = self._copies[tier]
-            row[idx] = np.maximum(row[idx], 1)
-            self._recount(idx)
+            if n - start <= FEW_KEYS:       # a decode step's block: per key (FEW_KEYS)
+                total = self._total
+                for s in slots[start:]:
+                    if row[s] == 0:
+                        row[s] = 1
+                        total[s] += 1
+            else:
+                idx = np.asarray(slots[start:], np.int64)
+                row[idx] = np.maximum(row[idx], 1)
+                self._recount(idx)
         # The deepest resident key: the tail, unless keys were linked without a copy.
         tail = n - 1
         while tail >= 0 and not self._resident(slots[tail]):
@@ -227,21 +212,41 @@ class SessionPrefixIndex:
             raise ValueError("chain holds a known key below an unknown one: not a prefix chain")
         new = self._alloc(n - first_new)
         parent = slots[first_new - 1] if first_new else root
-        idx = np.asarray(new, np.int64)
-        self._parent[idx] = [parent, *new[:-1]]
-        self._depth[idx] = np.arange(base + first_new, base + n, dtype=np.int32)
-        self._nchild[idx] = 1
-        self._nchild[new[-1]] = 0
-        self._copies[:, idx] = 0
-        self._total[idx] = 0
-        if parent != _NONE:
-            self._nchild[parent] += 1
+        if len(new) <= FEW_KEYS:
+            self._link_few(new, parent, base + first_new)
+        else:
+            self._link_many(new, parent, base + first_new)
         new_keys = chain[first_new:]
         for s, k in zip(new, new_keys):
             self._keys[s] = k
         self._slot.update(zip(new_keys, new))
         self._alias.update(zip(map(alias64, new_keys), new))
         slots[first_new:] = new
+
+    def _link_few(self, new: list[int], parent: int, depth: int) -> None:
+        """The arrays of ``_link`` per slot (numpy's per-call cost, FEW_KEYS)."""
+        par, dep, nchild, copies, total = (self._parent, self._depth, self._nchild,
+                                           self._copies, self._total)
+        for s in new:
+            par[s] = parent
+            dep[s] = depth
+            nchild[s] = 0
+            copies[:, s] = 0
+            total[s] = 0
+            if parent != _NONE:
+                nchild[parent] += 1
+            parent, depth = s, depth + 1
+
+    def _link_many(self, new: list[int], parent: int, depth: int) -> None:
+        idx = np.asarray(new, np.int64)
+        self._parent[idx] = [parent, *new[:-1]]
+        self._depth[idx] = np.arange(depth, depth + len(new), dtype=np.int32)
+        self._nchild[idx] = 1
+        self._nchild[new[-1]] = 0
+        self._copies[:, idx] = 0
+        self._total[idx] = 0
+        if parent != _NONE:
+            self._nchild[parent] += 1
 
     def _touch_session(self, session: str, now: float) -> _Session:
         if self._sessions:
@@ -449,14 +454,15 @@ class SessionPrefixIndex:
             self._tombstones.popitem(last=False)
         return True
 
-    def expire(self, now: float) -> list[str]:
-        """End the sessions idle for longer than ``idle_timeout_s``; their ids."""
+    def expire(self, now: float, max_sessions: int | None = None) -> list[str]:
+        """End the sessions idle for longer than ``idle_timeout_s``, at most
+        ``max_sessions`` of them (the oldest first); their ids."""
         if self._idle_timeout_s is None:
             return []
         limit = now - self._idle_timeout_s
         idle = []
         for s, st in self._sessions.items():      # oldest first
-            if st.last_access >= limit:
+            if st.last_access >= limit or len(idle) == max_sessions:
                 break
             idle.append(s)
         for s in idle:
@@ -603,17 +609,22 @@ class SessionPrefixIndex:
         return {t: int(self._copies[t, s]) for t in TIERS}
 
     def summary(self, session: str) -> SessionSummary | None:
+        """A session's counts (G1 refreshed first), without the sorted key
+        lists ``resolve_session`` builds: a status view summarizes many."""
         st = self._sessions.get(session)
         if st is None:
             return None
-        res = self.resolve_session(session)
+        self._refresh_g1(self._paths(st.frontiers))
         st = self._sessions.get(session)
-        if res is None or st is None:
+        if st is None:
             return None
+        slots = self._paths(st.frontiers)
+        idx = np.fromiter(slots, np.int64, len(slots))
+        held = np.count_nonzero(self._copies[:, idx], axis=1)
         return SessionSummary(
             session_id=session,
             frontiers=sorted(self._keys[f] for f in st.frontiers),
-            blocks=len(res.keys),
-            per_tier={t: len(v) for t, v in res.per_tier.items()},
+            blocks=int(np.count_nonzero(self._total[idx])),
+            per_tier={t: int(held[t]) for t in TIERS},
             last_access=st.last_access,
         )

@@ -1,0 +1,117 @@
+"""The tier manager's out-of-step work stays bounded: idle expiry ends at
+most a budget of sessions and pins per scheduler pass, and the status op
+lets the lock go between batches of sessions. Real parts: vLLM's CPU
+primary tier (``SessionPrimaryTier``) with ``SessionCachePolicy``, the
+index and the hint executor, built as ``SessionTierSpec`` builds them."""
+
+import threading
+import time
+import uuid
+
+import pytest
+from vllm.v1.kv_offload.base import ReqContext
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+from sessionkv.config import SessionKVConfig
+from sessionkv.connectors import manager as manager_mod
+from sessionkv.connectors.manager import G3Copies, SessionPrimaryTier, SessionTierManager
+from sessionkv.devtools.keys import block_key
+from sessionkv.hints import Action
+from sessionkv.index.prefix_index import SessionPrefixIndex
+from sessionkv.tiers.g2_policy import SessionCachePolicy
+from sessionkv.tiers.g3 import Quarantine
+from sessionkv.types import Tier
+
+from replay_router import make_hint
+
+CHUNKS = 1024
+TIMEOUT = 10.0
+
+
+@pytest.fixture
+def manager():
+    region = SharedOffloadRegion(engine_id=f"bounds-{uuid.uuid4().hex[:8]}", num_chunks=CHUNKS,
+                                 rank=None, kv_bytes_per_chunk=4096, cpu_page_size=4096)
+    index = SessionPrefixIndex(idle_timeout_s=TIMEOUT)
+    primary = SessionPrimaryTier(
+        num_chunks=CHUNKS, mmap_region=region, cache_policy=SessionCachePolicy.__name__,
+        cache_policy_module_path=SessionCachePolicy.__module__, index=index,
+        blocks_per_chunk=1, quarantine=Quarantine(), event_log=None)
+    m = SessionTierManager(primary, [], index, SessionKVConfig(), G3Copies(), None)
+    yield m
+    m.shutdown()
+
+
+def fill(m, sessions: int, blocks: int = 2, pin: int = 0, now: float = 1.0):
+    """``sessions`` sessions of ``blocks`` G2 blocks each, ``pin`` of them pinned."""
+    ctx = ReqContext(req_id="r")
+    for s in range(sessions):
+        keys = [block_key(f"s{s}-{b}") for b in range(blocks)]
+        m.index.admit(f"s{s}", keys, Tier.G2, now=now + s * 1e-3)
+        m.primary_tier.prepare_store(keys, ctx)
+        m.primary_tier.complete_store(keys, ctx)
+        if pin:
+            (o,) = m.control_hints([make_hint(Action.PIN, f"s{s}", ttl_s=600.0,
+                                              max_blocks=pin)], f"s{s}", client=f"s{s}")
+            assert o.blocks_affected == pin, o
+
+
+def test_expiry_ends_at_most_its_budget_per_pass_and_the_next_pass_goes_on(manager):
+    # Issue 26: 1,000 sessions idling out with 16k live pins were ended in one
+    # scheduler pass. Now a pass ends the oldest until the budget (sessions
+    # plus the chunks they release), and says whether more may be waiting.
+    fill(manager, 20, blocks=2, pin=2)
+    assert manager.executor.pinned_chunks == 40
+    later = 1.0 + TIMEOUT + 5.0
+    assert manager.expire_sessions(later, max_chunks=9) is True     # 3 sessions x (1 + 2)
+    assert manager.index.sessions()[:1] == ["s3"] and manager.index.num_sessions == 17
+    assert manager.executor.pinned_chunks == 34
+    assert manager.expire_sessions(later, max_chunks=1000) is False
+    assert manager.index.num_sessions == 0 and manager.executor.pinned_chunks == 0
+    assert manager.expire_sessions(later, max_chunks=1000) is False      # nothing left
+
+
+def test_status_lets_the_lock_go_between_batches(manager, monkeypatch):
+    # Issue 26: status summarized every session it shows under one hold of
+    # the lock (60 ms for 1,000 sessions). A scheduler pass waiting for the
+    # lock now gets it between batches, long before status ends.
+    fill(manager, 200, blocks=4, pin=1)
+    monkeypatch.setattr(manager_mod, "STATUS_HOLD_S", 0.0)     # one session per batch
+    monkeypatch.setattr(manager_mod, "STATUS_YIELD_S", 0.002)
+    started, done, got = threading.Event(), [], []
+    summary = manager.index.summary
+
+    def first_summary(s):
+        started.set()
+        return summary(s)
+    monkeypatch.setattr(manager.index, "summary", first_summary)
+    t = threading.Thread(target=lambda: done.append((manager.status(), time.monotonic())))
+    t.start()
+    assert started.wait(10)
+    with manager.lock:                          # as the scheduler's next pass does
+        got.append(time.monotonic())
+    t.join(30)
+    (st, finished), = done
+    assert got[0] < finished - 0.1              # ~200 batches x 2 ms still to go
+    assert [s["session_id"] for s in st["sessions"]] == [f"s{i}" for i in reversed(range(200))]
+    assert all(s["blocks"] == 4 and s["per_tier"]["G2"] == 4 and s["per_tier"]["G1"] == 0 for s in st["sessions"])
+    assert len(st["pins"]) == 200 and st["pinned_chunks"] == 200
+    assert 0 <= st["lock_max_ms"] < 1000
+
+
+def test_status_of_sessions_that_end_while_it_runs(manager, monkeypatch):
+    # A session ended between batches is left out, not reported half-gone.
+    fill(manager, 5, blocks=2, pin=1)
+    monkeypatch.setattr(manager_mod, "STATUS_HOLD_S", 0.0)
+    summary = manager.index.summary
+
+    def end_next(s):
+        out = summary(s)
+        if s == "s4":
+            manager.end_session("s3")
+        return out
+    monkeypatch.setattr(manager.index, "summary", end_next)
+    st = manager.status()
+    assert [s["session_id"] for s in st["sessions"]] == ["s4", "s2", "s1", "s0"]
+    assert sorted(p["session_id"] for p in st["pins"]) == ["s0", "s1", "s2", "s4"]
+
