@@ -44,7 +44,7 @@ from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
 from replay_router import make_hint
-from scale_steps import StepSpec, make_scheduler, run_steps
+from scale_steps import StepSpec, make_scheduler, run_both
 from sessionkv.connectors.vllm import EXPIRE_PER_PASS
 from sessionkv.hints import Action
 from sessionkv.tiers.g2_policy import SessionCachePolicy
@@ -70,9 +70,7 @@ def summary(xs: list[float]) -> dict:
 
 def steps(spec: StepSpec) -> dict:
     """Ours minus vLLM's per step, per phase, on one schedule."""
-    base = run_steps(False, spec)
-    gc.collect()
-    ours = run_steps(True, spec)
+    base, ours = run_both(spec)
     out = {}
     for phase in ("prefill", "decode", "finish"):
         a, b = base[phase], ours[phase]
