@@ -287,10 +287,7 @@ class SessionTierConnector(OffloadingConnector):
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         if self.connector_scheduler is not None:
-            pool, g2 = kv_cache_manager.block_pool, self.manager.primary_tier
-            self.index.bind_g1_probe(g1_probe(pool))
-            # What G1 and G2 can hold is what the index holds in steady state.
-            self.index.reserve(pool.num_gpu_blocks + g2.num_chunks * g2.blocks_per_chunk)
+            self.index.bind_g1_probe(g1_probe(kv_cache_manager.block_pool))
 
     def on_new_request(self, request: "Request") -> None:
         params = request.kv_transfer_params
@@ -378,9 +375,7 @@ class SessionTierConnector(OffloadingConnector):
             if tr is None:
                 continue
             req = tr.request
-            full = (req.num_computed_tokens + n_sched) // bs
-            if full > tr.admitted:          # most steps of a decode fill no block
-                full = min(len(req.block_hashes), full)
+            full = min(len(req.block_hashes), (req.num_computed_tokens + n_sched) // bs)
             if full > tr.admitted:
                 # The blocks this step filled, below the last one admitted;
                 # the whole chain only when that one was pruned meanwhile.

@@ -116,11 +116,6 @@ class SessionPrefixIndex:
             [self._copies, np.zeros((len(TIERS), new - cap), np.uint16)], axis=1)
         self._total = np.concatenate([self._total, np.zeros(new - cap, np.uint32)])
 
-    def reserve(self, nodes: int) -> None:
-        """Room for ``nodes`` nodes without growing: a growth copies every
-        array (about 5 ms at a million nodes, in the step that needs one)."""
-        self._grow(nodes)
-
     def _alloc(self, n: int) -> list[int]:
         reuse = self._free[-n:] if n else []
         del self._free[len(self._free) - len(reuse):]
