@@ -58,7 +58,8 @@ given: they stay in ``quarantine`` (shared with the primary tier, which
 keeps them out of its free list) until the call ends. ``drain_jobs`` waits
 only for calls within their deadline.
 
-Threading: vLLM's calls on the scheduler thread; copies on the I/O threads;
+Threading: vLLM's calls on the scheduler thread; vLLM's copies on the I/O
+threads, hint copies and pins on threads of their own (``io_threads`` each);
 backend calls on the guard's threads.
 """
 
@@ -182,6 +183,11 @@ class G3Tier(SecondaryTierManager):
         self._pins = pins_for(backend, self.guard, self._layout, time.monotonic)
         self._pool = ThreadPoolExecutor(max_workers=int(io_threads),
                                         thread_name_prefix=f"sessionkv-{tier_type}")
+        # Hint copies have their own lane: a moved session's next turn waits
+        # for its Share, which must not queue behind the write-through
+        # cascades of every request the old engine is decoding.
+        self._hint_pool = ThreadPoolExecutor(max_workers=int(io_threads),
+                                             thread_name_prefix=f"sessionkv-{tier_type}-hint")
         self._pending: set[Future] = set()      # vLLM's jobs
         # Hint copies and pins: outside vLLM's job table, they finish through
         # the Mover's wake-up of the control channel, so they must not keep an
@@ -278,6 +284,7 @@ class G3Tier(SecondaryTierManager):
     def shutdown(self) -> None:
         self._lookups.shutdown()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._hint_pool.shutdown(wait=True, cancel_futures=True)
         self._pins.close()
         # An abandoned call may still write G2 or the checksum slots, unmapped next.
         until = time.monotonic() + ABANDONED_WAIT_S
@@ -328,7 +335,7 @@ class G3Tier(SecondaryTierManager):
             self._hint_work.discard(fut)
 
     def _hint_job(self, run: Callable[[], None]) -> None:
-        fut = self._pool.submit(run)
+        fut = self._hint_pool.submit(run)
         with self._lock:
             self._hint_work.add(fut)
         fut.add_done_callback(self._finished)
