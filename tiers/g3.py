@@ -176,7 +176,10 @@ class G3Tier(SecondaryTierManager):
         self._namespace = namespace
         self._prefix: str | None = None
         self._backend = backend
-        self.guard = Guard(tier_type, float(timeout_s), float(retry_s))
+        # Call threads for every copy thread of both pools (one call each at a
+        # time), the lookup thread and the doctor: a busy permit trips the breaker.
+        self.guard = Guard(tier_type, float(timeout_s), float(retry_s),
+                           threads=max(8, 2 * int(io_threads) + 2))
         backend.register(self._region)
         self._layout = layout_for(backend, self.guard, self._chunk, self._seal,
                                   self.quarantine)
