@@ -187,7 +187,7 @@ def test_a_steps_admission_looks_up_only_the_blocks_it_adds():
     idx = SessionPrefixIndex()
     chain = [block_key(f"c{i}") for i in range(4097)]
     idx.admit("s", chain[:4096], Tier.G1, now=1.0)
-    idx._slot = _CountingDict(idx._slot)
+    idx._tree.slot = _CountingDict(idx._tree.slot)
     assert idx.extend("s", chain[4095], chain[4096:], Tier.G1, now=2.0)
     assert _CountingDict.lookups <= 2
     assert idx.frontiers("s") == [chain[4096]] and len(idx) == 4097

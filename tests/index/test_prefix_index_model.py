@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from reference import RefIndex
-from sessionkv.index import prefix_index
+from sessionkv.index import tree
 from sessionkv.index.prefix_index import SessionPrefixIndex, alias64
 from sessionkv.types import Tier
 from sessionkv.devtools.keys import block_key
@@ -165,10 +165,10 @@ class IndexMachineNumpyUpdates(IndexMachine):
 
     def __init__(self):
         super().__init__()
-        self._few, prefix_index.FEW_KEYS = prefix_index.FEW_KEYS, 0
+        self._few, tree.FEW_KEYS = tree.FEW_KEYS, 0
 
     def teardown(self):
-        prefix_index.FEW_KEYS = self._few
+        tree.FEW_KEYS = self._few
 
 
 IndexMachineNumpyUpdates.TestCase.settings = settings(max_examples=200, stateful_step_count=50,
