@@ -235,7 +235,8 @@ class SessionTierManager(TieringOffloadingManager):
                                   primary_tier.blocks_per_chunk)
         g3 = [t for t in secondary_tiers if isinstance(t, G3Tier)]
         # Demote/Prefetch/Share copy to and from the first G3 tier.
-        self.mover = Mover(primary_tier, g3[0], self.emit) if g3 else None
+        wave = int(config.policy.limits.move_fraction * primary_tier.num_chunks)
+        self.mover = Mover(primary_tier, g3[0], self.emit, wave) if g3 else None
         secret = config.policy.trust.secret
         # kv.fetch asks the source engine's control channel, with our secret.
         self.fetcher = (Fetcher(secret, self._fetched, self._emit_final)
@@ -399,12 +400,13 @@ class SessionTierManager(TieringOffloadingManager):
             self.event_log.close()
 
     def reset_cache(self) -> None:
-        # Hint copies end before the primary tier forgets its chunks, so that
-        # their reservations are released against the chunks they hold.
+        # vLLM's reset waits for its own jobs (drain_jobs); hint copies are
+        # abandoned instead: their G2 slots stay in the quarantine until each
+        # copy ends (G3Tier.move), so a reset never waits for a large Share.
         with self.lock:
-            for tier in self.secondary_tiers:
-                tier.drain_jobs()
             self.apply_moves()
+            if self.mover is not None:
+                self.mover.abandon()
             super().reset_cache()
 
     # ---- scheduler thread -------------------------------------------------

@@ -1,20 +1,25 @@
 """Hint-driven copies between G2 and G3: Demote, Prefetch, Share.
 
 These run outside vLLM's job table, so they work on an idle engine
-(ARCHITECTURE.md, "Threads"), in three phases:
+(ARCHITECTURE.md, "Threads"), in waves of three phases:
 
 1. ``start`` (under the tier manager's lock): reserve through the primary tier
    (``prepare_read`` pins the G2 chunks a store copies from; ``prepare_write``
    allocates not-yet-ready G2 slots a load copies into), then hand the copy to
    the G3 tier (``G3Tier.move``). The hint's outcome is ``deferred``.
 2. The copy runs on the tier's I/O threads, which only queue the result and
-   write one byte to ``wake_fd`` (they never take the lock: a reset holds it
-   while it waits for them).
+   write one byte to ``wake_fd`` (they never take the lock).
 3. ``apply`` (under the lock; the control channel's thread when woken, and the
    scheduler at the start of every pass): ``complete_read`` / ``complete_write``
    per chunk, so prefetched chunks become loadable only once their bytes are
    all in G2 (a request looking them up meanwhile sees ``HIT_PENDING`` and
-   waits), then the final outcome and a transfer event.
+   waits); then the next wave, or, after the last, one transfer event (every
+   chunk moved) and the final outcome.
+
+Waves: all hint copies together reserve at most ``wave_chunks`` G2 chunks at
+a time (``limits.move_fraction`` of G2), so vLLM's own stores and promotions
+still find chunks to evict or fill while a large Share or Prefetch runs. A
+copy that finds the budget spent waits between its waves.
 
 Actions:
 
@@ -27,7 +32,13 @@ Actions:
   copies run at once; further ones wait (``deferred``) and start in ``apply``.
 
 Final outcomes: ``accepted`` (every chunk moved), ``clipped`` (some did),
-``missing`` (a Prefetch found none in G3), ``rejected`` (the backend failed).
+``missing`` (a Prefetch found none in G3), ``rejected`` (the backend failed,
+or a reset abandoned the copy).
+
+Reset (``abandon``): a reset of G2 does not wait for hint copies. They are
+given their final outcome at once and forgotten; their G2 slots stay in the
+quarantine until the copy ends (``G3Tier.move`` holds them there), so no new
+KV is written to a slot a late copy still reads or writes.
 
 Threading: every method but the completion callback runs under the tier
 manager's lock.
@@ -59,17 +70,23 @@ class Move:
 
     action: Action
     hint_id: str
-    keys: list[OffloadKey]
+    target: list[OffloadKey]             # every chunk the hint names
     asked: int
     session: str | None
     ctx: ReqContext
-    ok: list[bool] | None = None         # set by the I/O thread when the copy ended
+    keys: list[OffloadKey] = field(default_factory=list)   # the wave in flight
+    taken: int = 0                       # target[:taken] went into waves
+    ok: list[bool] | None = None         # set by the I/O thread when the wave ended
+    good: list[OffloadKey] = field(default_factory=list)   # copied, by ended waves
+    bad: int = 0                         # not copied
+    no_room: int = 0                     # a load's chunks G2 had no slot for
     present: int = 0                     # chunks that needed no copy
     clipped: str = ""                    # the executor's clipping, if any
     ttl_s: float = 0.0                   # a Pin's
     g2_blocks: int = 0                   # a Pin's blocks pinned in G2 already
     lost: int = 0                        # a Pin's G3 chunks it cannot reach
     reserved: bool = False               # prepare_read done: complete_read at the end
+    abandoned: bool = False              # a reset gave the outcome: ignore the end
     label: str = ""                      # the outcomes' action name, when not the action's
     already: list[OffloadKey] = field(default_factory=list)   # at the destination already
 
@@ -86,15 +103,19 @@ class Mover:
     """Demote, Prefetch and Share copies (see the module docstring)."""
 
     def __init__(self, primary, tier: G3Tier, emit: Callable[[object], None],
-                 max_moves: int = MAX_MOVES):
+                 wave_chunks: int, max_moves: int = MAX_MOVES):
+        """``wave_chunks``: the most G2 chunks all copies reserve at a time (at least 1)."""
         self._primary = primary             # SessionPrimaryTier (G2)
         self._tier = tier
         self._emit = emit
         self._max = max_moves
+        self._budget = max(1, wave_chunks)
+        self._reserved = 0                  # G2 chunks the waves in flight hold
         self._ids = itertools.count(1)
-        self._running: list[Move] = []
-        self._waiting: deque[Move] = deque()
-        self._finished: deque[Move] = deque()       # appended by I/O threads
+        self._running: list[Move] = []      # started, not final: a wave in flight or paused
+        self._paused: deque[Move] = deque()      # between waves: the budget was spent
+        self._waiting: deque[Move] = deque()     # not started: max_moves run
+        self._finished: deque[Move] = deque()    # appended by I/O threads
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -133,58 +154,86 @@ class Mover:
         return self._begin(move)
 
     def _begin(self, move: Move) -> HintOutcome:
-        resident = [self._primary.lookup(k, move.ctx) for k in move.keys]
         if move.action is Action.PIN:
-            chunk_ids = None
-            if self._tier.pin_needs_bytes:       # rewritten from G2: only chunks there
-                ready = [k for k, r in zip(move.keys, resident) if r is LookupResult.HIT]
-                move.lost, move.keys = len(move.keys) - len(ready), ready
-                if not ready:
-                    return self._pin_outcome(move, [])
-                chunk_ids = self._primary.prepare_read(ready, move.ctx).chunk_ids
-                move.reserved = True
-            self._running.append(move)
-            self._tier.pin(move.keys, move.ttl_s, chunk_ids,
-                           lambda ok, m=move: self._copied(m, ok))
-            return self._outcome(move, Status.DEFERRED, f"pinning {len(move.keys)} chunks in G3",
-                                 move.g2_blocks)
+            return self._begin_pin(move)
+        self._running.append(move)
+        final = self._next_wave(move)
+        if final is not None:
+            return final
+        n = len(move.target)
+        waves = f" in waves of at most {self._budget}" if n > self._budget else ""
+        return self._outcome(move, Status.DEFERRED,
+                             f"copying {n} chunks {'from' if move.is_load else 'to'} G3{waves}")
+
+    def _begin_pin(self, move: Move) -> HintOutcome:
+        """A Pin's G3 side: one call (its chunks are bounded by the pin quotas)."""
+        move.keys = move.target
+        chunk_ids = None
+        if self._tier.pin_needs_bytes:       # rewritten from G2: only chunks there
+            ready = [k for k in move.keys if self._primary.lookup(k, move.ctx)
+                     is LookupResult.HIT]
+            move.lost, move.keys = len(move.keys) - len(ready), ready
+            if not ready:
+                return self._pin_outcome(move, [])
+            chunk_ids = self._primary.prepare_read(ready, move.ctx).chunk_ids
+            move.reserved = True
+        self._running.append(move)
+        self._tier.pin(move.keys, move.ttl_s, chunk_ids,
+                       lambda ok, m=move: self._copied(m, ok))
+        return self._outcome(move, Status.DEFERRED, f"pinning {len(move.keys)} chunks in G3",
+                             move.g2_blocks)
+
+    def _next_wave(self, move: Move) -> HintOutcome | None:
+        """Start the move's next wave that has something to copy; None when
+        one runs or the move waits for the budget, else its final outcome
+        (the move is then no longer running)."""
+        while move.taken < len(move.target):
+            room = self._budget - self._reserved
+            if room <= 0:
+                self._paused.append(move)
+                return None
+            wave = move.target[move.taken:move.taken + room]
+            move.taken += len(wave)
+            if self._start_wave(move, wave):
+                return None
+        self._running.remove(move)
+        return self._final(move)
+
+    def _start_wave(self, move: Move, wave: list[OffloadKey]) -> bool:
+        """Reserve ``wave``'s chunks that need a copy and start it; whether
+        it started (False: nothing in it to copy)."""
+        resident = [self._primary.lookup(k, move.ctx) for k in wave]
         if move.is_load:
-            want = [k for k, r in zip(move.keys, resident) if r is LookupResult.MISS]
-            move.already = [k for k, r in zip(move.keys, resident) if r is not LookupResult.MISS]
-            move.present = len(move.keys) - len(want)
+            want = [k for k, r in zip(wave, resident) if r is LookupResult.MISS]
+            move.already += [k for k, r in zip(wave, resident) if r is not LookupResult.MISS]
+            move.present += len(wave) - len(want)
             if not want:
-                return self._outcome(move, Status.ACCEPTED, "already in G2",
-                                     self._blocks(move.present))
+                return False
             out = self._primary.prepare_write(want, move.ctx)
             if out is None or not out.keys_to_store:
-                return self._outcome(move, Status.REJECTED, "no room in G2")
-            move.keys = list(out.keys_to_store)
+                move.no_room += len(want)
+                return False
+            move.keys, move.reserved = list(out.keys_to_store), False
             chunk_ids = out.store_spec.chunk_ids
-            reason = f"copying {len(move.keys)} chunks from G3"
         else:
             index = self._primary.index
-            in_g3 = [k for k, r in zip(move.keys, resident) if r is not LookupResult.HIT
+            in_g3 = [k for k, r in zip(wave, resident) if r is not LookupResult.HIT
                      and (index.copies(k) or {}).get(Tier.G3, 0) > 0]
-            move.present, move.already = len(in_g3), in_g3
-            move.keys = [k for k, r in zip(move.keys, resident) if r is LookupResult.HIT]
+            move.present += len(in_g3)
+            move.already += in_g3
+            move.keys = [k for k, r in zip(wave, resident) if r is LookupResult.HIT]
             if not move.keys:
-                if move.present:     # the event names them: a Share's receiver needs the keys
-                    self._emit(Transfer(src=Tier.G2.name, dst=Tier.G3.name, keys=[],
-                                        req_id=move.ctx.req_id, hint_id=move.hint_id,
-                                        already=in_g3))
-                    return self._outcome(move, Status.ACCEPTED, "already in G3",
-                                         self._blocks(move.present))
-                return self._outcome(move, Status.MISSING, "none of the target is in G2")
+                return False
             chunk_ids = self._primary.prepare_read(move.keys, move.ctx).chunk_ids
             move.reserved = True
-            reason = f"copying {len(move.keys)} chunks to G3"
-        self._running.append(move)
+        self._reserved += len(move.keys)
+        move.ok = None
         self._tier.move(move.is_load, move.keys, chunk_ids,
                         lambda ok, m=move: self._copied(m, ok))
-        return self._outcome(move, Status.DEFERRED, reason)
+        return True
 
     def apply(self) -> None:
-        """Finish the copies that ended; start waiting ones (see the module docstring)."""
+        """Finish the waves that ended; start the next ones, and waiting copies."""
         try:
             while os.read(self._wake_r, 4096):
                 pass
@@ -192,33 +241,38 @@ class Mover:
             pass
         while self._finished:
             move = self._finished.popleft()
-            self._running.remove(move)
-            try:
-                self._finish(move)
-            except Exception:       # a bug costs this hint, never the engine or the thread
-                logger.exception("sessionkv: finishing %s %s failed", move.name, move.hint_id)
-                self._emit(Outcome(outcome=self._outcome(move, Status.REJECTED, "internal error"),
-                                   via=Via.TRANSFER, session_id=move.session))
+            if move.abandoned:
+                continue
+            self._guarded(move, self._end_wave)
+        while self._paused and self._reserved < self._budget:
+            self._guarded(self._paused.popleft(), self._next_wave)
         while self._waiting and len(self._running) < self._max:
-            move = self._waiting.popleft()
-            try:
-                first = self._begin(move)
-            except Exception:
-                logger.exception("sessionkv: starting %s %s failed", move.name, move.hint_id)
-                first = self._outcome(move, Status.REJECTED, "internal error")
-            if first.status is not Status.DEFERRED:      # decided at once: final
-                self._emit(Outcome(outcome=first, via=Via.TRANSFER, session_id=move.session))
+            self._guarded(self._waiting.popleft(), self._begin)
 
-    def _finish(self, move: Move) -> None:
+    def _guarded(self, move: Move, step: Callable[[Move], HintOutcome | None]) -> None:
+        """``step(move)``; a final outcome it returns is emitted. A bug costs
+        this hint, never the engine or the thread."""
+        try:
+            final = step(move)
+        except Exception:
+            logger.exception("sessionkv: %s %s failed", move.name, move.hint_id)
+            if move in self._running:
+                self._running.remove(move)
+            final = self._outcome(move, Status.REJECTED, "internal error")
+        if final is not None and final.status is not Status.DEFERRED:
+            self._emit(Outcome(outcome=final, via=Via.TRANSFER, session_id=move.session))
+
+    def _end_wave(self, move: Move) -> HintOutcome | None:
         ok = move.ok or [False] * len(move.keys)
         good = [k for k, o in zip(move.keys, ok) if o]
         bad = [k for k, o in zip(move.keys, ok) if not o]
+        if move.action is not Action.PIN:
+            self._reserved -= len(move.keys)
         if move.reserved:
             self._primary.complete_read(move.keys, move.ctx)
         if move.action is Action.PIN:
-            final = self._pin_outcome(move, good)
-            self._emit(Outcome(outcome=final, via=Via.TRANSFER, session_id=move.session))
-            return
+            self._running.remove(move)
+            return self._pin_outcome(move, good)
         if move.is_load:
             if good:
                 self._primary.complete_write(good, move.ctx, True)
@@ -228,20 +282,59 @@ class Mover:
             demote = getattr(self._primary.policy, "demote", None)
             if move.action is Action.DEMOTE and good and demote is not None:
                 demote(good)
-        src, dst = (Tier.G3, Tier.G2) if move.is_load else (Tier.G2, Tier.G3)
-        self._emit(Transfer(src=src.name, dst=dst.name, keys=good, ok=not bad, req_id=move.ctx.req_id,
-                            hint_id=move.hint_id, already=move.already))
-        done = self._blocks(len(good) + move.present)
+        move.good += good
+        move.bad += len(bad)
+        move.keys = []
+        if self._paused:                     # the budget goes round: waiting copies first
+            self._paused.append(move)
+            return None
+        return self._next_wave(move)
+
+    def _final(self, move: Move) -> HintOutcome:
+        """The outcome of a copy whose waves all ended, after its one
+        transfer event (none when it moved nothing, but for a store that
+        found everything in G3: a Share's receiver needs the keys)."""
+        good, bad = len(move.good), move.bad + move.no_room
+        done = self._blocks(good + move.present)
+        if good or move.bad or (move.present and not move.is_load):
+            src, dst = (Tier.G3, Tier.G2) if move.is_load else (Tier.G2, Tier.G3)
+            self._emit(Transfer(src=src.name, dst=dst.name, keys=move.good, ok=not move.bad,
+                                req_id=move.ctx.req_id, hint_id=move.hint_id,
+                                already=move.already))
+        if not good and not move.bad:        # nothing was copied
+            if not move.is_load:
+                if move.present:
+                    return self._outcome(move, Status.ACCEPTED, "already in G3", done)
+                return self._outcome(move, Status.MISSING, "none of the target is in G2")
+            if not move.no_room:
+                return self._outcome(move, Status.ACCEPTED, "already in G2", done)
+            if not move.present:
+                return self._outcome(move, Status.REJECTED, "no room in G2")
+            return self._outcome(move, Status.CLIPPED,
+                                 f"{move.no_room} chunks found no room in G2", done)
         if not bad:
-            final = self._outcome(move, Status.ACCEPTED, "", done)
-        elif good:
-            final = self._outcome(move, Status.CLIPPED,
-                                  f"{len(bad)} of {len(move.keys)} chunks not copied", done)
-        elif move.is_load:
-            final = self._outcome(move, Status.MISSING, "not readable from G3", done)
-        else:
-            final = self._outcome(move, Status.REJECTED, "G3 store failed", done)
-        self._emit(Outcome(outcome=final, via=Via.TRANSFER, session_id=move.session))
+            return self._outcome(move, Status.ACCEPTED, "", done)
+        if good:
+            return self._outcome(move, Status.CLIPPED,
+                                 f"{bad} of {good + bad} chunks not copied", done)
+        if move.is_load:
+            return self._outcome(move, Status.MISSING, "not readable from G3", done)
+        return self._outcome(move, Status.REJECTED, "G3 store failed", done)
+
+    def abandon(self) -> None:
+        """G2 is being reset: every copy gets its final outcome now and is
+        forgotten (see the module docstring). The caller ``apply``s first,
+        so that copies that ended are finished normally."""
+        for move in [*self._running, *self._waiting]:
+            move.abandoned = True
+            done = self._blocks(len(move.good) + move.present)
+            status = Status.CLIPPED if done else Status.REJECTED
+            self._emit(Outcome(outcome=self._outcome(move, status, "G2 was reset", done),
+                               via=Via.TRANSFER, session_id=move.session))
+        self._running.clear()
+        self._paused.clear()
+        self._waiting.clear()
+        self._reserved = 0
 
     def _pin_outcome(self, move: Move, pinned: list[OffloadKey]) -> HintOutcome:
         """A Pin's outcome once its G3 side is known."""

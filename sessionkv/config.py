@@ -63,6 +63,9 @@ class Limits:
     pin_fraction_global: float = 0.5     # of G2 all pins together may hold
     hints_per_s_per_client: float = 100.0
     unsigned_pin_fraction: float = 0.0   # separate quota for unsigned Pins; 0 = refused
+    # Of G2 that hint copies (Demote, Share, Prefetch) reserve at a time; larger
+    # ones proceed in waves, so vLLM's stores still find chunks (at least 1 chunk).
+    move_fraction: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,8 @@ def _parse_limits(raw: Any, source: str) -> Limits:
     d = Limits()
     kinds = {"max_ttl_s": _positive_number, "max_blocks_per_hint": _positive_int,
              "pin_fraction_session": _fraction, "pin_fraction_global": _fraction,
-             "hints_per_s_per_client": _positive_number, "unsigned_pin_fraction": _fraction}
+             "hints_per_s_per_client": _positive_number, "unsigned_pin_fraction": _fraction,
+             "move_fraction": _fraction}
     _reject_unknown(raw, tuple(kinds), f"{source}: limits.")
     return Limits(**{k: check(raw.get(k, getattr(d, k)), f"{source}: limits.{k}")
                      for k, check in kinds.items()})

@@ -56,7 +56,9 @@ most one deadline, a dead one none, and the tier reconnects by itself when
 the backend is back. An abandoned read may still write the G2 slots it was
 given: they stay in ``quarantine`` (shared with the primary tier, which
 keeps them out of its free list) until the call ends. ``drain_jobs`` waits
-only for calls within their deadline.
+only for vLLM's copies within their deadline; hint copies (``move``,
+``pin``) hold their G2 slots in the quarantine until they end, so a reset
+need not wait for them.
 
 Threading: vLLM's calls on the scheduler thread; vLLM's copies on the I/O
 threads, hint copies and pins on threads of their own (``io_threads`` each);
@@ -194,7 +196,8 @@ class G3Tier(SecondaryTierManager):
         self._pending: set[Future] = set()      # vLLM's jobs
         # Hint copies and pins: outside vLLM's job table, they finish through
         # the Mover's wake-up of the control channel, so they must not keep an
-        # idle engine stepping (``has_pending_work``).
+        # idle engine stepping (``has_pending_work``), and a reset does not
+        # wait for them (``drain_jobs``): they hold their G2 slots instead.
         self._hint_work: set[Future] = set()
         self._done: list[JobResult] = []
         self._failed: dict[str, float] = {}     # name -> until when it is a miss
@@ -280,8 +283,16 @@ class G3Tier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def drain_jobs(self) -> None:
+        """Wait for vLLM's jobs (a reset: vLLM's tiering manager then forgets
+        them). Hint copies go on; their G2 slots stay in the quarantine."""
         with self._lock:
-            pending = [*self._pending, *self._hint_work]
+            pending = list(self._pending)
+        wait(pending)
+
+    def drain_hints(self) -> None:
+        """Wait for the hint copies and pins started so far."""
+        with self._lock:
+            pending = list(self._hint_work)
         wait(pending)
 
     def shutdown(self) -> None:
@@ -337,8 +348,23 @@ class G3Tier(SecondaryTierManager):
             self._pending.discard(fut)
             self._hint_work.discard(fut)
 
-    def _hint_job(self, run: Callable[[], None]) -> None:
-        fut = self._hint_pool.submit(run)
+    def _hint_job(self, run: Callable[[], None], slots: Sequence[int] | None) -> None:
+        """``run()`` on the hint threads, the G2 ``slots`` it reads or writes
+        held in the quarantine from now until it ended (``done`` included):
+        a reset meanwhile keeps them out of G2's free list."""
+        held = [int(c) for c in slots] if slots is not None else []
+        self.quarantine.hold(held)
+
+        def job():
+            try:
+                run()
+            finally:
+                self.quarantine.release(held)
+        try:
+            fut = self._hint_pool.submit(job)
+        except BaseException:
+            self.quarantine.release(held)
+            raise
         with self._lock:
             self._hint_work.add(fut)
         fut.add_done_callback(self._finished)
@@ -406,7 +432,7 @@ class G3Tier(SecondaryTierManager):
                 logger.exception("sessionkv: G3 pin failed")
                 ok = [False] * len(keys)
             done(ok)
-        self._hint_job(run)
+        self._hint_job(run, chunk_ids)
 
     def move(self, load: bool, keys: list[OffloadKey], chunk_ids: Sequence[int],
              done: Callable[[list[bool]], None]) -> None:
@@ -414,12 +440,12 @@ class G3Tier(SecondaryTierManager):
         caller) and this tier on the I/O threads, outside vLLM's job table
         (Demote, Prefetch, Share): a load when ``load``, else a store.
         ``done(ok per key)`` runs on an I/O thread when the copy ended, and
-        must not wait for the tier manager's lock. ``drain_jobs`` covers these
-        copies too."""
+        must not wait for the tier manager's lock. The slots are held in the
+        quarantine until ``done`` returned (``_hint_job``)."""
         keys = list(keys)
         names = [self.name(k) for k in keys]
         offsets = [int(c) * self._chunk for c in chunk_ids]
-        self._hint_job(lambda: done(self._copy(load, "move", keys, names, offsets)))
+        self._hint_job(lambda: done(self._copy(load, "move", keys, names, offsets)), chunk_ids)
 
     def _remember_failed(self, names: list[str]) -> None:
         until = time.monotonic() + MISS_AFTER_FAILURE_S

@@ -243,12 +243,12 @@ def test_moves_outside_the_job_table_copy_and_report_through_done(make):
     fill(region, range(3), seed=13)
     done = []
     tier.move(False, KEYS[:3], [0, 1, 2], done.append)
-    tier.drain_jobs()                                      # drain covers moves
+    tier.drain_hints()                                      # drain covers moves
     assert done == [[True, True, True]]
     assert [look(tier, k) for k in KEYS[:3]] == [LookupResult.HIT] * 3
     fill(region, range(8, 12), seed=97)                    # poison the destination
     tier.move(True, [KEYS[0], KEYS[6], KEYS[2]], [8, 9, 10], done.append)
-    tier.drain_jobs()
+    tier.drain_hints()
     assert done[1] == [True, False, True]
     assert np.array_equal(region[8], region[0]) and np.array_equal(region[10], region[2])
     assert tier.get_finished_jobs() == []                  # not vLLM's jobs
@@ -256,9 +256,10 @@ def test_moves_outside_the_job_table_copy_and_report_through_done(make):
                     (True, [KEYS[0], KEYS[6], KEYS[2]], [True, False, True])]
 
 
-def test_a_move_in_flight_does_not_keep_the_engine_stepping(make):
+def test_a_move_in_flight_neither_keeps_the_engine_stepping_nor_holds_up_a_reset(make):
     # vLLM steps an idle engine while a tier has_pending_work(): a hint copy
     # (its end comes through the Mover's wake-up) spun a core until it ended.
+    # And a reset (drain_jobs) waited for every hint copy, however large.
     tier, region = make()
     fill(region, range(2), seed=15)
     started, release, done = threading.Event(), threading.Event(), []
@@ -270,9 +271,11 @@ def test_a_move_in_flight_does_not_keep_the_engine_stepping(make):
     tier.move(False, KEYS[:2], [0, 1], finish)
     assert started.wait(30)
     assert not tier.has_pending_work()                     # in flight, yet idle
-    threading.Timer(0.2, release.set).start()
-    tier.drain_jobs()                                      # a reset still waits for it
-    assert done == [[True, True]]
+    tier.drain_jobs()                                      # a reset goes on at once
+    assert done == [] and tier.quarantine.held == {0, 1}   # its slots are not G2's meanwhile
+    release.set()
+    tier.drain_hints()
+    assert done == [[True, True]] and tier.quarantine.held == set()
 
 
 def test_pins_hold_the_objects_and_leave_them_readable(make):
@@ -282,7 +285,7 @@ def test_pins_hold_the_objects_and_leave_them_readable(make):
     done = []
     slots = [0, 1, 2] if tier.pin_needs_bytes else None   # rewritten from G2 where needed
     tier.pin(KEYS[:3], 60.0, slots, done.append)
-    tier.drain_jobs()
+    tier.drain_hints()
     assert done == [[True, True, True]]
     fill(region, range(8, 11), seed=96)
     assert run(tier, KEYS[:3], range(8, 11), True).success
@@ -302,7 +305,7 @@ def test_redis_pins_persist_then_the_ttl_comes_back(request):
         assert all(0 < r.ttl(n) <= 60 for n in names)      # evictable under volatile-lru
         done = []
         tier.pin(KEYS[:1], 1.0, None, done.append)
-        tier.drain_jobs()
+        tier.drain_hints()
         assert done == [[True]]
         assert [r.ttl(n) for n in names[:2]] == [-1, -1]     # PERSISTed: not evictable
         assert all(r.ttl(n) > 0 for n in names[2:])          # the unpinned one keeps its TTL
@@ -324,7 +327,7 @@ def test_mooncake_soft_pins_survive_eviction(tmp_path):
         assert run(tier, KEYS[:4], range(4), False).success
         done = []
         tier.pin(KEYS[:2], 300.0, [0, 1], done.append)
-        tier.drain_jobs()
+        tier.drain_hints()
         assert done == [[True, True]]
         # Fill the store several times over: the master evicts, never the pinned.
         filler = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
@@ -389,7 +392,7 @@ def test_storing_what_is_there_succeeds_and_a_move_keeps_it(make):
     assert np.array_equal(there, region[0]) or np.array_equal(there, region[1])
     done = []
     tier.move(False, KEYS[:1], [2], done.append)            # other bytes again
-    tier.drain_jobs()
+    tier.drain_hints()
     assert done == [[True]]
     assert run(tier, KEYS[:1], [5], True).success
     assert np.array_equal(region[5], there)

@@ -39,7 +39,7 @@ def tiers(request):
 def pin(tier, keys, ttl_s):
     done = []
     tier.pin(keys, ttl_s, None, done.append)
-    tier.drain_jobs()
+    tier.drain_hints()
     assert done == [[True] * len(keys)]
 
 
@@ -92,7 +92,7 @@ PINNER = textwrap.dedent("""
     assert run(tier, KEYS[:1], [0], False).success
     done = []
     tier.pin(KEYS[:1], 1.0, None, done.append)
-    tier.drain_jobs()
+    tier.drain_hints()
     print(tier.name(KEYS[0]), done, flush=True)
     time.sleep(600)
 """)

@@ -1,0 +1,140 @@
+"""Hint copies reserve a bounded share of G2 at a time (waves), and a reset
+does not wait for them. Real parts, built as ``SessionTierSpec`` builds them:
+vLLM's CPU primary tier with ``SessionCachePolicy``, the index, the tier
+manager and its Mover, over a real Redis G3 tier. The stalled backend is
+real too: Redis's ``CLIENT PAUSE WRITE`` holds every write for a while."""
+
+import time
+import uuid
+
+import numpy as np
+import pytest
+import redis
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import init_none_hash
+from vllm.v1.kv_offload.base import ReqContext
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+from sessionkv.config import SessionKVConfig
+from sessionkv.connectors.manager import G3Copies, SessionPrimaryTier, SessionTierManager
+from sessionkv.devtools.engines import MODELS
+from sessionkv.devtools.g3_spec import standalone_spec
+from sessionkv.devtools.keys import block_key
+from sessionkv.events import EventLog, Outcome, Transfer
+from sessionkv.hints import Action, Status
+from sessionkv.index.prefix_index import SessionPrefixIndex
+from sessionkv.tiers.g2_policy import SessionCachePolicy
+from sessionkv.tiers.g3 import Quarantine
+from sessionkv.tiers.redis import RedisTier
+from sessionkv.types import Tier
+
+from replay_router import make_hint
+
+CHUNKS, CHUNK = 16, 4096
+WAVE = CHUNKS // 4                  # limits.move_fraction's default: 25 % of G2
+init_none_hash(sha256)              # what the engine does at start
+
+
+@pytest.fixture
+def parts(redis_url):
+    region = SharedOffloadRegion(engine_id=f"waves-{uuid.uuid4().hex[:8]}", num_chunks=CHUNKS,
+                                 rank=None, kv_bytes_per_chunk=CHUNK, cpu_page_size=4096)
+    index, quarantine, copies, events = SessionPrefixIndex(), Quarantine(), G3Copies(), EventLog()
+    seen = []                       # every G3 copy the tier made: (load, keys, ok)
+
+    def observe(load, keys, ok):
+        seen.append((load, list(keys), list(ok)))
+        copies.observe(load, keys, ok)
+    primary = SessionPrimaryTier(
+        num_chunks=CHUNKS, mmap_region=region, cache_policy=SessionCachePolicy.__name__,
+        cache_policy_module_path=SessionCachePolicy.__module__, index=index,
+        blocks_per_chunk=1, quarantine=quarantine, event_log=events)
+    g3 = RedisTier(standalone_spec(str(MODELS / "tiny"), CHUNK), primary.get_kv_memoryview(),
+                   "redis", url=redis_url, namespace=f"waves-{uuid.uuid4().hex[:8]}",
+                   timeout_s=10.0, quarantine=quarantine, observer=observe)
+    m = SessionTierManager(primary, [g3], index, SessionKVConfig(), copies, events)
+    yield m, g3, seen
+    r = redis.Redis.from_url(redis_url)
+    r.execute_command("CLIENT", "UNPAUSE")
+    m.shutdown()
+
+
+def fill(m, n, tag="k"):
+    """``n`` chunks of session ``s`` stored in G2, each slot filled with its own bytes."""
+    keys = [block_key(f"{tag}{i}") for i in range(n)]
+    ctx = ReqContext(req_id=f"fill-{tag}")
+    with m.lock:
+        out = m.primary_tier.prepare_store(keys, ctx)
+        g2 = np.frombuffer(m.primary_tier.get_kv_memoryview(), np.uint8).reshape(CHUNKS, CHUNK)
+        for i, c in enumerate(out.store_spec.chunk_ids):
+            g2[int(c)] = i + 1
+        m.primary_tier.complete_store(keys, ctx)
+        m.index.admit("s", keys, Tier.G2)
+    return keys
+
+
+def final(m, hint_id, timeout_s=30.0):
+    """The hint's final outcomes and transfers from the event log, applying
+    ended copies as the control channel would."""
+    until = time.monotonic() + timeout_s
+    while True:
+        m.apply_moves()
+        evs, _, _ = m.event_log.since(0, 100_000)
+        outs = [e.outcome for e in evs if isinstance(e, Outcome) and e.outcome.hint_id == hint_id
+                and e.outcome.status is not Status.DEFERRED]
+        if outs or time.monotonic() > until:
+            return outs, [e for e in evs if isinstance(e, Transfer) and e.hint_id == hint_id]
+        time.sleep(0.02)
+
+
+def test_a_share_of_all_of_g2_leaves_vllm_chunks_to_evict_and_copies_in_waves(parts):
+    # Issue "production scale": a Share reserved all its G2 chunks at once; with
+    # every chunk named, vLLM's prepare_store found nothing to evict meanwhile.
+    m, g3, seen = parts
+    keys = fill(m, CHUNKS)                                   # G2 full, all of it shared
+    (first,) = m.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
+    assert first.status is Status.DEFERRED, first
+    ctx = ReqContext(req_id="vllm")
+    with m.lock:                                             # before any wave ended
+        out = m.primary_tier.prepare_store([block_key("new")], ctx)
+        assert out is not None and len(out.evicted_keys) == 1, out
+        m.primary_tier.complete_store([block_key("new")], ctx)
+    (last,), (moved,) = final(m, first.hint_id)
+    evicted = out.evicted_keys[0]
+    assert (last.status, last.blocks_affected) == (Status.ACCEPTED, CHUNKS - 1), last
+    assert sorted(moved.keys) == sorted(k for k in keys if k != evicted) and moved.ok
+    waves = [ks for load, ks, _ in seen if not load]
+    assert len(waves) == 4 and all(len(ks) <= WAVE for ks in waves), waves
+    assert g3.listed(moved.keys) == [True] * (CHUNKS - 1)
+
+
+def test_a_reset_gives_up_a_stalled_copy_and_keeps_its_slots_until_it_ends(parts, redis_url):
+    # Issue "production scale": reset_cache held the lock across drain_jobs,
+    # waiting for every hint copy in flight (minutes for a large one).
+    m, g3, seen = parts
+    fill(m, 8)
+    r = redis.Redis.from_url(redis_url)
+    r.execute_command("CLIENT", "PAUSE", 3000, "WRITE")      # the first wave's put stalls
+    (first,) = m.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
+    assert first.status is Status.DEFERRED, first
+    held = g3.quarantine.held
+    assert len(held) == WAVE
+    m.reset_cache()
+    assert seen == []                                        # returned while the copy stalls
+    (gone,), _ = final(m, first.hint_id, timeout_s=0)
+    assert (gone.status, gone.reason) == (Status.REJECTED, "G2 was reset"), gone
+    ctx = ReqContext(req_id="after")
+    with m.lock:                       # the stalled copy's slots are not given to new KV
+        new = [block_key(f"n{i}") for i in range(CHUNKS - WAVE)]
+        out = m.primary_tier.prepare_store(new, ctx)
+        assert not held & {int(c) for c in out.store_spec.chunk_ids}
+        m.primary_tier.complete_store(new, ctx)
+    r.execute_command("CLIENT", "UNPAUSE")
+    g3.drain_hints()
+    assert [ks for _, ks, _ in seen] and g3.quarantine.held == set()
+    outs, _ = final(m, first.hint_id, timeout_s=0)
+    assert outs == [gone]                                    # the late end changes nothing
+    with m.lock:                       # its slots are G2's again
+        more = [block_key(f"m{i}") for i in range(WAVE)]
+        out = m.primary_tier.prepare_store(more, ctx)
+        assert {int(c) for c in out.store_spec.chunk_ids} == held
