@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Collection, Iterator
 from typing import NamedTuple
 
@@ -81,6 +81,13 @@ logger = init_logger(__name__)
 # locks are not fair: a thread that lets go and takes again keeps it).
 STATUS_HOLD_S = 0.002
 STATUS_YIELD_S = 0.0002
+# The index counts a G3 copy for at most this many chunks per G2 chunk, the
+# most recently seen first. Backends evict on their own and never say so:
+# without a bound every block that ever reached G3 stayed indexed for ever
+# (about 250 bytes a block). Twice G2 keeps index memory within a small
+# multiple of what G2 holds; a chunk forgotten is still found by vLLM's own
+# G3 lookups, only hints no longer name it.
+G3_KNOWN_PER_G2_CHUNK = 2
 
 
 class G3Copy(NamedTuple):
@@ -123,6 +130,8 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
         self._bpc = blocks_per_chunk
         self.event_log = event_log      # vLLM's own list is ``events``
         self.quarantine = quarantine
+        self._g3_known: OrderedDict[OffloadKey, None] = OrderedDict()   # oldest first
+        self._g3_cap = G3_KNOWN_PER_G2_CHUNK * self._num_chunks
 
     # ---- G2 slots: held ones stay out of the free list (``Quarantine``) ----------
 
@@ -152,7 +161,34 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
         return self._index
 
     def set_copies(self, tier: Tier, chunk_keys: Collection[OffloadKey], copies: int) -> None:
-        """Index the copies in ``tier`` of every block these chunks hold."""
+        """Index the copies in ``tier`` of every block these chunks hold. G3
+        copies are known for the ``G3_KNOWN_PER_G2_CHUNK`` x G2 chunks seen
+        last: recording more forgets the oldest."""
+        if not chunk_keys:
+            return
+        if tier is Tier.G3:
+            chunk_keys = self._g3_record(chunk_keys, copies)
+        self._index_copies(tier, chunk_keys, copies)
+
+    def _g3_record(self, chunk_keys: Collection[OffloadKey], copies: int) -> list[OffloadKey]:
+        """``chunk_keys``, plus the oldest known G3 chunks past the bound when
+        ``copies`` > 0 (they are set to 0 with them: forgotten)."""
+        known = self._g3_known
+        if not copies:
+            for k in chunk_keys:
+                known.pop(k, None)
+            return list(chunk_keys)
+        for k in chunk_keys:
+            known.pop(k, None)
+            known[k] = None
+        over = len(known) - self._g3_cap
+        if over <= 0:
+            return list(chunk_keys)
+        forgotten = [known.popitem(last=False)[0] for _ in range(over)]
+        self._index_copies(Tier.G3, forgotten, 0)
+        return [k for k in chunk_keys if k in known]
+
+    def _index_copies(self, tier: Tier, chunk_keys: Collection[OffloadKey], copies: int) -> None:
         if not chunk_keys:
             return
         if self._bpc == 1:

@@ -75,6 +75,7 @@ class Move:
     session: str | None
     ctx: ReqContext
     keys: list[OffloadKey] = field(default_factory=list)   # the wave in flight
+    check: list[OffloadKey] = field(default_factory=list)  # its chunks believed in G3 (stores)
     taken: int = 0                       # target[:taken] went into waves
     ok: list[bool] | None = None         # set by the I/O thread when the wave ended
     good: list[OffloadKey] = field(default_factory=list)   # copied, by ended waves
@@ -216,20 +217,21 @@ class Mover:
             move.keys, move.reserved = list(out.keys_to_store), False
             chunk_ids = out.store_spec.chunk_ids
         else:
+            # Not in G2 but indexed in G3: asked again in the wave's job, so
+            # "already in G3" never names an object the backend evicted.
             index = self._primary.index
-            in_g3 = [k for k, r in zip(wave, resident) if r is not LookupResult.HIT
-                     and (index.copies(k) or {}).get(Tier.G3, 0) > 0]
-            move.present += len(in_g3)
-            move.already += in_g3
+            move.check = [k for k, r in zip(wave, resident) if r is not LookupResult.HIT
+                          and (index.copies(k) or {}).get(Tier.G3, 0) > 0]
             move.keys = [k for k, r in zip(wave, resident) if r is LookupResult.HIT]
-            if not move.keys:
+            if not move.keys and not move.check:
                 return False
-            chunk_ids = self._primary.prepare_read(move.keys, move.ctx).chunk_ids
-            move.reserved = True
+            chunk_ids = (self._primary.prepare_read(move.keys, move.ctx).chunk_ids
+                         if move.keys else [])
+            move.reserved = bool(move.keys)
         self._reserved += len(move.keys)
         move.ok = None
         self._tier.move(move.is_load, move.keys, chunk_ids,
-                        lambda ok, m=move: self._copied(m, ok))
+                        lambda ok, m=move: self._copied(m, ok), check=move.check)
         return True
 
     def apply(self) -> None:
@@ -263,7 +265,15 @@ class Mover:
             self._emit(Outcome(outcome=final, via=Via.TRANSFER, session_id=move.session))
 
     def _end_wave(self, move: Move) -> HintOutcome | None:
-        ok = move.ok or [False] * len(move.keys)
+        ok = move.ok or [False] * (len(move.keys) + len(move.check))
+        if move.check:
+            ok, listed = ok[:len(move.keys)], ok[len(move.keys):]
+            there = [k for k, o in zip(move.check, listed) if o]
+            move.present += len(there)
+            move.already += there
+            # Learned: the backend evicted these (the index keeps no copy it cannot show).
+            self._primary.set_copies(Tier.G3, [k for k, o in zip(move.check, listed) if not o], 0)
+            move.check = []
         good = [k for k, o in zip(move.keys, ok) if o]
         bad = [k for k, o in zip(move.keys, ok) if not o]
         if move.action is not Action.PIN:

@@ -60,6 +60,10 @@ only for vLLM's copies within their deadline; hint copies (``move``,
 ``pin``) hold their G2 slots in the quarantine until they end, so a reset
 need not wait for them.
 
+Memory: a copy goes to the backend in calls of at most ``BATCH_BYTES`` of
+chunks, so a backend that reads into buffers of its own holds at most that
+much per copy in flight.
+
 Threading: vLLM's calls on the scheduler thread; vLLM's copies on the I/O
 threads, hint copies and pins on threads of their own (``io_threads`` each);
 backend calls on the guard's threads.
@@ -105,6 +109,12 @@ Observer = Callable[[bool, list[OffloadKey], list[bool]], None]
 MISS_AFTER_FAILURE_S = 30.0
 MAX_FAILED = 65_536
 ABANDONED_WAIT_S = 5.0              # shutdown waits this long for abandoned calls
+# A copy (a cascade job or a hint move's wave) goes to the backend in calls of
+# at most this many bytes of chunks (one chunk at least). It bounds what a
+# backend holds of ours per call: Redis' replies to one pipeline are all in
+# memory at once (a wave of 65,536 x 2 MiB chunks in one call: 128 GiB), and
+# each call's deadline stays that of a modest transfer.
+BATCH_BYTES = 64 << 20
 
 
 class _Lookups(AsyncLookupManager):
@@ -386,8 +396,25 @@ class G3Tier(SecondaryTierManager):
     def _copy(self, load: bool, what: str, keys: list[OffloadKey], names: list[str],
               offsets: list[int], ask: bool = True) -> list[bool]:
         """One load, or a store (``ask``: of chunks the backend does not have
-        yet); ok per key, never raises. A load that failed with the backend
-        up is remembered (a miss for a while)."""
+        yet), in calls of at most ``BATCH_BYTES``; ok per key, never raises.
+        Once the backend is down, the rest of the copy fails without a call."""
+        step, ok, down = max(1, BATCH_BYTES // self._chunk), [], False
+        for i in range(0, len(keys), step):
+            part = slice(i, i + step)
+            if down:
+                done = [False] * len(keys[part])
+                if self._observer is not None:
+                    self._observer(load, keys[part], done)
+            else:
+                done, down = self._copy_batch(load, what, keys[part], names[part],
+                                              offsets[part], ask)
+            ok += done
+        return ok
+
+    def _copy_batch(self, load: bool, what: str, keys: list[OffloadKey], names: list[str],
+                    offsets: list[int], ask: bool) -> tuple[list[bool], bool]:
+        """One backend call's worth of ``_copy``: (ok per key, backend down).
+        A load that failed with the backend up is remembered (a miss for a while)."""
         down = False
         try:
             ok = self._load(names, offsets) if load else self._store(names, offsets, ask)
@@ -401,7 +428,7 @@ class G3Tier(SecondaryTierManager):
             self._remember_failed([n for n, o in zip(names, ok) if not o])
         if self._observer is not None:
             self._observer(load, keys, ok)
-        return ok
+        return ok, down
 
     # ---- copies and pins outside vLLM's job table (hints) ---------------------------
 
@@ -435,17 +462,23 @@ class G3Tier(SecondaryTierManager):
         self._hint_job(run, chunk_ids)
 
     def move(self, load: bool, keys: list[OffloadKey], chunk_ids: Sequence[int],
-             done: Callable[[list[bool]], None]) -> None:
+             done: Callable[[list[bool]], None], check: Sequence[OffloadKey] = ()) -> None:
         """Copy chunks between their G2 slots (``chunk_ids``, reserved by the
         caller) and this tier on the I/O threads, outside vLLM's job table
         (Demote, Prefetch, Share): a load when ``load``, else a store.
-        ``done(ok per key)`` runs on an I/O thread when the copy ended, and
-        must not wait for the tier manager's lock. The slots are held in the
-        quarantine until ``done`` returned (``_hint_job``)."""
-        keys = list(keys)
+        ``check``: chunks believed here already (a store's, with no G2 copy),
+        asked for in the same job. ``done(ok per key, then listed per checked
+        chunk)`` runs on an I/O thread when the copy ended, and must not wait
+        for the tier manager's lock. The slots are held in the quarantine
+        until ``done`` returned (``_hint_job``)."""
+        keys, check = list(keys), list(check)
         names = [self.name(k) for k in keys]
         offsets = [int(c) * self._chunk for c in chunk_ids]
-        self._hint_job(lambda: done(self._copy(load, "move", keys, names, offsets)), chunk_ids)
+
+        def run():
+            ok = self._copy(load, "move", keys, names, offsets) if keys else []
+            done(ok + (self.listed(check) if check else []))
+        self._hint_job(run, chunk_ids)
 
     def _remember_failed(self, names: list[str]) -> None:
         until = time.monotonic() + MISS_AFTER_FAILURE_S

@@ -138,3 +138,23 @@ def test_a_reset_gives_up_a_stalled_copy_and_keeps_its_slots_until_it_ends(parts
         more = [block_key(f"m{i}") for i in range(WAVE)]
         out = m.primary_tier.prepare_store(more, ctx)
         assert {int(c) for c in out.store_spec.chunk_ids} == held
+
+
+def test_a_share_asks_the_backend_again_before_answering_already_in_g3(parts, redis_url):
+    # Issue 26: a Share answered "already in G3" from the index alone, for
+    # objects the backend had evicted long ago. Now those chunks are asked for
+    # in the wave's job; the ones gone are dropped from the index.
+    m, g3, _ = parts
+    keys = fill(m, 4)
+    (first,) = m.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
+    (done,), _ = final(m, first.hint_id)
+    assert done.status is Status.ACCEPTED and g3.listed(keys) == [True] * 4
+    m.reset_cache()                                  # G2 forgets them; G3 still has them
+    assert [m.index.copies(k)[Tier.G3] for k in keys] == [1] * 4
+    redis.Redis.from_url(redis_url).delete(*g3.objects(keys[2]), *g3.objects(keys[3]))
+    (again,) = m.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
+    (last,), (named,) = final(m, again.hint_id)
+    assert (last.status, last.reason, last.blocks_affected) == \
+        (Status.ACCEPTED, "already in G3", 2), last
+    assert named.keys == [] and named.already == keys[:2]
+    assert keys[2] not in m.index and keys[3] not in m.index

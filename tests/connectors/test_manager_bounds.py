@@ -115,3 +115,24 @@ def test_status_of_sessions_that_end_while_it_runs(manager, monkeypatch):
     assert [s["session_id"] for s in st["sessions"]] == ["s4", "s2", "s1", "s0"]
     assert sorted(p["session_id"] for p in st["pins"]) == ["s0", "s1", "s2", "s4"]
 
+
+
+def test_g3_copies_are_known_for_a_bounded_number_of_chunks(manager):
+    # Issue 26: every chunk a cascade wrote to G3 stayed indexed for ever
+    # (backends evict without telling), about 250 bytes a block. Now the
+    # index knows the G3 copies of the chunks seen last, twice G2's size.
+    cap = manager_mod.G3_KNOWN_PER_G2_CHUNK * CHUNKS
+    keys = [block_key(f"g3-{i}") for i in range(cap + 100)]
+    for i in range(0, len(keys), 64):          # as apply_moves indexes cascades, in batches
+        part = keys[i:i + 64]
+        for k in part:                                        # in G2, cascaded, evicted
+            manager.index.admit(None, [k], Tier.G2)
+        manager.primary_tier.set_copies(Tier.G3, part, 1)
+        manager.index.set_copies(Tier.G2, part, 0)
+    assert len(manager.index) == cap                          # the oldest 100 forgotten
+    assert keys[99] not in manager.index and keys[100] in manager.index
+    assert manager.index.copies(keys[-1])[Tier.G3] == 1
+    manager.primary_tier.set_copies(Tier.G3, keys[100:101], 1)   # seen again: newest now
+    manager.index.admit(None, [block_key("one-more")], Tier.G2)
+    manager.primary_tier.set_copies(Tier.G3, [block_key("one-more")], 1)
+    assert keys[100] in manager.index and keys[101] not in manager.index

@@ -9,6 +9,7 @@ first, so a load that wrote nothing fails), ``get_finished_jobs``,
 
 import threading
 import time
+import tracemalloc
 import uuid
 import weakref
 
@@ -20,6 +21,7 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from sessionkv.keys import G3_MAC, derive
+from sessionkv.tiers import g3
 from sessionkv.tiers.g3 import SUM_SUFFIX, checksum
 from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.engines import MODELS
@@ -31,8 +33,8 @@ N_CHUNKS = 16
 init_none_hash(sha256)          # what the engine does at start
 
 
-def spec(model=str(MODELS / "tiny"), block_size=32, dtype="float32"):
-    return standalone_spec(model, CHUNK, block_size, dtype)
+def spec(model=str(MODELS / "tiny"), block_size=32, dtype="float32", chunk=CHUNK):
+    return standalone_spec(model, chunk, block_size, dtype)
 
 
 class Mooncake:
@@ -108,9 +110,9 @@ def make(request):
     namespace = f"contract-{uuid.uuid4().hex[:8]}"
     made = []
 
-    def build(spec_=None, namespace_=namespace, **kw):
-        region = np.zeros((N_CHUNKS, CHUNK), np.uint8)
-        tier = backend.tier(where, spec_ or spec(), memoryview(region), namespace_,
+    def build(spec_=None, namespace_=namespace, chunk=CHUNK, **kw):
+        region = np.zeros((N_CHUNKS, chunk), np.uint8)
+        tier = backend.tier(where, spec_ or spec(chunk=chunk), memoryview(region), namespace_,
                             timeout_s=5.0, **kw)
         made.append(tier)
         return tier, region
@@ -254,6 +256,33 @@ def test_moves_outside_the_job_table_copy_and_report_through_done(make):
     assert tier.get_finished_jobs() == []                  # not vLLM's jobs
     assert seen == [(False, KEYS[:3], [True] * 3),
                     (True, [KEYS[0], KEYS[6], KEYS[2]], [True, False, True])]
+
+
+def test_a_copy_goes_to_the_backend_in_bounded_calls(make, monkeypatch):
+    # Redis' replies to one pipeline are all in memory at once: a hint wave
+    # of 65,536 x 2 MiB chunks in one call would hold 128 GiB in the engine.
+    # Here 12 chunks of 1 MiB in calls of 2: a load holds at most about one
+    # call's bytes of the backend's (12 MiB for Redis in one call).
+    mib = 1 << 20
+    monkeypatch.setattr(g3, "BATCH_BYTES", 2 * mib)
+    tier, region = make(chunk=mib)
+    rng = np.random.default_rng(14)
+    region[:12] = rng.integers(0, 256, (12, mib), dtype=np.uint8)
+    want, done = region[:12].copy(), []
+    tier.move(False, KEYS[:8] + [block_key(i) for i in range(20, 24)], range(12), done.append)
+    tier.drain_hints()
+    region[:12] = 0xAA                                       # poison the destination
+    tracemalloc.start()
+    try:
+        tier.move(True, KEYS[:8] + [block_key(i) for i in range(20, 24)], range(12),
+                  done.append)
+        tier.drain_hints()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert done == [[True] * 12] * 2
+    assert np.array_equal(region[:12], want)
+    assert peak < 5 * mib, f"{peak / mib:.1f} MiB held to load 12 MiB in calls of 2 MiB"
 
 
 def test_a_move_in_flight_neither_keeps_the_engine_stepping_nor_holds_up_a_reset(make):
