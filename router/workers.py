@@ -16,7 +16,12 @@ reads the history the engine still keeps. An engine whose log restarted
 (``next_seq`` below the last seen: the engine was restarted) is read again
 from its start, its index cleared.
 
-Health: a worker is healthy while its ``/metrics`` answers. A turn that fails
+Health: a worker is healthy while its ``/metrics`` answers; it turns
+unhealthy after ``FAILED_POLLS_UNHEALTHY`` polls in a row fail. One slow reply
+is not a dead engine: a poll that timed out while the machine was saturated
+(seen in CI: two engines decoding on two cores) would otherwise move every
+session off a live worker, and a move off an unhealthy worker is a failover,
+which Shares nothing. A turn that fails
 on it asks ``alive`` (``GET /health``, 2 s); a worker that does not answer is
 marked dead at once (``mark_dead``) so that no turn waits for the next poll.
 On start the router asks the engine to ``probe`` a fixed prompt and builds its
@@ -73,6 +78,11 @@ def _metric_sum(text: str, name: str) -> tuple[float, int]:
     return total, bad
 
 
+# Polls in a row that must fail before a worker counts as unhealthy (about
+# 3 x load_poll_s after the engine stops answering; a failed turn is faster: mark_dead).
+FAILED_POLLS_UNHEALTHY = 3
+
+
 class Worker:
     """One engine (see the module docstring). ``start`` before use."""
 
@@ -88,6 +98,7 @@ class Worker:
         self.engine_load = 0.0
         self.inflight = 0
         self.healthy = False
+        self._failed_polls = 0
         self.control: AsyncHintClient | None = None
         self._seq = 0
         self._waiters: dict[str, asyncio.Future] = {}
@@ -250,11 +261,16 @@ class Worker:
                 self.engine_load = running + waiting
                 self.metrics_error = (f"{bad_r + bad_w} unreadable load samples in /metrics"
                                       if bad_r + bad_w else None)
-                self.healthy = True
-            except Exception as e:  # any bad reply: unhealthy, and the poll goes on
-                if self.healthy:
-                    log.warning("worker %s unhealthy: %r", self.name, e)
-                self.healthy = False
+                self.healthy, self._failed_polls = True, 0
+            except Exception as e:  # any bad reply counts, and the poll goes on
+                self._failed_polls += 1
+                if self.healthy and self._failed_polls >= FAILED_POLLS_UNHEALTHY:
+                    log.warning("worker %s unhealthy after %d failed polls: %r", self.name,
+                                self._failed_polls, e)
+                    self.healthy = False
+                elif self.healthy:
+                    log.info("worker %s: load poll failed (%d): %r", self.name,
+                             self._failed_polls, e)
             self._polled.set()
             await asyncio.sleep(self._poll_s)
 

@@ -4,6 +4,7 @@ worker (with the reason) and never kills a task or the router's start."""
 
 import asyncio
 
+import aiohttp
 import pytest
 
 from sessionkv.client import EventPage
@@ -70,3 +71,49 @@ def test_the_follower_steps_past_event_kinds_it_does_not_know():
     w, alive = asyncio.run(go())
     assert alive and w._seq == 20
     assert w.control.calls[:2] == [0, 10]          # one read per page, no re-reading
+
+
+def test_a_worker_turns_unhealthy_only_after_several_failed_polls():
+    """A stand-in engine (an aiohttp server on loopback whose ``/metrics``
+    fails on cue: a saturated engine's slow reply cannot be produced on cue
+    with a real one) answers, fails twice, answers, then fails for good."""
+    from aiohttp import web
+
+    from sessionkv.router.workers import FAILED_POLLS_UNHEALTHY
+
+    script = ["ok", "fail", "fail", "ok"] + ["fail"] * FAILED_POLLS_UNHEALTHY
+    seen = []
+
+    async def metrics(_request):
+        step = script[len(seen)] if len(seen) < len(script) else "fail"
+        seen.append(step)
+        if step == "fail":
+            return web.Response(status=503)
+        return web.Response(text="vllm:num_requests_running 2\nvllm:num_requests_waiting 1\n")
+
+    async def go():
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        health = []
+        async with aiohttp.ClientSession() as http:
+            w = Worker(WorkerConfig(name="a", url=f"http://127.0.0.1:{port}", control="tcp://x:1"),
+                       b"s" * 16, http=http, load_poll_s=0.02)
+            task = asyncio.create_task(w._poll_load())
+            while len(seen) < len(script):
+                health.append((len(seen), w.healthy))
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.05)
+            task.cancel()
+            final = (w.healthy, w.load)
+        await runner.cleanup()
+        return health, final
+
+    health, (healthy, load) = asyncio.run(go())
+    # healthy from the first answer through the two failures and the next answer
+    assert all(h for n, h in health if 1 <= n <= 4), health
+    assert not healthy and load == 3.0
