@@ -22,10 +22,15 @@ Everything runs the product's classes in one process (no model):
   with those 10,000 sessions: its longest hold of the lock (it summarizes
   the 1,000 it shows in batches, letting the lock go in between) and its
   total time.
+- ``soak``: 24 simulated hours of 10,000 live sessions taking turns (200 a
+  minute, 32 new blocks each) over the same production G2 with write-through:
+  the index's nodes and the process RSS each hour; sessions end or idle out.
 
 Targets (issue 26): extra work per decode step p99 <= 0.5 ms and its ratio
 64k / 4k <= 1.2; evict p99 <= 2 x LRU's; expiry <= 5 ms per pass; status's
-longest hold of the lock <= 5 ms.
+longest hold of the lock <= 5 ms; from hour 2 to hour 24 of the soak the
+index's nodes and the RSS grow by at most 5 %, and the nodes stay within what
+is resident (G2 and the G3 copies known) plus one frontier per session.
 The JSON holds each figure next to its target and ``targets_met``.
 ``--quick`` runs smaller sizes (a smoke run; its figures are not the targets').
 """
@@ -40,11 +45,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
+from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
 from replay_router import make_hint
 from scale_steps import StepSpec, make_scheduler, run_both
+from sessionkv.connectors.manager import G3_KNOWN_PER_G2_CHUNK
 from sessionkv.connectors.vllm import EXPIRE_PER_PASS
 from sessionkv.hints import Action
 from sessionkv.tiers.g2_policy import SessionCachePolicy
@@ -169,6 +177,80 @@ def sessions_and_pins(sessions: int, pins: int, expiring: int, blocks: int) -> d
             "sessions_after": index.num_sessions}
 
 
+# ---- soak -------------------------------------------------------------------
+
+TURN_BLOCKS = 32            # blocks a turn adds (512 tokens at block size 16)
+
+
+def soak(hours: float, turns_per_min: int, g2_chunks: int, live: int) -> dict:
+    """The index's size and the process RSS over ``hours`` of simulated
+    time, per hour. ``live`` sessions take turns in rotation (each about every
+    ``live / turns_per_min`` minutes, inside the default policy's 1 h idle
+    timeout); a session ends
+    after 2 to 30 turns, half of them told to end, half left to idle out, and
+    a new one takes its place. A turn admits its ``TURN_BLOCKS`` new blocks,
+    stores them in G2 through the primary tier (evicting what the policy
+    chooses), records their write-through G3 copies as a cascade's end does,
+    and lets their G1 copies go (the turn ends in a tool call)."""
+    sched = make_scheduler(True, StepSpec(context=1024, running=1, g2_chunks=g2_chunks))
+    manager = sched.connector.manager
+    primary, index = manager.primary_tier, manager.index
+    rng = random.Random(1)
+    made, next_key, samples = 0, 0, []
+    proc = psutil.Process()
+
+    def new_session() -> tuple[str, bytes | None, int]:
+        nonlocal made
+        made += 1
+        return f"soak{made}", None, rng.randint(2, 30)
+
+    ring = [new_session() for _ in range(live)]    # (session, its last key, turns left)
+    t0, turn = time.perf_counter(), 0
+    for minute in range(int(hours * 60) + 1):
+        now = 60.0 * minute
+        if minute % 60 == 0:
+            gc.collect()
+            samples.append({"hour": minute // 60, "nodes": len(index),
+                            "sessions": index.num_sessions, "rss_mib": round(
+                                proc.memory_info().rss / 2**20, 1),
+                            "wall_s": round(time.perf_counter() - t0, 1)})
+        for _ in range(turns_per_min):
+            i = turn % live
+            turn += 1
+            name, last, left = ring[i]
+            new = [_key(next_key + j) for j in range(TURN_BLOCKS)]
+            next_key += TURN_BLOCKS
+            ctx = ReqContext(req_id=f"t{turn}")
+            with manager.lock:
+                if last is None or not index.extend(name, last, new, Tier.G1, now=now):
+                    index.admit(name, new, Tier.G1, now=now)
+                out = primary.prepare_store(new, ctx)
+                if out is not None and out.keys_to_store:
+                    primary.complete_store(out.keys_to_store, ctx)
+                    primary.set_copies(Tier.G3, out.keys_to_store, 1)   # the cascade's end
+                index.set_copies(Tier.G1, new, 0)
+                primary.on_request_finished(ctx)
+            if left > 1:
+                ring[i] = (name, new[-1], left - 1)
+                continue
+            if rng.random() < 0.5:
+                manager.end_session(name, now=now)
+            ring[i] = new_session()
+        while manager.expire_sessions(now, EXPIRE_PER_PASS):
+            pass
+    sched.shutdown()
+    at = {s["hour"]: s for s in samples}
+    first = at[min(2, max(at))]
+    last = samples[-1]
+    growth = {k: round(last[k] / first[k] - 1, 4) for k in ("nodes", "rss_mib")}
+    # Resident: G2's chunks and the G3 copies known (G1 holds none between
+    # turns here); the rest are sessions' frontiers, one per session at most.
+    bound = g2_chunks * (1 + G3_KNOWN_PER_G2_CHUNK) + max(s["sessions"] for s in samples)
+    return {"nodes_bound": bound, "nodes_max": max(s["nodes"] for s in samples), "hours": hours, "turns_per_min": turns_per_min, "g2_chunks": g2_chunks,
+            "live_sessions": live, "turn_blocks": TURN_BLOCKS, "sessions_made": made,
+            "blocks_admitted": next_key, "growth_from_hour_2": growth, "per_hour": samples}
+
+
 # ---- main -------------------------------------------------------------------
 
 def check(figure: float, target: float) -> dict:
@@ -190,6 +272,8 @@ def main() -> None:
     out["evict"] = evict_cost(16_384 if q else G2_CHUNKS, 200 if q else 2000)
     out["expiry"] = sessions_and_pins(1000 if q else 10_000, 1600 if q else 16_384,
                                       100 if q else 1000, 16)
+    out["soak"] = soak(3 if q else 24, 50 if q else 200, 4096 if q else G2_CHUNKS,
+                       500 if q else 10_000)
     dec_long = out["steps_64k"]["decode"]["extra"]["p99_ms"]
     dec_short = out["steps_4k"]["decode"]["extra"]["p99_ms"]
     out["targets"] = {
@@ -198,6 +282,11 @@ def main() -> None:
         "evict_p99_ratio_to_lru": check(out["evict"]["ratio"], 2.0),
         "expire_1000_sessions_ms": check(out["expiry"]["expire_worst_pass_ms"], 5.0),
         "status_lock_ms": check(out["expiry"]["status_lock_max_ms"], 5.0),
+        "soak_index_nodes_growth_hour_2_to_end": check(
+            abs(out["soak"]["growth_from_hour_2"]["nodes"]), 0.05),
+        "soak_rss_growth_hour_2_to_end": check(out["soak"]["growth_from_hour_2"]["rss_mib"], 0.05),
+        "soak_index_nodes_over_resident_bound": check(
+            round(out["soak"]["nodes_max"] / out["soak"]["nodes_bound"], 4), 1.0),
     }
     out["targets_met"] = all(t["met"] for t in out["targets"].values())
     out["wall_s"] = round(time.time() - t0, 1)
