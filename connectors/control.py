@@ -160,7 +160,8 @@ class ControlChannel:
                     self._serve(frames)
             if mover is not None and mover.wake_fd in ready:
                 try:
-                    self._manager.apply_moves()     # copies ended: finish them now
+                    with self._manager.lock:        # copies ended: finish them now
+                        self._manager.apply_moves()
                 except Exception:   # a bug costs these copies' outcomes, never the thread
                     logger.exception("sessionkv: finishing hint copies failed")
             if self._events.wake_fd in ready:

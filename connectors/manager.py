@@ -20,13 +20,18 @@ hands them to the tiers and the manager as constructor arguments; the manager
 builds the hint parts (``Mover``, ``Fetcher``, ``HintExecutor``) the same way.
 Nothing is set on a part after it was built.
 
-Threading (ARCHITECTURE.md, "Threads"): ``SessionTierManager.lock`` is the one lock.
-vLLM 0.32 calls managers on the scheduler thread, where ``SessionTierConnector``
-holds the lock from its first scheduler-side call of a ``schedule()`` pass
-until ``build_connector_meta`` returns, and around its other scheduler-side
-calls; so a chunk found by ``lookup`` cannot vanish before ``prepare_load``.
-Every other thread takes the lock and only changes metadata (pins, priorities,
-TTLs, session ends): never evicts, allocates or calls ``lookup``.
+Threading (ARCHITECTURE.md, "Threads"): ``SessionTierManager.lock`` is the one lock,
+a plain ``threading.Lock``: never taken twice by one thread (vLLM 0.33's
+tiering manager lock is one too). vLLM 0.32 calls managers on the scheduler
+thread, where ``SessionTierConnector`` holds the lock from its first
+scheduler-side call of a ``schedule()`` pass until ``build_connector_meta``
+returns, and around its other scheduler-side calls; so a chunk found by
+``lookup`` cannot vanish before ``prepare_load``. The manager's methods expect
+their caller to hold the lock, except the out-of-band ones (``status``,
+``control_hints``, ``end_session``, ``resolve_hashes`` and the fetcher's
+callbacks), which other threads call and which take it themselves. Those
+threads only change metadata (pins, priorities, TTLs, session ends): never
+evict, allocate or call ``lookup``.
 
 Events (``sessionkv.events``) are appended to the event log when the engine
 has one (the policy names a secret, so the control channel runs): residency
@@ -262,7 +267,7 @@ class SessionTierManager(TieringOffloadingManager):
         """``g3_copies``: the queue every G3 tier observes into; ``event_log``:
         the primary tier's too (None: no event stream)."""
         super().__init__(primary_tier=primary_tier, secondary_tiers=secondary_tiers)
-        self.lock = threading.RLock()
+        self.lock = threading.Lock()
         self.index = index
         self.config = config
         self.event_log = event_log
@@ -291,6 +296,8 @@ class SessionTierManager(TieringOffloadingManager):
                       client: str | None = None) -> None:
         for o in outcomes:
             self.emit(Outcome(outcome=o, via=via, session_id=session, client=client))
+
+    # ---- out-of-band (any thread) ---------------------------------------
 
     def status(self, max_sessions: int = 1000, evictions: int = 20) -> dict:
         """What ``sessionkv status`` shows: sessions (most recent first) with
@@ -340,18 +347,6 @@ class SessionTierManager(TieringOffloadingManager):
                                 for e in recent if isinstance(e, Eviction)][-evictions:]
         return out
 
-    def get_stats(self):
-        """vLLM's offloading stats, with sessionkv's (``connectors.metrics``)."""
-        stats = super().get_stats()
-        with self.lock:
-            mine = self.stats.take(len(self.index), self.index.num_sessions,
-                                   self.executor.pinned_chunks,
-                                   {t.tier_type: t.rejected for t in self.secondary_tiers
-                                    if isinstance(t, G3Tier)})
-        return mine if stats is None else stats.aggregate(mine)
-
-    # ---- out-of-band (any thread) ---------------------------------------
-
     def control_hints(self, items: list[KvHint | HintOutcome], session: str | None,
                       client: str) -> list[HintOutcome]:
         """Execute hints from the control channel now, under the lock."""
@@ -370,43 +365,6 @@ class SessionTierManager(TieringOffloadingManager):
                 self.emit(Association(session_id=session, op=Op.END, reason=reason))
             return live
 
-    def expire_sessions(self, now: float, max_chunks: int | None = None) -> bool:
-        """End the sessions idle past the policy's timeout, the oldest first,
-        until their pins and retains released reach ``max_chunks`` (scheduler
-        thread: a pass's cost stays bounded however many idle out at once);
-        whether it stopped there, so that more may be waiting."""
-        work = 0
-        with self.lock:
-            while max_chunks is None or work < max_chunks:
-                ended = self.index.expire(now, 1)
-                if not ended:
-                    return False
-                work += 1 + self.executor.release(ended[0])   # a session counts as a chunk
-                self.emit(Association(session_id=ended[0], op=Op.END, reason="idle"))
-            return True
-
-    def collect_clipped(self) -> None:
-        """Emit the pins the G2 policy clipped since the last call, one
-        ``clipped`` outcome per hint (scheduler thread, every pass)."""
-        for late in self.executor.collect_clipped():
-            self.emit(Outcome(outcome=late, via=Via.POLICY))
-
-    def apply_moves(self) -> None:
-        """Index the G3 copies the tiers reported and finish the hint copies
-        that ended (``Mover.apply``). Under the lock: the scheduler calls it
-        at the start of each pass, the control channel when the mover wakes it."""
-        with self.lock:
-            for copy in self._g3_copies.drain():
-                src, dst = (Tier.G3, Tier.G2) if copy.load else (Tier.G2, Tier.G3)
-                self.stats.moved(src.name, dst.name, sum(copy.ok))
-                found = [k for k, o in zip(copy.keys, copy.ok) if o]
-                self.primary_tier.set_copies(Tier.G3, found, 1)
-                if copy.load:     # a load that failed: the object is not there for us
-                    self.primary_tier.set_copies(
-                        Tier.G3, [k for k, o in zip(copy.keys, copy.ok) if not o], 0)
-            if self.mover is not None:
-                self.mover.apply()
-
     def resolve_hashes(self, block_hashes: list[int]) -> list[bytes]:
         """The chunk keys of the blocks named by 64-bit hashes that this engine
         holds, root first (the control channel's ``resolve``)."""
@@ -420,7 +378,7 @@ class SessionTierManager(TieringOffloadingManager):
             first = self.mover.start(Action.PREFETCH, hint.hint_id, keys, asked, None,
                                      name=hint.action.action_type)
             if first.status is not Status.DEFERRED:
-                self._emit_final(first)
+                self.emit(Outcome(outcome=first, via=Via.TRANSFER))
 
     def _emit_final(self, outcome: HintOutcome) -> None:
         with self.lock:
@@ -435,17 +393,61 @@ class SessionTierManager(TieringOffloadingManager):
         if self.event_log is not None:
             self.event_log.close()
 
+    # ---- scheduler side (the caller holds the lock) ---------------------------
+
+    def get_stats(self):
+        """vLLM's offloading stats, with sessionkv's (``connectors.metrics``)."""
+        stats = super().get_stats()
+        mine = self.stats.take(len(self.index), self.index.num_sessions,
+                               self.executor.pinned_chunks,
+                               {t.tier_type: t.rejected for t in self.secondary_tiers
+                                if isinstance(t, G3Tier)})
+        return mine if stats is None else stats.aggregate(mine)
+
     def reset_cache(self) -> None:
         # vLLM's reset waits for its own jobs (drain_jobs); hint copies are
         # abandoned instead: their G2 slots stay in the quarantine until each
         # copy ends (G3Tier.move), so a reset never waits for a large Share.
-        with self.lock:
-            self.apply_moves()
-            if self.mover is not None:
-                self.mover.abandon()
-            super().reset_cache()
+        # The caller holds the lock (the connector's reset_cache).
+        self.apply_moves()
+        if self.mover is not None:
+            self.mover.abandon()
+        super().reset_cache()
 
-    # ---- scheduler thread -------------------------------------------------
+    def expire_sessions(self, now: float, max_chunks: int | None = None) -> bool:
+        """End the sessions idle past the policy's timeout, the oldest first,
+        until their pins and retains released reach ``max_chunks`` (scheduler
+        thread: a pass's cost stays bounded however many idle out at once);
+        whether it stopped there, so that more may be waiting."""
+        work = 0
+        while max_chunks is None or work < max_chunks:
+            ended = self.index.expire(now, 1)
+            if not ended:
+                return False
+            work += 1 + self.executor.release(ended[0])   # a session counts as a chunk
+            self.emit(Association(session_id=ended[0], op=Op.END, reason="idle"))
+        return True
+
+    def collect_clipped(self) -> None:
+        """Emit the pins the G2 policy clipped since the last call, one
+        ``clipped`` outcome per hint (scheduler thread, every pass)."""
+        for late in self.executor.collect_clipped():
+            self.emit(Outcome(outcome=late, via=Via.POLICY))
+
+    def apply_moves(self) -> None:
+        """Index the G3 copies the tiers reported and finish the hint copies
+        that ended (``Mover.apply``). The caller holds the lock: the scheduler
+        at the start of each pass, the control channel when the mover wakes it."""
+        for copy in self._g3_copies.drain():
+            src, dst = (Tier.G3, Tier.G2) if copy.load else (Tier.G2, Tier.G3)
+            self.stats.moved(src.name, dst.name, sum(copy.ok))
+            found = [k for k, o in zip(copy.keys, copy.ok) if o]
+            self.primary_tier.set_copies(Tier.G3, found, 1)
+            if copy.load:     # a load that failed: the object is not there for us
+                self.primary_tier.set_copies(
+                    Tier.G3, [k for k, o in zip(copy.keys, copy.ok) if not o], 0)
+        if self.mover is not None:
+            self.mover.apply()
 
     def _should_store_to_tier(self, tier: SecondaryTierManager, num_blocks: int) -> bool:
         # g3.write_through false: vLLM's cascade sends nothing down; hints do.

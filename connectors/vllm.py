@@ -281,6 +281,12 @@ class SessionTierConnector(OffloadingConnector):
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
+        """The lock around a scheduler-side hook outside the pass; inside a
+        pass (a hook vLLM calls within ``schedule()``) the pass already holds
+        it, and the lock is never taken twice."""
+        if self._in_pass:
+            yield
+            return
         with self.manager.lock:
             yield
 

@@ -78,7 +78,8 @@ def final(m, hint_id, timeout_s=30.0):
     ended copies as the control channel would."""
     until = time.monotonic() + timeout_s
     while True:
-        m.apply_moves()
+        with m.lock:
+            m.apply_moves()
         evs, _, _ = m.event_log.since(0, 100_000)
         outs = [e.outcome for e in evs if isinstance(e, Outcome) and e.outcome.hint_id == hint_id
                 and e.outcome.status is not Status.DEFERRED]
@@ -119,7 +120,8 @@ def test_a_reset_gives_up_a_stalled_copy_and_keeps_its_slots_until_it_ends(parts
     assert first.status is Status.DEFERRED, first
     held = g3.quarantine.held
     assert len(held) == WAVE
-    m.reset_cache()
+    with m.lock:                       # as the connector's reset_cache holds it
+        m.reset_cache()
     assert seen == []                                        # returned while the copy stalls
     (gone,), _ = final(m, first.hint_id, timeout_s=0)
     assert (gone.status, gone.reason) == (Status.REJECTED, "G2 was reset"), gone
@@ -158,3 +160,28 @@ def test_a_share_asks_the_backend_again_before_answering_already_in_g3(parts, re
         (Status.ACCEPTED, "already in G3", 2), last
     assert named.keys == [] and named.already == keys[:2]
     assert keys[2] not in m.index and keys[3] not in m.index
+
+
+def test_the_lock_is_never_taken_twice(parts):
+    # A plain Lock, as vLLM 0.33's tiering manager has: the scheduler-side
+    # methods run under the caller's hold without taking it again (each would
+    # hang here if it did), and a second acquire by the holder fails.
+    import threading
+
+    m, _, _ = parts
+    done = []
+
+    def pass_():
+        with m.lock:
+            assert not m.lock.acquire(timeout=0.05)
+            m.apply_moves()
+            m.expire_sessions(time.monotonic(), 10)
+            m.collect_clipped()
+            m.get_stats()
+            m.reset_cache()
+            done.append(True)
+    t = threading.Thread(target=pass_, daemon=True)
+    t.start()
+    t.join(30)
+    assert done == [True], "a scheduler-side method took the lock again"
+    assert m.end_session("nobody") is False        # out of band: takes it itself
