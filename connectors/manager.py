@@ -176,8 +176,10 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
         self._index_copies(tier, chunk_keys, copies)
 
     def _g3_record(self, chunk_keys: Collection[OffloadKey], copies: int) -> list[OffloadKey]:
-        """``chunk_keys``, plus the oldest known G3 chunks past the bound when
-        ``copies`` > 0 (they are set to 0 with them: forgotten)."""
+        """Record ``chunk_keys``' G3 copies as known (``copies`` > 0) or not;
+        the ones whose count the caller then sets. Past the bound, the oldest
+        known are forgotten here (count 0), new ones included when one call
+        records more than the bound holds."""
         known = self._g3_known
         if not copies:
             for k in chunk_keys:

@@ -398,17 +398,19 @@ class G3Tier(SecondaryTierManager):
         """One load, or a store (``ask``: of chunks the backend does not have
         yet), in calls of at most ``BATCH_BYTES``; ok per key, never raises.
         Once the backend is down, the rest of the copy fails without a call."""
-        step, ok, down = max(1, BATCH_BYTES // self._chunk), [], False
+        step, ok = max(1, BATCH_BYTES // self._chunk), []
         for i in range(0, len(keys), step):
             part = slice(i, i + step)
-            if down:
-                done = [False] * len(keys[part])
-                if self._observer is not None:
-                    self._observer(load, keys[part], done)
-            else:
-                done, down = self._copy_batch(load, what, keys[part], names[part],
-                                              offsets[part], ask)
+            done, down = self._copy_batch(load, what, keys[part], names[part], offsets[part],
+                                          ask)
             ok += done
+            if down:
+                break
+        rest = keys[len(ok):]
+        if rest:
+            ok += [False] * len(rest)
+            if self._observer is not None:
+                self._observer(load, rest, [False] * len(rest))
         return ok
 
     def _copy_batch(self, load: bool, what: str, keys: list[OffloadKey], names: list[str],

@@ -4,6 +4,7 @@ vLLM's CPU primary tier with ``SessionCachePolicy``, the index, the tier
 manager and its Mover, over a real Redis G3 tier. The stalled backend is
 real too: Redis's ``CLIENT PAUSE WRITE`` holds every write for a while."""
 
+import threading
 import time
 import uuid
 
@@ -151,7 +152,8 @@ def test_a_share_asks_the_backend_again_before_answering_already_in_g3(parts, re
     (first,) = m.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
     (done,), _ = final(m, first.hint_id)
     assert done.status is Status.ACCEPTED and g3.listed(keys) == [True] * 4
-    m.reset_cache()                                  # G2 forgets them; G3 still has them
+    with m.lock:                                     # G2 forgets them; G3 still has them
+        m.reset_cache()
     assert [m.index.copies(k)[Tier.G3] for k in keys] == [1] * 4
     redis.Redis.from_url(redis_url).delete(*g3.objects(keys[2]), *g3.objects(keys[3]))
     (again,) = m.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
@@ -166,8 +168,6 @@ def test_the_lock_is_never_taken_twice(parts):
     # A plain Lock, as vLLM 0.33's tiering manager has: the scheduler-side
     # methods run under the caller's hold without taking it again (each would
     # hang here if it did), and a second acquire by the holder fails.
-    import threading
-
     m, _, _ = parts
     done = []
 

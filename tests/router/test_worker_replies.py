@@ -79,6 +79,7 @@ def test_a_worker_turns_unhealthy_only_after_several_failed_polls():
     with a real one) answers, fails twice, answers, then fails for good."""
     from aiohttp import web
 
+    from sessionkv.devtools.server import free_port
     from sessionkv.router.workers import FAILED_POLLS_UNHEALTHY
 
     script = ["ok", "fail", "fail", "ok"] + ["fail"] * FAILED_POLLS_UNHEALTHY
@@ -96,9 +97,8 @@ def test_a_worker_turns_unhealthy_only_after_several_failed_polls():
         app.router.add_get("/metrics", metrics)
         runner = web.AppRunner(app)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
         health = []
         async with aiohttp.ClientSession() as http:
             w = Worker(WorkerConfig(name="a", url=f"http://127.0.0.1:{port}", control="tcp://x:1"),

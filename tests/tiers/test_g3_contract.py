@@ -268,14 +268,13 @@ def test_a_copy_goes_to_the_backend_in_bounded_calls(make, monkeypatch):
     tier, region = make(chunk=mib)
     rng = np.random.default_rng(14)
     region[:12] = rng.integers(0, 256, (12, mib), dtype=np.uint8)
-    want, done = region[:12].copy(), []
-    tier.move(False, KEYS[:8] + [block_key(i) for i in range(20, 24)], range(12), done.append)
+    keys, want, done = KEYS[:8] + [block_key(i) for i in range(20, 24)], region[:12].copy(), []
+    tier.move(False, keys, range(12), done.append)
     tier.drain_hints()
     region[:12] = 0xAA                                       # poison the destination
     tracemalloc.start()
     try:
-        tier.move(True, KEYS[:8] + [block_key(i) for i in range(20, 24)], range(12),
-                  done.append)
+        tier.move(True, keys, range(12), done.append)
         tier.drain_hints()
         _, peak = tracemalloc.get_traced_memory()
     finally:
