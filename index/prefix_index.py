@@ -14,9 +14,10 @@ Invariants, kept by every operation:
   removed when there is none or when another branch of the session already
   covers that ancestor;
 - no frontier is an ancestor of another frontier of the same session;
-- every leaf is resident or a frontier: nodes with no copy and no resident
-  descendant are pruned; parent-only nodes stay while they connect resident
-  descendants;
+- every node is resident, a frontier, or a branch point: a node with no
+  copy is pruned when nothing below it is resident, and spliced out of its
+  chain when one child is (``BlockTree.prune``), so the index holds what is
+  resident, not each session's whole history;
 - sessions are kept in order of last access, oldest first, and an access is
   dated no earlier than the newest before it (the callers' clocks are
   monotonic): idle expiry and ``recent_sessions`` cost what they return, not
@@ -130,12 +131,12 @@ class SessionPrefixIndex:
             return
         tree = self._tree
         slots = list(map(tree.slot.get, chain))
-        try:
-            first_new = slots.index(None)
-        except ValueError:
-            first_new = n
-        if first_new < n:
-            tree.link(chain, slots, first_new, root, base)
+        # New keys above ``start`` get no copy: linked in, then out again.
+        uncopied = [i for i, s in enumerate(slots[:start]) if s is None] \
+            if tier is not None and start and None in slots[:start] else ()
+        relinked, moved = tree.attach(chain, slots, root, base)
+        if moved:
+            self._merge_branches(moved)
         if tier is not None and start < n:
             tree.set_one(tier, slots[start:] if start else slots)
         # The deepest resident key: the tail, unless keys were linked without a copy.
@@ -149,6 +150,26 @@ class SessionPrefixIndex:
             self._touch_session(session, now)
             if tail >= 0:
                 self._extend_branch(session, slots, tail, base, root)
+        for s in [*relinked, *(slots[i] for i in uncopied)]:     # linked in with no copy
+            if tree.keys[s] is not None and total[s] == 0:
+                tree.prune(s, self._frontier_of)
+
+    def _merge_branches(self, moved: list[tuple[int, int]]) -> None:
+        """Known nodes got their spliced-out ancestors back (``BlockTree.attach``):
+        a frontier on the new path above one of them, of a session with a
+        frontier below it, no longer tips a branch of its own (rare: a
+        spliced key came back as a leaf, then its old descendants' chain)."""
+        tree, frontier_of = self._tree, self._frontier_of
+        depth, parent, ancestor_at = tree.depth, tree.parent, tree.ancestor_at
+        for b, old in moved:
+            d = int(depth[b])
+            u = int(parent[b])
+            while u != NONE and u != old:
+                for session in list(frontier_of.get(u, ())):
+                    st = self._sessions[session]
+                    if any(int(depth[f]) >= d and ancestor_at(f, d) == b for f in st.frontiers):
+                        self._drop_frontier(session, st, u)
+                u = int(parent[u])
 
     def _touch_session(self, session: str, now: float) -> _Session:
         if self._sessions:

@@ -7,8 +7,21 @@ its copies per tier (G1, G2, G3); a node is *resident* while it has a copy.
 The tree knows nothing of sessions: ``SessionPrefixIndex`` owns them and says
 which nodes are frontiers, which ``prune`` keeps.
 
+Only what can matter is kept: a node with no copy that is not kept is removed
+when it has no child, and spliced out when it has one (its child's parent
+becomes its own). Without the splice a long session whose early blocks left
+every tier kept its whole path for as long as its newest blocks stayed
+resident: bench/scale.py's soak grew from 768k nodes at hour 2 to 4.1M at hour
+19 with 796k resident. The nodes left are the resident ones, the kept ones
+and the branch points above them. A spliced key that is admitted again is
+linked back in between its nearest indexed ancestor and descendant.
+
 Invariants: ``slot`` and ``keys`` are inverse maps over live slots; ``total``
-is the sum of ``copies`` over tiers; ``nchild`` counts the live children;
+is the sum of ``copies`` over tiers; a node's ``parent`` is its nearest live
+ancestor (so depths may skip: ``depth`` is the block's position in its
+chain); ``nchild`` counts the live children and ``xchild`` is the XOR of
+their slots (the one child, when there is one); every live node is resident,
+kept, or has two children or more, as of the last ``prune`` over it;
 ``alias`` maps a key's 64-bit alias to its slot (the last key admitted under
 an alias wins, and pruning a key drops only its own entry).
 
@@ -50,6 +63,7 @@ class BlockTree:
         self.parent = np.full(cap, NONE, np.int32)
         self.depth = np.zeros(cap, np.int32)
         self.nchild = np.zeros(cap, np.int32)
+        self.xchild = np.zeros(cap, np.int32)      # XOR of the children's slots
         self.copies = np.zeros((len(TIERS), cap), np.uint16)
         self.total = np.zeros(cap, np.uint32)      # copies over all tiers
 
@@ -66,6 +80,7 @@ class BlockTree:
         self.parent = np.concatenate([self.parent, np.full(more, NONE, np.int32)])
         self.depth = np.concatenate([self.depth, np.zeros(more, np.int32)])
         self.nchild = np.concatenate([self.nchild, np.zeros(more, np.int32)])
+        self.xchild = np.concatenate([self.xchild, np.zeros(more, np.int32)])
         self.copies = np.concatenate(
             [self.copies, np.zeros((len(TIERS), more), np.uint16)], axis=1)
         self.total = np.concatenate([self.total, np.zeros(more, np.uint32)])
@@ -80,45 +95,122 @@ class BlockTree:
             self.keys.extend([None] * fresh)
         return reuse[::-1] + list(range(start, start + fresh))
 
-    def link(self, chain: Sequence[bytes], slots: list, first_new: int,
-             root: int = NONE, base: int = 0) -> None:
-        """Link ``chain[first_new:]`` in (``slots`` holds ``chain``'s slots,
-        None for the missing ones, and gets the new ones); ``chain[0]`` is a
-        child of ``root`` (the tree's root by default) at depth ``base``."""
+    def attach(self, chain: Sequence[bytes], slots: list, root: int = NONE,
+               base: int = 0) -> tuple[list[int], list[tuple[int, int]]]:
+        """Make ``chain`` a path of the tree: ``chain[0]`` a child of ``root``
+        (the tree's root by default) at depth ``base``, each key a child of
+        the one before. ``slots`` holds ``chain``'s slots, None for the
+        missing keys, and gets the new ones. Missing keys are linked in; a
+        known key whose ancestors were spliced out gets them back above it
+        (whether they were missing or came back as a leaf since). Returns
+        the new slots linked in above a known key and, for each known key
+        given a new parent, ``(slot, old parent)``: usually both empty."""
         n = len(chain)
-        # Chained hashes make every descendant of a missing node missing too.
-        if slots.count(None) != n - first_new:
-            raise ValueError("chain holds a known key below an unknown one: not a prefix chain")
-        fresh = not self._free                 # new slots are the list's end
-        new = self._alloc(n - first_new)
-        parent = slots[first_new - 1] if first_new else root
-        if len(new) <= FEW_KEYS:
-            self._link_few(new, parent, base + first_new)
+        missing = slots.count(None)
+        first_new = n - missing
+        if slots[first_new:].count(None) == missing:     # a known prefix, then new keys
+            bad = self._misparented(slots, first_new, root)
+            if not bad:
+                if missing:
+                    self._link_run(chain, slots, first_new, n, root, base)
+                return [], []
         else:
-            self._link_many(new, parent, base + first_new)
-        new_keys = chain[first_new:]
+            bad = self._misparented(slots, n, root)
+        return self._repair(chain, slots, bad, root, base)
+
+    def _misparented(self, slots: list, m: int, root: int) -> list[int]:
+        """The positions ``j < m`` whose node is not a child of the chain's
+        previous one (``root`` for the first): a spliced link to repair. A
+        known node after a missing one counts."""
+        if m > FEW_KEYS and None not in slots[:m]:
+            idx = np.array(slots[:m], np.int64)
+            prev = np.empty(m, np.int64)
+            prev[0] = root
+            prev[1:] = idx[:-1]
+            return np.flatnonzero(self.parent[idx] != prev).tolist()
+        parent, out, prev = self.parent, [], root
+        for j in range(m):
+            s = slots[j]
+            if s is not None and (prev is None or parent[s] != prev):
+                out.append(j)
+            prev = s
+        return out
+
+    def _repair(self, chain: Sequence[bytes], slots: list, bad: list[int],
+                root: int, base: int) -> list[int]:
+        """``attach`` off its common path: missing keys anywhere, spliced links."""
+        n, parent, depth = len(chain), self.parent, self.depth
+        for j in bad:                           # validate before changing anything
+            above = next((slots[i] for i in range(j - 1, -1, -1) if slots[i] is not None), root)
+            x = int(parent[slots[j]])
+            if depth[slots[j]] != base + j or x != NONE and (
+                    above == NONE or self.ancestor_at(above, int(depth[x])) != x):
+                raise ValueError("chain holds a known key that is not the child of the "
+                                 "key before it, nor of a spliced-out one: not a prefix chain")
+        relinked, i = [], 0
+        while i < n:                            # link each run of missing keys
+            if slots[i] is not None:
+                i += 1
+                continue
+            j = i
+            while j < n and slots[j] is None:
+                j += 1
+            self._link_run(chain, slots, i, j, root, base)
+            if j < n:
+                relinked.extend(slots[i:j])
+            i = j
+        moved = []
+        for j in bad:
+            moved.append((slots[j], int(parent[slots[j]])))
+            self._reparent(slots[j], slots[j - 1] if j else root)
+        return relinked, moved
+
+    def _link_run(self, chain: Sequence[bytes], slots: list, i: int, j: int,
+                  root: int, base: int) -> None:
+        """Link ``chain[i:j]`` (all missing) below ``slots[i - 1]`` (``root`` when i == 0)."""
+        fresh = not self._free                 # new slots are the list's end
+        new = self._alloc(j - i)
+        parent = slots[i - 1] if i else root
+        if len(new) <= FEW_KEYS:
+            self._link_few(new, parent, base + i)
+        else:
+            self._link_many(new, parent, base + i)
+        new_keys = chain[i:j]
         keys = self.keys
         if fresh:
-            keys[new[0]:] = new_keys
+            keys[new[0]:new[0] + len(new)] = new_keys
         else:
             for s, k in zip(new, new_keys):
                 keys[s] = k
         self.slot.update(zip(new_keys, new))
         self.alias.update(zip(aliases64(new_keys), new))
-        slots[first_new:] = new
+        slots[i:j] = new
+
+    def _reparent(self, c: int, p: int) -> None:
+        """Make ``p`` the parent of ``c`` in place of its spliced link."""
+        old = int(self.parent[c])
+        if old != NONE:
+            self.nchild[old] -= 1
+            self.xchild[old] ^= c
+        self.parent[c] = p
+        if p != NONE:
+            self.nchild[p] += 1
+            self.xchild[p] ^= c
 
     def _link_few(self, new: list[int], parent: int, depth: int) -> None:
         """The arrays of ``link`` per slot (numpy's per-call cost, FEW_KEYS)."""
-        par, dep, nchild, copies, total = (self.parent, self.depth, self.nchild,
-                                           self.copies, self.total)
+        par, dep, nchild, xchild, copies, total = (
+            self.parent, self.depth, self.nchild, self.xchild, self.copies, self.total)
         for s in new:
             par[s] = parent
             dep[s] = depth
             nchild[s] = 0
+            xchild[s] = 0
             copies[:, s] = 0
             total[s] = 0
             if parent != NONE:
                 nchild[parent] += 1
+                xchild[parent] ^= s
             parent, depth = s, depth + 1
 
     def _link_many(self, new: list[int], parent: int, depth: int) -> None:
@@ -127,27 +219,44 @@ class BlockTree:
         self.depth[idx] = np.arange(depth, depth + len(new), dtype=np.int32)
         self.nchild[idx] = 1
         self.nchild[new[-1]] = 0
+        self.xchild[idx[:-1]] = idx[1:]
+        self.xchild[new[-1]] = 0
         self.copies[:, idx] = 0
         self.total[idx] = 0
         if parent != NONE:
             self.nchild[parent] += 1
+            self.xchild[parent] ^= new[0]
 
     def prune(self, s: int, keep: Container[int]) -> None:
-        """Remove ``s`` and its ancestors while each has no copy, no child and
-        is not in ``keep`` (the frontiers)."""
-        nchild, total, parent, keys = self.nchild, self.total, self.parent, self.keys
-        slot_of, alias, free = self.slot, self.alias, self._free
-        while s != NONE and nchild[s] == 0 and total[s] == 0 and s not in keep:
-            p = int(parent[s])
-            del slot_of[keys[s]]
-            if alias.get(a := alias64(keys[s])) == s:
-                del alias[a]
-            keys[s] = None
-            parent[s] = NONE
-            free.append(s)
+        """Remove ``s`` while it has no copy, no child and is not in ``keep``
+        (the frontiers), then its ancestors the same way; the first of them
+        left with no copy and one child, not kept, is spliced out."""
+        nchild, xchild, total, parent = self.nchild, self.xchild, self.total, self.parent
+        while s != NONE and total[s] == 0 and s not in keep:
+            k, p = int(nchild[s]), int(parent[s])
+            if k > 1:
+                return
+            if k == 1:
+                c = int(xchild[s])
+                parent[c] = p
+                if p != NONE:
+                    xchild[p] ^= s ^ c
+                self._drop(s)
+                return
+            self._drop(s)
             if p != NONE:
                 nchild[p] -= 1
+                xchild[p] ^= s
             s = p
+
+    def _drop(self, s: int) -> None:
+        keys = self.keys
+        del self.slot[keys[s]]
+        if self.alias.get(a := alias64(keys[s])) == s:
+            del self.alias[a]
+        keys[s] = None
+        self.parent[s] = NONE
+        self._free.append(s)
 
     # ---------------------------------------------------------------- copies
 
@@ -218,10 +327,11 @@ class BlockTree:
     # ---------------------------------------------------------------- walks
 
     def ancestor_at(self, slot: int, depth: int) -> int:
-        parent, d = self.parent, int(self.depth[slot])
-        while d > depth:
+        """The deepest ancestor-or-self of ``slot`` at ``depth`` or above
+        (NONE when there is none): the node at ``depth`` when it is indexed."""
+        parent, dep = self.parent, self.depth
+        while slot != NONE and dep[slot] > depth:
             slot = int(parent[slot])
-            d -= 1
         return slot
 
     def nearest_resident_above(self, s: int) -> int:
@@ -244,12 +354,16 @@ class BlockTree:
         return list(seen)
 
     def chain_to(self, key: bytes, n: int) -> list[bytes]:
-        """``key`` and its ancestors, at most ``n`` keys, root side first."""
+        """``key`` and its indexed ancestors less than ``n`` blocks above it,
+        root side first."""
         s = self.slot.get(key)
+        if s is None:
+            return []
         out: list[bytes] = []
-        while s is not None and s != NONE and len(out) < n:
+        parent, depth, lo = self.parent, self.depth, int(self.depth[s]) - n
+        while s != NONE and depth[s] > lo:
             out.append(self.keys[s])
-            s = int(self.parent[s])
+            s = int(parent[s])
         return out[::-1]
 
     def chunk_keys(self, keys: Sequence[bytes], blocks_per_chunk: int) -> list[bytes]:

@@ -11,6 +11,7 @@ TIERS = (0, 1, 2)
 class RefIndex:
     def __init__(self, idle_timeout_s=None, max_tombstones=10_000):
         self.parent = {}            # key -> parent key | None
+        self.depth = {}             # key -> its position in its chain
         self.copies = {}            # key -> [g1, g2, g3]
         self.sessions = {}          # session -> set of frontier keys
         self.last = {}
@@ -37,25 +38,34 @@ class RefIndex:
                 if not any(k != o and k in self.ancestors(o) for o in keys)}
 
     def prune(self):
+        """Remove each node with no copy that is no frontier and has no
+        child; splice out each such node with one child (its child's parent
+        becomes its own); until nothing changes."""
         while True:
-            children = {p for p in self.parent.values() if p is not None}
+            children = {}
+            for k, p in self.parent.items():
+                if p is not None:
+                    children.setdefault(p, []).append(k)
             fronts = set().union(*self.sessions.values()) if self.sessions else set()
-            dead = [k for k in self.parent
-                    if not self.resident(k) and k not in children and k not in fronts]
-            if not dead:
+            idle = [k for k in self.parent if not self.resident(k) and k not in fronts
+                    and len(children.get(k, ())) <= 1]
+            if not idle:
                 return
-            for k in dead:
-                del self.parent[k]
-                del self.copies[k]
+            k = idle[0]
+            for c in children.get(k, ()):
+                self.parent[c] = self.parent[k]
+            del self.parent[k], self.copies[k], self.depth[k]
 
     # mutation
-    def admit(self, session, chain, tier=None, start=0, now=0.0):
+    def admit(self, session, chain, tier=None, start=0, now=0.0, above=None):
+        """``chain[0]`` a child of ``above`` (the root when None)."""
         if not chain:
             return
-        for i, k in enumerate(chain):
-            if k not in self.parent:
-                self.parent[k] = chain[i - 1] if i else None
-                self.copies[k] = [0, 0, 0]
+        base = 0 if above is None else self.depth[above] + 1
+        for i, k in enumerate(chain):     # spliced-out keys come back between their kin
+            self.parent[k] = chain[i - 1] if i else above
+            self.depth[k] = base + i
+            self.copies.setdefault(k, [0, 0, 0])
         if tier is not None:
             for k in chain[start:]:
                 self.copies[k][tier] = max(self.copies[k][tier], 1)
@@ -70,6 +80,13 @@ class RefIndex:
                 t = resident[-1]
                 self.sessions[session] = self.maximal(self.sessions[session] | {t})
         self.prune()
+
+    def extend(self, session, parent, keys, tier, now=0.0):
+        """Only the links it is told: ``keys`` below ``parent``."""
+        if parent not in self.parent:
+            return False
+        self.admit(session, keys, tier, 0, now, above=parent)
+        return True
 
     def update(self, tier, keys, values, absolute):
         if isinstance(values, int):
@@ -118,7 +135,7 @@ class RefIndex:
 
     def result(self, keys):
         keys = sorted((k for k in keys if k in self.parent and self.resident(k)),
-                      key=lambda k: (len(self.ancestors(k)), k))
+                      key=lambda k: (self.depth[k], k))
         return keys, {t: [k for k in keys if self.copies[k][t] > 0] for t in TIERS}
 
     def resolve_session(self, session, branch=None, boundary=None):

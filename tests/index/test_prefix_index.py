@@ -53,14 +53,38 @@ def test_last_copy_gone_frontier_retreats_then_branch_is_removed():
     assert idx.frontiers("s") == [] and len(idx) == 0
 
 
-def test_parent_only_nodes_stay_while_they_connect_resident_descendants():
+def test_a_node_with_no_copy_and_one_child_is_spliced_out_and_comes_back():
     idx = SessionPrefixIndex()
     idx.admit("s", [A, AB, ABC], Tier.G2)
-    idx.set_copies(Tier.G2, [AB], 0)             # a middle chunk evicted
-    assert AB in idx and idx.frontiers("s") == [ABC]
+    idx.set_copies(Tier.G2, [AB], 0)             # a middle chunk evicted: spliced out
+    assert AB not in idx and len(idx) == 2 and idx.frontiers("s") == [ABC]
     assert idx.resolve_session("s").keys == [A, ABC]
-    idx.set_copies(Tier.G2, [ABC], 0)            # now AB connects nothing: pruned
-    assert AB not in idx and idx.frontiers("s") == [A]
+    assert idx.chain_to(ABC, 2) == [ABC]          # its chunk's blocks: AB is not indexed
+    idx.admit("s", [A, AB, ABC], Tier.G1, start=1)   # recomputed: linked back in
+    assert idx.resolve_session("s").keys == [A, AB, ABC] and idx.chain_to(ABC, 2) == [AB, ABC]
+    idx.set_copies(Tier.G1, [AB, ABC], 0)
+    idx.set_copies(Tier.G2, [AB], 0)             # AB has no copy again
+    assert AB not in idx
+    idx.admit(None, [A, AB, ABC], None)          # a hit links it back, with no copy: out again
+    assert AB not in idx and idx.resolve_session("s").keys == [A, ABC]
+    idx.set_copies(Tier.G2, [ABC], 0)
+    assert len(idx) == 1 and idx.frontiers("s") == [A]
+
+
+def test_a_long_session_keeps_what_is_resident_not_its_history():
+    # Issue "production scale": bench/scale.py's soak kept each session's
+    # whole path while its newest blocks were resident (768k nodes at hour 2,
+    # 4.1M at hour 19, 796k resident).
+    idx = SessionPrefixIndex()
+    chain = [block_key(f"h{i}") for i in range(1000)]
+    idx.admit("s", chain[:32], Tier.G2)
+    for turn in range(1, 1000 // 32):
+        new = chain[32 * turn: 32 * turn + 32]
+        assert idx.extend("s", chain[32 * turn - 1], new, Tier.G2)
+        idx.set_copies(Tier.G2, chain[32 * (turn - 1): 32 * turn], 0)   # the older turn evicted
+    assert len(idx) == 32 and idx.resolve_session("s").keys == chain[32 * 30: 32 * 31]
+    with pytest.raises(ValueError, match="prefix chain"):   # not the spliced key's kin
+        idx.admit(None, [block_key("X"), block_key("Y"), chain[32 * 30]], Tier.G1)
 
 
 def test_selectors_branch_boundary_and_exact_keys():
@@ -105,7 +129,7 @@ def test_sweep_prunes_what_g1_dropped_round_robin():
     idx.admit(None, chain, Tier.G1)
     pool.clear()
     assert idx.sweep_g1(max_slots=4) == 4
-    assert len(idx) == 10                         # the tail still holds the chain
+    assert len(idx) == 6                          # 4 with no copy and one child: spliced
     while len(idx):
         idx.sweep_g1(max_slots=4)
     assert len(idx) == 0

@@ -66,7 +66,8 @@ class IndexMachine(RuleBasedStateMachine):
     def extend(self, c, s, cut, tier, start, dt):
         """A step's admission (``extend``): the blocks after ``start`` below
         the chain's block ``start - 1``; the whole chain when that one is gone.
-        Either way the same as ``admit`` with ``start``."""
+        ``extend`` sees no link above its parent: a spliced link up there
+        stays until an ``admit`` of the chain repairs it."""
         chain = self.chains[c % len(self.chains)][:cut]
         if not 1 <= start < len(chain):
             return
@@ -74,10 +75,12 @@ class IndexMachine(RuleBasedStateMachine):
         if tier == Tier.G1:
             for k in chain[start:]:
                 self.pool[k] = max(self.pool.get(k, 0), 1)
-        if not self.idx.extend(s, chain[start - 1], chain[start:], tier, self.now):
-            assert chain[start - 1] not in self.idx
+        extended = self.idx.extend(s, chain[start - 1], chain[start:], tier, self.now)
+        assert extended == self.ref.extend(s, chain[start - 1], chain[start:], int(tier),
+                                           self.now)
+        if not extended:
             self.idx.admit(s, chain, tier, start, self.now)
-        self.ref.admit(s, chain, int(tier), start, self.now)
+            self.ref.admit(s, chain, int(tier), start, self.now)
 
     @rule(tier=TIER, picks=st.lists(st.integers(0, 10**6), max_size=6),
           count=st.integers(0, 2), absolute=st.booleans(), delta=st.integers(-2, 2))
