@@ -205,7 +205,8 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
         self._index.set_copies(tier, blocks, copies)
 
     def _set_g2(self, chunk_keys: Collection[OffloadKey], copies: int) -> None:
-        self.set_copies(Tier.G2, chunk_keys, copies)
+        if chunk_keys:
+            self._index_copies(Tier.G2, chunk_keys, copies)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -230,7 +231,8 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
             elif hit is LookupResult.MISS:
                 dropped.append(k)
         self._set_g2(stored, 1)
-        self._set_g2(dropped, 0)
+        if dropped:
+            self._set_g2(dropped, 0)
         if self.event_log is not None:
             for ks, present in ((stored, True), (dropped, False)):
                 if ks:
@@ -459,13 +461,21 @@ class SessionTierManager(TieringOffloadingManager):
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
         super().complete_store(keys, req_context, success)
-        self.emit(Transfer(src=Tier.G1.name, dst=Tier.G2.name, keys=list(keys), ok=success,
-                           req_id=req_context.req_id))
+        self._transferred(Tier.G1, Tier.G2, keys, success, req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         super().complete_load(keys, req_context)
-        self.emit(Transfer(src=Tier.G2.name, dst=Tier.G1.name, keys=list(keys),
-                           req_id=req_context.req_id))
+        self._transferred(Tier.G2, Tier.G1, keys, True, req_context)
+
+    def _transferred(self, src: Tier, dst: Tier, keys: Collection[OffloadKey], ok: bool,
+                     req_context: ReqContext) -> None:
+        """A G1<->G2 copy ended: counted, and logged when there is a log. Without
+        one no event is built (a decode step stores a block of every 16th request)."""
+        if self.event_log is not None:
+            self.emit(Transfer(src=src.name, dst=dst.name, keys=list(keys), ok=ok,
+                               req_id=req_context.req_id))
+        elif ok:
+            self.stats.moved(src.name, dst.name, len(keys))
 
     def execute_request_hints(self, hints: tuple[KvHint | HintOutcome, ...],
                               session: str | None) -> tuple[HintOutcome, ...]:

@@ -84,7 +84,7 @@ class SessionStats:
                 self._stats.increase_counter(OUTCOMES, 1, (o.action or "none", status))
                 name = f"{o.action or 'none'}/{status}"
                 self._outcomes[name] = self._outcomes.get(name, 0) + 1
-            elif isinstance(event, Transfer) and "G3" not in (event.src, event.dst):
+            elif isinstance(event, Transfer) and event.ok and "G3" not in (event.src, event.dst):
                 self._moved(event.src, event.dst, len(event.keys))
 
     def moved(self, src: str, dst: str, chunks: int) -> None:

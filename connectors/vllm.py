@@ -209,8 +209,13 @@ class _Tracked:
     per_tier: bool = False       # its report may carry per-tier counts (report.per_tier)
     keys: list[bytes] = field(default_factory=list)   # OffloadKey per full block
     admitted: int = 0            # leading blocks the index holds as computed in G1
+    due: int = 0                 # tokens computed when the next block fills (admitted + 1)
     g1_tokens: int = 0           # G1 prefix hits of the last scheduling attempt
     sources: dict[CacheHitSource, int] = field(default_factory=dict)
+
+    def admit_upto(self, n_blocks: int, block_size: int) -> None:
+        self.admitted = n_blocks
+        self.due = (n_blocks + 1) * block_size
 
     def keys_upto(self, n_blocks: int) -> list[bytes]:
         return self.keys_between(0, n_blocks)
@@ -347,7 +352,7 @@ class SessionTierConnector(OffloadingConnector):
                              start=g1 - g1 % bpc, now=now)
             self._associated(tr, g1 + ext // bs, Tier.G2)
         # A (re)scheduled request, preempted ones included, computes from here.
-        tr.admitted = g1 + (ext or 0) // bs
+        tr.admit_upto(g1 + (ext or 0) // bs, bs)
         return ext, is_async
 
     def update_state_after_alloc(
@@ -374,11 +379,13 @@ class SessionTierConnector(OffloadingConnector):
         meta = super().build_connector_meta(scheduler_output)
         # Full-block admission and decode-block completion: blocks this step
         # fills are cached in G1 now (vLLM caches them at allocation).
-        bs, now, index = self._block_size, time.monotonic(), self.index
+        bs, now, index, tracked = self._block_size, time.monotonic(), self.index, self._tracked
         scheduled = scheduler_output.total_num_scheduled_tokens
         for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
-            tr = self._tracked.get(req_id)
-            if tr is None:
+            # A decode step fills a block of one request in ``bs``: the rest
+            # cost a lookup and a comparison.
+            tr = tracked.get(req_id)
+            if tr is None or tr.request.num_computed_tokens + n_sched < tr.due:
                 continue
             req = tr.request
             full = min(len(req.block_hashes), (req.num_computed_tokens + n_sched) // bs)
@@ -390,7 +397,7 @@ class SessionTierConnector(OffloadingConnector):
                                                      Tier.G1, now)):
                     index.admit(tr.session, tr.keys_upto(full), Tier.G1, start=tr.admitted,
                                 now=now)
-                tr.admitted = full
+                tr.admit_upto(full, bs)
                 self._associated(tr, full, Tier.G1)
         index.sweep_g1(min(G1_SWEEP_MAX, max(G1_SWEEP_MIN, scheduled // bs)))
         self.manager.collect_clipped()

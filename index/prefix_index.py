@@ -117,10 +117,21 @@ class SessionPrefixIndex:
         it adds, not the context (``admit`` looks up the whole chain). False,
         with nothing done, when ``parent`` is no longer indexed (pruned): the
         caller admits the whole chain instead."""
-        p = self._tree.slot.get(parent)
-        if p is not None:
-            self._admit(session, keys, tier, 0, now, p, int(self._tree.depth[p]) + 1)
-        return p is not None
+        tree = self._tree
+        p = tree.slot.get(parent)
+        if p is None:
+            return False
+        if len(keys) == 1 and keys[0] not in tree.slot and session in self._frontier_of.get(p, ()):
+            # A decode step's block below the session's frontier: the frontier
+            # moves down to it (what ``_admit`` concludes, in a few dict and
+            # array writes: 16 of these a step at 256 x 64k).
+            s = tree.add_leaf(keys[0], p, tier)
+            st = self._touch_session(session, now)
+            self._drop_frontier(session, st, p)
+            self._put_frontier(session, st, s)
+            return True
+        self._admit(session, keys, tier, 0, now, p, int(tree.depth[p]) + 1)
+        return True
 
     def _admit(self, session: str | None, chain: Sequence[bytes], tier: Tier | None,
                start: int, now: float, root: int = NONE, base: int = 0) -> None:
@@ -172,14 +183,16 @@ class SessionPrefixIndex:
                 u = int(parent[u])
 
     def _touch_session(self, session: str, now: float) -> _Session:
-        if self._sessions:
-            now = max(now, self._sessions[next(reversed(self._sessions))].last_access)
-        st = self._sessions.pop(session, None)    # back in at the end: access order
+        sessions = self._sessions
+        if sessions:
+            now = max(now, sessions[next(reversed(sessions))].last_access)
+        st = sessions.pop(session, None)          # back in at the end: access order
         if st is None:
             st = _Session()
             self._tombstones.pop(session, None)   # a new request reopens it
-        st.last_access = max(st.last_access, now)
-        self._sessions[session] = st
+        sessions[session] = st
+        if now > st.last_access:
+            st.last_access = now
         return st
 
     def _extend_branch(self, session: str, slots: list, tail: int, base: int = 0,
@@ -239,6 +252,13 @@ class SessionPrefixIndex:
 
     def _update(self, tier: Tier, keys: Sequence[bytes], value, absolute: bool) -> None:
         slots = list(map(self._tree.slot.get, keys))
+        if absolute and isinstance(value, int):
+            # One count for all: a store's G2 copies, an eviction's (16 calls
+            # each a decode step at 256 x 64k), without the per-pair machinery.
+            gone = self._tree.set_each(tier, [s for s in slots if s is not None], value)
+            if gone:
+                self._on_gone(gone)
+            return
         if isinstance(value, int):
             pairs = [(s, value) for s in slots if s is not None]
         else:
@@ -366,9 +386,16 @@ class SessionPrefixIndex:
     def _refresh_g1(self, slots: Iterable[int]) -> None:
         if self._g1_probe is None:
             return
-        keys = [self._tree.keys[s] for s in slots]
-        if keys:
-            self.set_copies(Tier.G1, keys, list(self._g1_probe(keys)))
+        slots = list(slots)
+        keys_of = self._tree.keys
+        keys = [keys_of[s] for s in slots]
+        if not keys:
+            return
+        row = self._tree.copies[Tier.G1]
+        # Only the changed counts: most nodes a sweep reads are still in G1.
+        changed = [(k, c) for s, k, c in zip(slots, keys, self._g1_probe(keys)) if row[s] != c]
+        if changed:
+            self.set_copies(Tier.G1, [k for k, _ in changed], [c for _, c in changed])
 
     def _members(self, st: _Session) -> list[int]:
         """A session's nodes, G1 refreshed first (which may retreat its frontiers)."""

@@ -107,6 +107,9 @@ class BlockTree:
         given a new parent, ``(slot, old parent)``: usually both empty."""
         n = len(chain)
         missing = slots.count(None)
+        if missing == n:                         # all new: a decode step's block
+            self._link_run(chain, slots, 0, n, root, base)
+            return [], []
         first_new = n - missing
         if slots[first_new:].count(None) == missing:     # a known prefix, then new keys
             bad = self._misparented(slots, first_new, root)
@@ -117,6 +120,29 @@ class BlockTree:
         else:
             bad = self._misparented(slots, n, root)
         return self._repair(chain, slots, bad, root, base)
+
+    def add_leaf(self, key: bytes, parent: int, tier: Tier) -> int:
+        """``attach`` of one new ``key`` below ``parent``, with one copy in
+        ``tier``: a decode step's block, without the chain machinery. Its slot."""
+        if self._free:
+            s = self._free.pop()
+        else:
+            s = len(self.keys)
+            self._grow(s + 1)
+            self.keys.append(None)
+        self.parent[s] = parent
+        self.depth[s] = self.depth[parent] + 1
+        self.nchild[s] = 0
+        self.xchild[s] = 0
+        self.copies[:, s] = 0
+        self.copies[tier, s] = 1
+        self.total[s] = 1
+        self.nchild[parent] += 1
+        self.xchild[parent] ^= s
+        self.keys[s] = key
+        self.slot[key] = s
+        self.alias[alias64(key)] = s
+        return s
 
     def _misparented(self, slots: list, m: int, root: int) -> list[int]:
         """The positions ``j < m`` whose node is not a child of the chain's
@@ -273,6 +299,30 @@ class BlockTree:
         idx = np.asarray(slots, np.int64)
         row[idx] = np.maximum(row[idx], 1)
         self._recount(idx)
+
+    def set_each(self, tier: Tier, slots: Sequence[int], value: int) -> list[int]:
+        """``value`` copies in ``tier`` for each of ``slots`` (clamped to
+        ``[0, MAX_COPIES]``); the slots that had a copy before and have none
+        after (sorted, once)."""
+        value = min(max(value, 0), MAX_COPIES)
+        row, total = self.copies[tier], self.total
+        if len(slots) <= FEW_KEYS:       # a store's chunk, an evicted one
+            gone = []
+            for s in slots:
+                old = int(row[s])
+                if old != value:
+                    row[s] = value
+                    left = int(total[s]) + value - old
+                    total[s] = left
+                    if not left:
+                        gone.append(s)
+            return sorted(gone)
+        idx = np.asarray(slots, np.int64)
+        before = self.total[idx] != 0
+        row[idx] = value
+        self._recount(idx)
+        gone = idx[before & (self.total[idx] == 0)]
+        return np.unique(gone).tolist() if gone.size else []
 
     def update(self, tier: Tier, pairs: list[tuple[int, int]], absolute: bool) -> list[int]:
         """Set (``absolute``) or add each ``(slot, value)``'s copies in

@@ -329,6 +329,21 @@ class SessionCachePolicy(CachePolicy):
             return []
         self._expire()
         at = self._at
+        if n == 1 and self._levels:
+            # A store's one chunk (16 a decode step at 256 x 64k): the lowest
+            # level's oldest valid entry, stale ones dropped on the way, as
+            # the general loop below would choose it.
+            level = self._levels[0]
+            heap = self._heaps[level]
+            while heap:
+                order, k = heap[0]
+                if at.get(k) != (level, order):
+                    heapq.heappop(heap)
+                    continue
+                if k in protected:
+                    break
+                heapq.heappop(heap)
+                return [self._evicted(k)]
         chosen: list[tuple[int, tuple[object, OffloadKey]]] = []
         skipped: list[tuple[int, tuple[object, OffloadKey]]] = []     # protected ones
         seen: set[OffloadKey] = set()
@@ -351,13 +366,15 @@ class SessionCachePolicy(CachePolicy):
             return None                         # atomic: nothing changed
         rank = self._rank
         keys = sorted((entry[1] for _, entry in chosen), key=rank.__getitem__)
-        out = []
-        for k in keys:
-            out.append((k, self.chunks.pop(k)))
-            del self._rank[k]
-            self._unfile(k)
-            self._demoted_keys.discard(k)
-            if self._pins.pop(k, None) is not None:
-                self._clipped.append(k)
-            self._drop_retain(k)
+        return [self._evicted(k) for k in keys]
+
+    def _evicted(self, k: OffloadKey) -> tuple[OffloadKey, ChunkStatus]:
+        """Forget chosen ``k``; a pin it had is clipped."""
+        out = (k, self.chunks.pop(k))
+        del self._rank[k]
+        self._unfile(k)
+        self._demoted_keys.discard(k)
+        if self._pins.pop(k, None) is not None:
+            self._clipped.append(k)
+        self._drop_retain(k)
         return out

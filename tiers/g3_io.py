@@ -197,6 +197,8 @@ class Quarantine:
 
     def reclaim(self) -> list[int]:
         """Parked slots released since the last call: free again."""
+        if not self._returned:     # vLLM asks per store; one released now comes next call
+            return []
         with self._lock:
             out, self._returned = self._returned, []
             return out
