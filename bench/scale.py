@@ -56,6 +56,7 @@ from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
 from replay_router import make_hint
 from scale_steps import StepSpec, make_scheduler, run_both
+from sessionkv.connectors import compat
 from sessionkv.connectors.manager import G3_KNOWN_PER_G2_CHUNK
 from sessionkv.connectors.vllm import EXPIRE_PER_PASS
 from sessionkv.hints import Action
@@ -114,7 +115,7 @@ def evict_cost(chunks: int, rounds: int) -> dict:
     rng = random.Random(0)
     lru, ours = LRUCachePolicy(chunks), SessionCachePolicy(chunks)
     for i in range(chunks):
-        lru.insert(_key(i), _ready(i))
+        compat.insert(lru, _key(i), _ready(i))
         ours.insert(_key(i), _ready(i))
     for i in range(0, chunks, 512):
         ours.retain([_key(j) for j in range(i, min(chunks, i + 512))], rng.randint(1, 80),
@@ -125,7 +126,7 @@ def evict_cost(chunks: int, rounds: int) -> dict:
         for name, p in (("lru", lru), ("ours", ours)):
             t0 = time.perf_counter()
             (k, c), = p.evict(1, set())
-            p.insert(_key(nxt), c)
+            compat.insert(p, _key(nxt), c)
             if name == "ours":
                 p.retain([_key(nxt)], rng.randint(1, 80), None, owner=f"s{r}")
             times[name].append(time.perf_counter() - t0)

@@ -114,16 +114,24 @@ class StepSpec:
         return self.context + 2 * (prefill_steps + self.decode_steps) + BLOCK
 
 
-def make_scheduler(ours: bool, spec: StepSpec, policy_file: str | None = None) -> Scheduler:
+def make_scheduler(ours: bool, spec: StepSpec, policy_file: str | None = None, *,
+                   connector: tuple[str, str] | None = None,
+                   extra_config: dict | None = None) -> Scheduler:
+    """vLLM's scheduler with our connector (``ours``) or vLLM's, timed;
+    ``connector`` names another (class, module), ``extra_config`` adds to
+    its ``kv_connector_extra_config`` (G3 tiers, say)."""
     blocks = spec.running * (spec.max_len // BLOCK + 1) + 64
     # Both offload generated tokens (ours by default, agentic turns reuse them).
     extra = {"cpu_bytes_to_use": spec.g2_chunks * CHUNK_BYTES, "block_size": BLOCK,
-             "offload_prompt_only": False}
+             "offload_prompt_only": False, **(extra_config or {})}
     if ours and policy_file is not None:
         extra["sessionkv"] = {"policy_file": policy_file}
+    name, module = connector or (
+        "TimedSessionTierConnector" if ours else "TimedOffloadingConnector",
+        __name__ if __name__ != "__main__" else "scale_steps")
     kvt = KVTransferConfig(
-        kv_connector=("TimedSessionTierConnector" if ours else "TimedOffloadingConnector"),
-        kv_connector_module_path=__name__ if __name__ != "__main__" else "scale_steps",
+        kv_connector=name,
+        kv_connector_module_path=module,
         kv_role="kv_both", engine_id="scale", kv_connector_extra_config=extra)
     config = VllmConfig(
         # No model runs: the tiny model's config only sizes the schedule, its
@@ -167,7 +175,9 @@ def make_requests(spec: StepSpec, seed: int = 0) -> list[Request]:
     return out
 
 
-def _output(sched_out, done_jobs: set[int]) -> ModelRunnerOutput:
+def model_output(sched_out, done_jobs: set[int]) -> ModelRunnerOutput:
+    """What the workers would report for ``sched_out``: one token per request,
+    ``done_jobs`` complete."""
     ids = list(sched_out.num_scheduled_tokens)
     meta = OffloadingWorkerMetadata()
     for j in done_jobs:
@@ -197,7 +207,7 @@ def step_times(ours: bool, spec: StepSpec, policy_file: str | None = None
         nonlocal pending
         out = sched.schedule()
         meta = out.kv_connector_metadata
-        sched.update_from_output(out, _output(out, pending))
+        sched.update_from_output(out, model_output(out, pending))
         pending = set()
         if isinstance(meta, OffloadingConnectorMetadata):
             pending = set(meta.load_jobs) | set(meta.store_jobs)

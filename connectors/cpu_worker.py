@@ -117,9 +117,11 @@ class TorchCopyWorker(OffloadingWorker):
         return self._done(job_id, nbytes, t0)
 
     def submit_load(
-        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
     ) -> bool:
-        """G2 -> G1, copied before returning."""
+        """G2 -> G1, copied before returning (so ``expedited``, vLLM 0.33's
+        "waited on within the step", changes nothing)."""
         t0 = time.perf_counter()
         dev_idx, chunks, slots = self._index(dst_spec, src_spec)
         nbytes = 0

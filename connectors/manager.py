@@ -40,7 +40,6 @@ and eviction from the primary tier, transfers and outcomes from the manager.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterator
@@ -75,6 +74,7 @@ from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers.g3 import G3Tier, Quarantine
 from sessionkv.types import Tier
 
+from . import compat
 from .fetch import Fetcher
 from .hint_executor import HintExecutor
 from .metrics import SessionStats
@@ -119,38 +119,28 @@ class G3Copies:
             yield self._seen.popleft()
 
 
-class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
-    """vLLM's CPU primary tier (G2) that reports residency to the index.
-    Called under ``SessionTierManager.lock`` (see the module docstring)."""
+class SessionPrimaryTier(compat.QuarantinedSlots, CPUPrimaryTierOffloadingManager):
+    """vLLM's CPU primary tier (G2) that reports residency to the index; G2
+    slots a G3 load may still write stay out of its free list until released
+    (``compat.QuarantinedSlots``). Called under ``SessionTierManager.lock``
+    (see the module docstring)."""
 
     @property
     def policy(self):
         """The G2 cache policy vLLM built (``SessionCachePolicy`` by default)."""
-        return self._policy
+        return compat.cpu_policy(self)
 
-    def __init__(self, *args, index: SessionPrefixIndex, blocks_per_chunk: int,
-                 quarantine: Quarantine, event_log: EventLog | None, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, num_chunks: int, index: SessionPrefixIndex,
+                 blocks_per_chunk: int, quarantine: Quarantine, event_log: EventLog | None,
+                 **kwargs):
+        super().__init__(*args, num_chunks=num_chunks, **kwargs)
+        self._chunks = num_chunks
         self._index = index
         self._bpc = blocks_per_chunk
         self.event_log = event_log      # vLLM's own list is ``events``
         self.quarantine = quarantine
         self._g3_known: OrderedDict[OffloadKey, None] = OrderedDict()   # oldest first
-        self._g3_cap = G3_KNOWN_PER_G2_CHUNK * self._num_chunks
-
-    # ---- G2 slots: held ones stay out of the free list (``Quarantine``) ----------
-
-    def _free_chunk(self, chunk) -> None:
-        if not self.quarantine.park(chunk.chunk_id):
-            super()._free_chunk(chunk)
-
-    def _get_num_free_chunks(self) -> int:
-        self._free_list.extend(self.quarantine.reclaim())
-        return super()._get_num_free_chunks()
-
-    def _allocate_chunks(self, keys):
-        self._free_list.extend(self.quarantine.reclaim())
-        return super()._allocate_chunks(keys)
+        self._g3_cap = G3_KNOWN_PER_G2_CHUNK * num_chunks
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -159,7 +149,7 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
     @property
     def num_chunks(self) -> int:
         """G2's size in chunks."""
-        return self._num_chunks
+        return self._chunks
 
     @property
     def index(self) -> SessionPrefixIndex:
@@ -242,15 +232,14 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
     def reset_cache(self) -> None:
         super().reset_cache()
         held = self.quarantine.reset()
-        if held:     # every slot allocated, the free ones listed: held ones left out
-            self._num_allocated_chunks = self._num_chunks
-            self._free_list[:] = [c for c in reversed(range(self._num_chunks)) if c not in held]
+        if held:
+            self._leave_out(held, self._chunks)
         self._index.clear_tier(Tier.G2)
         if self.event_log is not None:     # no keys: everything in the tier
             self.event_log.append(Eviction(tier=Tier.G2.name, keys=[], reason="reset"))
 
 
-class SessionTierManager(TieringOffloadingManager):
+class SessionTierManager(compat.OneLock, compat.CascadeGate, TieringOffloadingManager):
     """vLLM's tiering manager that owns the lock, the SessionPrefixIndex and
     the HintExecutor, and executes each request's hints when it finishes.
 
@@ -267,11 +256,13 @@ class SessionTierManager(TieringOffloadingManager):
         config: SessionKVConfig,
         g3_copies: G3Copies,
         event_log: EventLog | None,
+        **vllm_kwargs,
     ):
         """``g3_copies``: the queue every G3 tier observes into; ``event_log``:
-        the primary tier's too (None: no event stream)."""
-        super().__init__(primary_tier=primary_tier, secondary_tiers=secondary_tiers)
-        self.lock = threading.Lock()
+        the primary tier's too (None: no event stream); ``vllm_kwargs``: what
+        the running vLLM's tiering manager takes besides (``compat.manager_kwargs``)."""
+        super().__init__(primary_tier=primary_tier, secondary_tiers=secondary_tiers,
+                         **vllm_kwargs)
         self.index = index
         self.config = config
         self.event_log = event_log
@@ -453,10 +444,9 @@ class SessionTierManager(TieringOffloadingManager):
         if self.mover is not None:
             self.mover.apply()
 
-    def _should_store_to_tier(self, tier: SecondaryTierManager, num_blocks: int) -> bool:
+    def cascades(self) -> bool:
         # g3.write_through false: vLLM's cascade sends nothing down; hints do.
-        return (self.config.policy.g3.write_through
-                and super()._should_store_to_tier(tier, num_blocks))
+        return self.config.policy.g3.write_through
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:

@@ -28,6 +28,7 @@ from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers.g2_policy import SessionCachePolicy
 from sessionkv.tiers.g3 import G3Tier, Quarantine
 
+from . import compat
 from .cpu_worker import TorchCopyWorker
 from .manager import G3Copies, SessionPrimaryTier, SessionTierManager
 from .metrics import DEFINITIONS as METRICS
@@ -44,6 +45,10 @@ class SessionTierSpec(TieringOffloadingSpec):
     def __init__(self, config: OffloadingConfig):
         self.sessionkv: SessionKVConfig = parse_extra_config(config.extra_config)
         super().__init__(config)
+        # Ours, not vLLM's ``_manager``/``_worker``: get_manager and get_worker
+        # are ours here, and the region is the primary tier's to release.
+        self._session_manager: SessionTierManager | None = None
+        self._cpu_worker: TorchCopyWorker | None = None
         eviction = self.sessionkv.policy.g2.eviction
         if eviction == "session":
             self.eviction_policy = SessionCachePolicy.__name__
@@ -59,13 +64,14 @@ class SessionTierSpec(TieringOffloadingSpec):
 
     def get_manager(self) -> OffloadingManager:
         """vLLM's tiering manager built from our parts: the same shared region,
-        primary tier and secondary tiers as ``TieringOffloadingSpec``, with the
+        primary tier and secondary tiers as ``TieringOffloadingSpec`` (a copy
+        of its ``get_manager``; ``compat`` gives what differs by release), with the
         primary tier and the manager keeping the SessionPrefixIndex in step.
         The G2 quarantine, the G3 copy queue and the event log (when the
         policy names a secret: the control channel streams it) are built
         first and shared by the parts that use them."""
-        if self._manager is not None:
-            return self._manager
+        if self._session_manager is not None:
+            return self._session_manager
         if int(self.extra_config.get("store_threshold", 0)) >= 2:
             raise ValueError("store_threshold is not supported with SessionTierConnector")
         policy = self.sessionkv.policy
@@ -74,7 +80,7 @@ class SessionTierSpec(TieringOffloadingSpec):
         quarantine, g3_copies = Quarantine(), G3Copies()
         events = EventLog() if policy.trust.secret is not None else None
         region = SharedOffloadRegion(
-            engine_id=self._engine_id, num_chunks=self.num_chunks, rank=None,
+            engine_id=self.config.engine_id, num_chunks=self.num_chunks, rank=None,
             kv_bytes_per_chunk=self.kv_bytes_per_chunk,
             cpu_page_size=self.cpu_page_size_per_worker,
         )
@@ -87,13 +93,14 @@ class SessionTierSpec(TieringOffloadingSpec):
                 cache_policy_module_path=self.cache_policy_module_path,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 index=index, blocks_per_chunk=self.blocks_per_chunk,
-                quarantine=quarantine, event_log=events,
+                quarantine=quarantine, event_log=events, **compat.primary_kwargs(self),
             )
             view = primary.get_kv_memoryview()
             for tier_config in self.secondary_tier_configs:
                 secondary.append(self._secondary_tier(tier_config, view, quarantine, g3_copies))
-            self._manager = SessionTierManager(primary, secondary, index, self.sessionkv,
-                                               g3_copies=g3_copies, event_log=events)
+            manager = SessionTierManager(primary, secondary, index, self.sessionkv,
+                                         g3_copies=g3_copies, event_log=events,
+                                         **compat.manager_kwargs(self))
         except Exception:
             for tier in reversed(secondary):
                 tier.shutdown()
@@ -102,8 +109,8 @@ class SessionTierSpec(TieringOffloadingSpec):
             else:
                 region.cleanup()
             raise
-        self._scheduler_mmap = region
-        return self._manager
+        self._session_manager = manager
+        return manager
 
     def _secondary_tier(self, tier_config: dict, view: memoryview, quarantine: Quarantine,
                         g3_copies: G3Copies):
@@ -124,9 +131,9 @@ class SessionTierSpec(TieringOffloadingSpec):
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if has_device_worker():
             return super().get_worker(kv_caches)
-        if self._worker is None:
-            self._worker = self._create_cpu_worker(kv_caches)
-        return self._worker
+        if self._cpu_worker is None:
+            self._cpu_worker = self._create_cpu_worker(kv_caches)
+        return self._cpu_worker
 
     def _create_cpu_worker(self, kv_caches: CanonicalKVCaches) -> TorchCopyWorker:
         if self.config.canonical_layout:
@@ -138,7 +145,7 @@ class SessionTierSpec(TieringOffloadingSpec):
         # scheduler's view (and every G3 tier reading it) sees these bytes.
         rank = 0 if self.replicated_layout else self.config.parallel.rank
         region = SharedOffloadRegion(
-            engine_id=self._engine_id,
+            engine_id=self.config.engine_id,
             num_chunks=self.num_chunks,
             rank=rank,
             kv_bytes_per_chunk=self.kv_bytes_per_chunk,

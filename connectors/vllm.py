@@ -27,7 +27,11 @@ holds the tier manager's lock: from the first call of a ``schedule()`` pass
 ``build_connector_meta``) until ``build_connector_meta`` returns, which vLLM
 calls exactly once per pass; the other calls (``on_new_request``,
 ``request_finished``, ``update_connector_output``) hold it for their own
-duration. Other threads take the same lock and change only metadata.
+duration. Other threads take the same lock and change only metadata. Who
+takes it differs by release (``connectors/compat.py``): on 0.32 this
+connector (``_enter_pass``, ``_around_vllm``); on 0.33 vLLM's connector
+scheduler in its own hooks, and this connector only around its own work
+outside them (``_locked``, ``compat.after_vllm_step``).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from sessionkv.report import RequestReport
 from sessionkv.tiers.g3_spec import IDENTITY_KEY
 from sessionkv.types import Tier
 
+from . import compat
 from .control import ControlChannel
 from .hint_executor import read_request
 from .manager import SessionTierManager
@@ -152,16 +157,14 @@ def model_identity(vllm_config: "VllmConfig") -> dict[str, Any]:
 
 
 def g1_probe(block_pool: "BlockPool"):
-    """G1 copy counts of keys, read from vLLM's block pool. An ``OffloadKey`` of
-    group g is byte for byte vLLM's ``BlockHashWithGroupId``; a hash computed
-    twice maps to a dict of its duplicate blocks."""
+    """G1 copies of keys, read from vLLM's block pool: 1 while the pool caches
+    a block of the key (duplicates count once: the index asks whether G1
+    holds a block, not how many). An ``OffloadKey`` of group g is byte for
+    byte vLLM's ``BlockHashWithGroupId``."""
     def probe(keys: Sequence[bytes]) -> list[int]:
         # Read the map each time: reset_prefix_cache() replaces it.
-        cached = block_pool.cached_block_hash_to_block._cache
-        out = []
-        for b in map(cached.get, keys):
-            out.append(0 if b is None else len(b) if isinstance(b, dict) else 1)
-        return out
+        get = block_pool.cached_block_hash_to_block.get_one_block
+        return [0 if get(k) is None else 1 for k in keys]
 
     return probe
 
@@ -279,16 +282,32 @@ class SessionTierConnector(OffloadingConnector):
         return self.manager.index
 
     def _enter_pass(self) -> None:
+        """Open the step's lock region at the first scheduler-side call of a
+        ``schedule()`` pass (``compat.open_step``: vLLM's own region on 0.33)."""
         if not self._in_pass:
-            self.manager.lock.acquire()
+            compat.open_step(self.scheduler, self.manager.lock)
             self._in_pass = True
             self.manager.apply_moves()      # hint copies that ended become visible
 
+    def _leave_pass(self) -> None:
+        if self._in_pass:
+            self._in_pass = False
+            compat.close_step(self.scheduler, self.manager.lock)
+
+    @contextlib.contextmanager
+    def _around_vllm(self) -> Iterator[None]:
+        """The lock around a call into vLLM's hook outside the pass: on 0.33
+        vLLM's hook takes it itself (``compat.VLLM_LOCKS_HOOKS``)."""
+        if self._in_pass or compat.VLLM_LOCKS_HOOKS:
+            yield
+            return
+        with self.manager.lock:
+            yield
+
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        """The lock around a scheduler-side hook outside the pass; inside a
-        pass (a hook vLLM calls within ``schedule()``) the pass already holds
-        it, and the lock is never taken twice."""
+        """The lock around our own manager work in a hook outside the pass;
+        inside a pass the pass already holds it: never taken twice."""
         if self._in_pass:
             yield
             return
@@ -312,7 +331,7 @@ class SessionTierConnector(OffloadingConnector):
         # else only when the router signed it.
         per_tier = signed or self.manager.config.policy.report.per_tier == "all"
         self._tracked[request.request_id] = _Tracked(request, session, hints, per_tier)
-        with self._locked():
+        with self._around_vllm():
             super().on_new_request(request)
 
     def _read_hints(self, request: "Request", params: dict,
@@ -370,13 +389,14 @@ class SessionTierConnector(OffloadingConnector):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput"):
         self._enter_pass()
         try:
-            return self._build_meta(scheduler_output)
+            meta = super().build_connector_meta(scheduler_output)
+            with compat.after_vllm_step(self.manager.lock):
+                self._after_step(scheduler_output)
+            return meta
         finally:
-            self._in_pass = False
-            self.manager.lock.release()
+            self._leave_pass()
 
-    def _build_meta(self, scheduler_output: "SchedulerOutput"):
-        meta = super().build_connector_meta(scheduler_output)
+    def _after_step(self, scheduler_output: "SchedulerOutput") -> None:
         # Full-block admission and decode-block completion: blocks this step
         # fills are cached in G1 now (vLLM caches them at allocation).
         bs, now, index, tracked = self._block_size, time.monotonic(), self.index, self._tracked
@@ -404,7 +424,6 @@ class SessionTierConnector(OffloadingConnector):
         if now >= self._next_expiry:
             more = self.manager.expire_sessions(now, EXPIRE_PER_PASS)
             self._next_expiry = now if more else now + EXPIRE_EVERY_S
-        return meta
 
     def _associated(self, tr: _Tracked, n_blocks: int, tier: Tier) -> None:
         events = self.manager.event_log
@@ -432,34 +451,36 @@ class SessionTierConnector(OffloadingConnector):
     def request_finished(
         self, request: "Request", block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        with self._locked():
+        with self._around_vllm():
             delay, params = super().request_finished(request, block_ids)
+        with self._locked():
             return delay, {**(params or {}), **self._report(request).to_params()}
 
     def request_finished_all_groups(
         self, request: "Request", block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         # The path vLLM's scheduler takes for connectors that support HMA (ours).
-        with self._locked():
+        with self._around_vllm():
             delay, params = super().request_finished_all_groups(request, block_ids)
+        with self._locked():
             return delay, {**(params or {}), **self._report(request).to_params()}
 
     def update_connector_output(self, connector_output) -> None:
-        with self._locked():
+        with self._around_vllm():
             super().update_connector_output(connector_output)
 
     def reset_cache(self) -> bool | None:
-        with self._locked():
+        with self._around_vllm():
             return super().reset_cache()
 
     def take_events(self):
-        with self._locked():
+        with self._around_vllm():
             return list(super().take_events())
 
     def get_kv_connector_stats(self):
         if self.connector_scheduler is None:
             return super().get_kv_connector_stats()
-        with self._locked():
+        with self._around_vllm():
             return super().get_kv_connector_stats()
 
     @classmethod

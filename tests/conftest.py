@@ -7,6 +7,20 @@ import warnings
 import pytest
 
 
+def _vllm() -> str:
+    import vllm
+    return f"vllm {vllm.__version__} ({os.path.dirname(vllm.__file__)})"
+
+
+def pytest_report_header(config):
+    """Which vLLM this run tests: scripts/test runs one pass per release."""
+    return _vllm()
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"tested on {_vllm()}")
+
+
 def pytest_configure(config):
     """Engines in tests run in-process with a small G1 (``ENGINE_ENV``), set
     before any test module imports vLLM."""

@@ -264,7 +264,9 @@ class SessionCachePolicy(CachePolicy):
     def get(self, key: OffloadKey) -> ChunkStatus | None:
         return self.chunks.get(key)
 
-    def insert(self, key: OffloadKey, chunk: ChunkStatus) -> None:
+    def insert(self, key: OffloadKey, chunk: ChunkStatus,
+               req_context: ReqContext | None = None) -> None:
+        # vLLM 0.33 passes the storing request's context (connectors/compat.py); unused.
         self.chunks[key] = chunk
         self._next_rank += 1
         self._rank[key] = self._next_rank

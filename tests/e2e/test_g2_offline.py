@@ -140,7 +140,7 @@ def test_generated_tokens_are_offloaded(engine):
 def test_the_g2_policy_is_the_session_policy(engine):
     llm, _, _ = engine
     manager = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler.manager
-    assert isinstance(manager.primary_tier._policy, SessionCachePolicy)
+    assert isinstance(manager.primary_tier.policy, SessionCachePolicy)
 
 
 def test_session_id_reaches_the_report(engine):

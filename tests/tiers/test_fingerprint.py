@@ -125,6 +125,7 @@ def engine_config(**kw):
     return EngineArgs(model=TINY, **kw).create_engine_config()
 
 
+@pytest.mark.platform
 def test_model_identity_from_a_real_vllm_config():
     """Settings that do not touch K/V leave the identity alone; overrides,
     the revision and the KV dtype change it."""

