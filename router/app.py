@@ -52,7 +52,8 @@ A worker that answers but failed the turn gives a 502 (no retry: the turn
 may have run). A streamed turn is retried only while nothing was sent to the
 client; a stream cut later is closed without its end (``streams_cut``).
 
-Every outcome is logged and counted: ``GET /router/status``.
+Every outcome is logged and counted: ``GET /router/status`` (JSON) and
+``GET /metrics`` (Prometheus, the same counters: ``router/metrics.py``).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ from sessionkv.keys import ROUTER_CLIENT, derive
 from sessionkv.report import RequestReport
 from sessionkv.router import policy as rules
 from sessionkv.router.config import RouterConfig
+from sessionkv.router.metrics import RouterMetrics
 from sessionkv.router.overlap import score
 from sessionkv.router.session_policy import End, Out, SessionHints
 from sessionkv.router.state import ResilientStore, SessionStore, StateError
@@ -101,6 +103,7 @@ class Router:
     def __init__(self, cfg: RouterConfig, clock=time.monotonic):
         self.cfg = cfg
         self.counters = rules.Counters()
+        self.metrics = RouterMetrics(self)
         self.policy = SessionHints(cfg.policy, clock)
         self._outbox: asyncio.Queue[Out] = asyncio.Queue(OUTBOX)
         self.store = ResilientStore(SessionStore(cfg.redis), cfg.policy.max_sessions)
@@ -119,6 +122,7 @@ class Router:
             web.post("/v1/sessions/{sid}/end", self._end_api),
             web.get("/v1/sessions/{sid}", self._session_api),
             web.get("/router/status", self._status),
+            web.get("/metrics", self._metrics),
             web.get("/health", self._health)])
 
     # ---- lifecycle ----------------------------------------------------------------
@@ -172,6 +176,7 @@ class Router:
         """A control hint, counted; with ``wait_s``, its final outcome and transfer
         (None when it did not come in time). Never raises: a failure is logged."""
         try:
+            self.counters.sent("control")
             first = await worker.hint(action, session_id, **kw)
         except Exception as e:      # the engine is away: the hint is lost, the turn is not
             log.warning("hint %s on %s for %s failed: %s", action.value, worker.name,
@@ -188,6 +193,7 @@ class Router:
 
     async def _end_on(self, worker: Worker, session_id: str) -> None:
         try:
+            self.counters.sent("control")
             self._count(worker.name, session_id, await worker.end_session(session_id), "control")
         except Exception as e:
             log.warning("end of %s on %s failed: %s", session_id, worker.name, e)
@@ -223,6 +229,7 @@ class Router:
             if worker is None or worker.control is None:
                 continue
             try:
+                self.counters.sent("policy", len(o.actions))
                 outcomes = await worker.hints(o.session, o.actions)
             except Exception as e:      # the engine is away: these hints are lost
                 log.warning("policy hints on %s for %s failed: %s", worker.name, o.session, e)
@@ -331,6 +338,7 @@ class Router:
     # ---- the proxy ------------------------------------------------------------------
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
+        arrived = time.monotonic()
         try:
             body = await request.json()
             if not isinstance(body, dict):
@@ -371,13 +379,18 @@ class Router:
             worker.inflight += 1
             try:
                 if body.get("stream"):
-                    resp, tool_call = await self._stream(request, worker, forward, headers)
+                    resp, tool_call = await self._stream(request, worker, forward, headers,
+                                                         arrived)
                 else:
                     resp, tool_call = await self._plain(request, worker, forward, headers,
-                                                        session_id)
+                                                        session_id, arrived)
+                self.counters.request(worker.name, resp.status)
+                self.counters.sent("request", len(forward["kv_transfer_params"][HINTS_PARAM]
+                                                  ["actions"]))
                 break
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 log.warning("turn of %s on %s failed: %r", session_id, worker.name, e)
+                self.counters.request(worker.name, "error")
                 dead = not isinstance(e, asyncio.TimeoutError) and not await worker.alive()
                 if dead:
                     worker.mark_dead(repr(e))
@@ -441,12 +454,13 @@ class Router:
         params[SIG_PARAM] = sign(env, session_id, self.cfg.secret)
         return {**body, "session_id": session_id, "kv_transfer_params": params}
 
-    async def _plain(self, request, worker, body, headers, session_id):
+    async def _plain(self, request, worker, body, headers, session_id, arrived):
         async with self._http.post(worker.url + request.path, json=body,
                                    headers={SESSION_HEADER: session_id}) as r:
             raw = await r.read()
             ctype = r.headers.get("Content-Type", "application/json")
             status = r.status
+        self.metrics.ttft(worker.name, time.monotonic() - arrived)    # the whole answer
         tool_call = False
         if status == 200:
             with contextlib.suppress(ValueError):
@@ -468,9 +482,9 @@ class Router:
         for o in report.hints:
             self._count(worker.name, session_id, o, "request")
 
-    async def _stream(self, request, worker, body, headers):
+    async def _stream(self, request, worker, body, headers, arrived):
         resp = web.StreamResponse(headers=headers)
-        tool_call = False
+        tool_call, first = False, True
         async with self._http.post(worker.url + request.path, json=body,
                                    headers={SESSION_HEADER: headers[SESSION_HEADER]}) as r:
             resp.set_status(r.status)
@@ -483,6 +497,9 @@ class Router:
                     tool_call = tool_call or \
                         b'"finish_reason":"tool_calls"' in chunk.replace(b" ", b"")
                     await resp.write(chunk)
+                    if first:
+                        self.metrics.ttft(worker.name, time.monotonic() - arrived)
+                        first = False
             except aiohttp.ClientError as e:
                 raise _StreamCut(str(e)) from e
         await resp.write_eof()
@@ -580,6 +597,12 @@ class Router:
         return web.json_response({"workers": [w.status() for w in self.workers.values()],
                                   **self.counters.to_dict(), "policy": self.policy.status(),
                                   "state": self.store.status()})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body, ctype = self.metrics.render()
+        resp = web.Response(body=body)
+        resp.headers["Content-Type"] = ctype
+        return resp
 
     async def _health(self, request: web.Request) -> web.Response:
         ok = any(w.healthy for w in self.workers.values())

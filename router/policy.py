@@ -97,6 +97,8 @@ class Counters:
         self._outcomes: Counter[tuple[str, str, str]] = Counter()   # (action, status, via)
         self._blocks: Counter[str] = Counter()
         self._events: Counter[str] = Counter()
+        self._requests: Counter[tuple[str, str]] = Counter()        # (worker, HTTP status)
+        self._sent: Counter[str] = Counter()                        # hints sent, by via
 
     def outcome(self, outcome: HintOutcome, via: str) -> None:
         action = (outcome.action or "?").removeprefix("kv.")
@@ -117,13 +119,27 @@ class Counters:
         with self._lock:
             self._events[name] += n
 
+    def request(self, worker: str, status: int | str) -> None:
+        """A turn proxied to ``worker``: its HTTP status, or "error"."""
+        with self._lock:
+            self._requests[(worker, str(status))] += 1
+
+    def sent(self, via: str, n: int = 1) -> None:
+        """Hints sent: on a request, over the control channel, by the policy."""
+        with self._lock:
+            self._sent[via] += n
+
     def to_dict(self) -> dict[str, Any]:
         with self._lock:
             outcomes: dict[str, dict[str, dict[str, int]]] = {}
             for (action, status, via), n in sorted(self._outcomes.items()):
                 outcomes.setdefault(action, {}).setdefault(via, {})[status] = n
+            requests: dict[str, dict[str, int]] = {}
+            for (worker, status), n in sorted(self._requests.items()):
+                requests.setdefault(worker, {})[status] = n
             return {"outcomes": outcomes, "blocks": dict(self._blocks),
-                    "events": dict(self._events)}
+                    "events": dict(self._events), "requests": requests,
+                    "hints_sent": dict(self._sent)}
 
 
 class PinQuota:

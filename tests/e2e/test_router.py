@@ -177,6 +177,53 @@ def test_every_turn_equals_a_cold_recompute(moved, cluster):
         assert outputs(out) == want, f"turn {i + 1}: {report}"
 
 
+def test_router_metrics_count_what_status_counts(moved):
+    """``GET /metrics`` (Prometheus text, parsed with prometheus-client's own
+    parser) after the moved session's four turns: the counts of
+    ``/router/status``, per-worker turns and a TTFT per turn."""
+    from prometheus_client.parser import text_string_to_metric_families
+    router, turns, _ = moved
+
+    def scrape():
+        r = requests.get(router.url + "/metrics", timeout=10)
+        r.raise_for_status()
+        assert r.headers["Content-Type"].startswith("text/plain")
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(r.text) for s in f.samples}
+
+    for _ in range(20):      # the policy's hints may land between the two reads
+        before, got, after = router.status(), scrape(), router.status()
+        if before == after:
+            break
+        time.sleep(0.5)
+    status = after
+
+    def value(name, **labels):
+        return got.get((name, tuple(sorted(labels.items()))), 0)
+    per_worker = {}
+    for worker, *_ in turns:
+        per_worker[worker] = per_worker.get(worker, 0) + 1
+    for worker, n in per_worker.items():
+        assert value("sessionkv_router_requests_total", worker=worker, status="200") == n
+        assert value("sessionkv_router_ttft_seconds_count", worker=worker) == n
+        assert value("sessionkv_router_worker_healthy", worker=worker) == 1
+    assert status["requests"] == {w: {"200": n} for w, n in per_worker.items()}
+    for action, vias in status["outcomes"].items():
+        for via, statuses in vias.items():
+            for st, n in statuses.items():
+                assert value("sessionkv_router_hint_outcomes_total", action=action, via=via,
+                             status=st) == n, (action, via, st)
+    for event, n in status["events"].items():
+        assert value("sessionkv_router_events_total", event=event) == n, event
+    assert value("sessionkv_router_events_total", event="moves") == 1
+    assert value("sessionkv_router_events_total", event="sessions_new") == 1
+    # The tool-gap turn's Pin went on the request; the move's Share over the channel.
+    assert value("sessionkv_router_hints_sent_total", via="request") == 1
+    assert value("sessionkv_router_hints_sent_total", via="control") >= 1
+    for tier, n in status["blocks"].items():
+        assert value("sessionkv_router_prompt_blocks_total", tier=tier) == n
+
+
 def test_router_restart_keeps_sessions_workers(cluster):
     namespace = f"r-{uuid.uuid4().hex[:6]}"
     router = start_router(cluster, namespace)
