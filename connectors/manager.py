@@ -221,8 +221,7 @@ class SessionPrimaryTier(compat.QuarantinedSlots, CPUPrimaryTierOffloadingManage
             elif hit is LookupResult.MISS:
                 dropped.append(k)
         self._set_g2(stored, 1)
-        if dropped:
-            self._set_g2(dropped, 0)
+        self._set_g2(dropped, 0)
         if self.event_log is not None:
             for ks, present in ((stored, True), (dropped, False)):
                 if ks:

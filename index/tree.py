@@ -163,7 +163,7 @@ class BlockTree:
         return out
 
     def _repair(self, chain: Sequence[bytes], slots: list, bad: list[int],
-                root: int, base: int) -> list[int]:
+                root: int, base: int) -> tuple[list[int], list[tuple[int, int]]]:
         """``attach`` off its common path: missing keys anywhere, spliced links."""
         n, parent, depth = len(chain), self.parent, self.depth
         for j in bad:                           # validate before changing anything
@@ -304,25 +304,20 @@ class BlockTree:
         """``value`` copies in ``tier`` for each of ``slots`` (clamped to
         ``[0, MAX_COPIES]``); the slots that had a copy before and have none
         after (sorted, once)."""
+        if len(slots) > FEW_KEYS:
+            return self.update(tier, [(s, value) for s in slots], absolute=True)
         value = min(max(value, 0), MAX_COPIES)
         row, total = self.copies[tier], self.total
-        if len(slots) <= FEW_KEYS:       # a store's chunk, an evicted one
-            gone = []
-            for s in slots:
-                old = int(row[s])
-                if old != value:
-                    row[s] = value
-                    left = int(total[s]) + value - old
-                    total[s] = left
-                    if not left:
-                        gone.append(s)
-            return sorted(gone)
-        idx = np.asarray(slots, np.int64)
-        before = self.total[idx] != 0
-        row[idx] = value
-        self._recount(idx)
-        gone = idx[before & (self.total[idx] == 0)]
-        return np.unique(gone).tolist() if gone.size else []
+        gone = []                        # a store's chunk, an evicted one
+        for s in slots:
+            old = int(row[s])
+            if old != value:
+                row[s] = value
+                left = int(total[s]) + value - old
+                total[s] = left
+                if not left:
+                    gone.append(s)
+        return sorted(gone)
 
     def update(self, tier: Tier, pairs: list[tuple[int, int]], absolute: bool) -> list[int]:
         """Set (``absolute``) or add each ``(slot, value)``'s copies in
