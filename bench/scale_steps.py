@@ -119,11 +119,13 @@ def make_scheduler(ours: bool, spec: StepSpec, policy_file: str | None = None, *
                    extra_config: dict | None = None) -> Scheduler:
     """vLLM's scheduler with our connector (``ours``) or vLLM's, timed;
     ``connector`` names another (class, module), ``extra_config`` adds to
-    its ``kv_connector_extra_config`` (G3 tiers, say)."""
+    its ``kv_connector_extra_config`` (G3 tiers, say; a key given as None
+    drops the default)."""
     blocks = spec.running * (spec.max_len // BLOCK + 1) + 64
     # Both offload generated tokens (ours by default, agentic turns reuse them).
     extra = {"cpu_bytes_to_use": spec.g2_chunks * CHUNK_BYTES, "block_size": BLOCK,
              "offload_prompt_only": False, **(extra_config or {})}
+    extra = {k: v for k, v in extra.items() if v is not None}
     if ours and policy_file is not None:
         extra["sessionkv"] = {"policy_file": policy_file}
     name, module = connector or (

@@ -14,6 +14,8 @@ scheduler-side part and hands each its collaborators as constructor arguments.
 
 from __future__ import annotations
 
+import dataclasses
+
 from vllm.platforms import current_platform
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
@@ -21,7 +23,7 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from sessionkv.config import SessionKVConfig, parse_extra_config
+from sessionkv.config import SessionKVConfig, parse_extra_config, vllm_extra_config
 from sessionkv.keys import G3_MAC, derive
 from sessionkv.events import EventLog
 from sessionkv.index.prefix_index import SessionPrefixIndex
@@ -44,7 +46,10 @@ class SessionTierSpec(TieringOffloadingSpec):
 
     def __init__(self, config: OffloadingConfig):
         self.sessionkv: SessionKVConfig = parse_extra_config(config.extra_config)
-        super().__init__(config)
+        # vLLM's spec reads G2's size and the G3 tiers from extra_config: the
+        # policy file's tier stack, when it gives one, goes there.
+        super().__init__(dataclasses.replace(
+            config, extra_config=vllm_extra_config(config.extra_config, self.sessionkv)))
         # Ours, not vLLM's ``_manager``/``_worker``: get_manager and get_worker
         # are ours here, and the region is the primary tier's to release.
         self._session_manager: SessionTierManager | None = None
@@ -59,8 +64,10 @@ class SessionTierSpec(TieringOffloadingSpec):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict) -> dict:
-        """vLLM's tiering metrics and sessionkv's (``connectors.metrics``)."""
-        return {**super().build_metric_definitions(extra_config), **METRICS}
+        """vLLM's tiering metrics (of the tiers the policy file may name) and
+        sessionkv's (``connectors.metrics``)."""
+        extra = vllm_extra_config(extra_config, parse_extra_config(extra_config))
+        return {**super().build_metric_definitions(extra), **METRICS}
 
     def get_manager(self) -> OffloadingManager:
         """vLLM's tiering manager built from our parts: the same shared region,

@@ -91,6 +91,22 @@ class ReportPolicy:
     per_tier: str = "signed"
 
 
+# G3 tier types whose ``module_path`` the policy file's ``tiers.g3`` may leave out.
+G3_MODULES = {"MooncakeTier": "sessionkv.tiers.mooncake", "RedisTier": "sessionkv.tiers.redis",
+              "LMCacheTier": "sessionkv.tiers.lmcache"}
+
+
+@dataclass(frozen=True)
+class TierStack:
+    """The policy file's ``tiers`` section: G2's size and the G3 tiers in
+    order (vLLM's ``secondary_tiers`` entries), so that one file describes a
+    cluster's stack. ``None``: not in the file (then ``--kv-transfer-config``
+    gives it, as vLLM's keys ``cpu_bytes_to_use`` and ``secondary_tiers``)."""
+
+    g2_bytes: int | None = None
+    g3: tuple[Mapping[str, Any], ...] | None = None
+
+
 @dataclass(frozen=True)
 class TierPolicy:
     """The YAML tier policy file, parsed. Defaults apply when no file is given."""
@@ -101,6 +117,7 @@ class TierPolicy:
     limits: Limits = field(default_factory=Limits)
     trust: Trust = field(default_factory=Trust)
     report: ReportPolicy = field(default_factory=ReportPolicy)
+    tiers: TierStack = field(default_factory=TierStack)
 
 
 @dataclass(frozen=True)
@@ -125,6 +142,9 @@ class SessionKVConfig:
     policy: TierPolicy = field(default_factory=TierPolicy)
     policy_file: str | None = None
     control: ControlConfig = field(default_factory=ControlConfig)
+    # Per-engine options of the policy file's G3 tiers, by tier type (for
+    # example Mooncake's local_hostname): merged into each tier of that type.
+    tier_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 def _reject_unknown(section: Mapping[str, Any], known: tuple[str, ...], where: str) -> None:
@@ -199,8 +219,8 @@ def _positive_int(value: Any, where: str) -> int:
 def parse_policy(doc: Any, source: str = "policy") -> TierPolicy:
     """Parse a tier policy document (the YAML file's content)."""
     doc = mapping_of(doc, source)
-    _reject_unknown(doc, ("version", "g2", "g3", "sessions", "limits", "trust", "report"),
-                    f"{source}: ")
+    _reject_unknown(doc, ("version", "g2", "g3", "sessions", "limits", "trust", "report",
+                          "tiers"), f"{source}: ")
     version = doc.get("version", 1)
     if isinstance(version, bool) or version != 1:
         raise ValueError(f"{source}: version must be 1, got {version!r}")
@@ -232,7 +252,42 @@ def parse_policy(doc: Any, source: str = "policy") -> TierPolicy:
                       sessions=sessions,
                       limits=_parse_limits(doc.get("limits"), source),
                       trust=_parse_trust(doc.get("trust"), source),
-                      report=_parse_report(doc.get("report"), source))
+                      report=_parse_report(doc.get("report"), source),
+                      tiers=_parse_tiers(doc.get("tiers"), source))
+
+
+def _parse_tiers(raw: Any, source: str) -> TierStack:
+    raw = mapping_of(raw, f"{source}: tiers")
+    _reject_unknown(raw, ("g2_bytes", "g3"), f"{source}: tiers.")
+    g2 = raw.get("g2_bytes")
+    if g2 is not None:
+        g2 = _positive_int(g2, f"{source}: tiers.g2_bytes")
+    g3 = raw.get("g3")
+    if g3 is None:
+        return TierStack(g2_bytes=g2)
+    if not isinstance(g3, list):
+        raise ValueError(f"{source}: tiers.g3 must be a list of tier entries, "
+                         f"got {type(g3).__name__}")
+    return TierStack(g2_bytes=g2, g3=tuple(_tier_entry(e, f"{source}: tiers.g3[{i}]")
+                                           for i, e in enumerate(g3)))
+
+
+def _tier_entry(raw: Any, where: str) -> Mapping[str, Any]:
+    """One G3 tier (its own keys are checked by the tier when the engine builds it)."""
+    raw = mapping_of(raw, where)
+    if not raw:
+        raise ValueError(f"{where} is empty: it needs at least a type")
+    for key in raw:
+        if not isinstance(key, str):
+            raise ValueError(f"{where}: keys must be strings, got {key!r}")
+    kind = raw.get("type")
+    if not isinstance(kind, str) or not kind:
+        raise ValueError(f"{where}.type must name a tier ({', '.join(G3_MODULES)} or a "
+                         f"vLLM secondary tier with module_path), got {kind!r}")
+    module = raw.get("module_path", G3_MODULES.get(kind))
+    if not isinstance(module, str) or not module:
+        raise ValueError(f"{where}.module_path is required for tier type {kind!r}")
+    return {**raw, "module_path": module}
 
 
 def _parse_report(raw: Any, source: str) -> ReportPolicy:
@@ -263,15 +318,40 @@ def parse_extra_config(extra_config: Mapping[str, Any]) -> SessionKVConfig:
     """Validate vLLM's ``kv_connector_extra_config`` and parse our sub-dict.
 
     vLLM's keys are left to vLLM, except the sizes that vLLM itself reports
-    poorly (``cpu_bytes_to_use``, ``block_size``, ``blocks_per_chunk``) and
-    ``eviction_policy``, which the policy file owns.
+    poorly (``cpu_bytes_to_use``, ``block_size``, ``blocks_per_chunk``),
+    ``eviction_policy``, which the policy file owns, and the tier stack, which
+    either the policy file (``tiers``) or this dict gives, never both.
     """
-    if "cpu_bytes_to_use" not in extra_config:
+    ours = mapping_of(extra_config.get(SUBKEY), SUBKEY)
+    _reject_unknown(ours, ("policy_file", "control", "tier_options"), f"{SUBKEY}.")
+    control = _parse_control(ours.get("control"))
+    policy, policy_file = TierPolicy(), ours.get("policy_file")
+    if policy_file is not None:
+        if not isinstance(policy_file, str) or not policy_file:
+            raise ValueError(f"{SUBKEY}.policy_file must be a path, got {policy_file!r}")
+        policy = load_policy_file(policy_file)
+    cfg = SessionKVConfig(policy=policy, policy_file=policy_file, control=control,
+                          tier_options=_parse_tier_options(ours.get("tier_options"),
+                                                           policy.tiers.g3))
+    _check_vllm_keys(extra_config, cfg)
+    return cfg
+
+
+def _check_vllm_keys(extra_config: Mapping[str, Any], cfg: SessionKVConfig) -> None:
+    stack, where = cfg.policy.tiers, f"the policy file {cfg.policy_file!r}"
+    if stack.g2_bytes is not None and "cpu_bytes_to_use" in extra_config:
+        raise ValueError(f"cpu_bytes_to_use and tiers.g2_bytes in {where} both give G2's "
+                         "size: keep one")
+    if stack.g3 is not None and "secondary_tiers" in extra_config:
+        raise ValueError(f"secondary_tiers and tiers.g3 in {where} both give the G3 tiers: "
+                         "keep one")
+    if "cpu_bytes_to_use" not in extra_config and stack.g2_bytes is None:
         raise ValueError(
             "cpu_bytes_to_use is required in kv_connector_extra_config (bytes of "
-            "pinned host memory for G2)"
+            "pinned host memory for G2), unless the policy file gives tiers.g2_bytes"
         )
-    _positive_int(extra_config["cpu_bytes_to_use"], "cpu_bytes_to_use")
+    if "cpu_bytes_to_use" in extra_config:
+        _positive_int(extra_config["cpu_bytes_to_use"], "cpu_bytes_to_use")
     for key in ("block_size", "blocks_per_chunk"):
         if key in extra_config:
             _positive_int(extra_config[key], key)
@@ -282,16 +362,42 @@ def parse_extra_config(extra_config: Mapping[str, Any]) -> SessionKVConfig:
                 f"({SUBKEY}.policy_file) instead"
             )
 
-    ours = mapping_of(extra_config.get(SUBKEY), SUBKEY)
-    _reject_unknown(ours, ("policy_file", "control"), f"{SUBKEY}.")
-    control = _parse_control(ours.get("control"))
-    policy_file = ours.get("policy_file")
-    if policy_file is None:
-        return SessionKVConfig(control=control)
-    if not isinstance(policy_file, str) or not policy_file:
-        raise ValueError(f"{SUBKEY}.policy_file must be a path, got {policy_file!r}")
-    return SessionKVConfig(policy=load_policy_file(policy_file), policy_file=policy_file,
-                           control=control)
+
+def _parse_tier_options(raw: Any, tiers: tuple[Mapping[str, Any], ...] | None,
+                        ) -> Mapping[str, Mapping[str, Any]]:
+    where = f"{SUBKEY}.tier_options"
+    raw = mapping_of(raw, where)
+    if not raw:
+        return {}
+    if tiers is None:
+        raise ValueError(f"{where} sets options of the policy file's tiers.g3, which has none "
+                         f"(give them in the secondary_tiers entries instead)")
+    out = {}
+    for kind, options in raw.items():
+        options = mapping_of(options, f"{where}.{kind}")
+        mine = [t for t in tiers if t["type"] == kind]
+        if not mine:
+            raise ValueError(f"{where}.{kind}: no tier of that type in the policy file's "
+                             f"tiers.g3 ({', '.join(t['type'] for t in tiers)})")
+        for key in options:
+            if key in ("type", "module_path") or any(key in t for t in mine):
+                raise ValueError(f"{where}.{kind}.{key} is set in the policy file's tiers.g3 "
+                                 "too: keep one")
+        out[kind] = dict(options)
+    return out
+
+
+def vllm_extra_config(extra_config: Mapping[str, Any], cfg: SessionKVConfig) -> dict[str, Any]:
+    """``kv_connector_extra_config`` as vLLM's tiering spec reads it: with the
+    policy file's tier stack (and this engine's ``tier_options``) filled in."""
+    out = dict(extra_config)
+    stack = cfg.policy.tiers
+    if stack.g2_bytes is not None:
+        out["cpu_bytes_to_use"] = stack.g2_bytes
+    if stack.g3 is not None:
+        out["secondary_tiers"] = [{**entry, **cfg.tier_options.get(entry["type"], {})}
+                                  for entry in stack.g3]
+    return out
 
 
 def _parse_control(raw: Any) -> ControlConfig:

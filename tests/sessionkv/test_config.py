@@ -9,6 +9,7 @@ from sessionkv.config import (
     SessionPolicy,
     TierPolicy,
     parse_extra_config,
+    vllm_extra_config,
 )
 
 BASE = {"cpu_bytes_to_use": 1 << 20}
@@ -146,3 +147,79 @@ def test_per_tier_reports_default_to_signed_requests_only(tmp_path):
     path = policy_file(tmp_path, "report: {per_tier: all}\n")
     assert parse_extra_config({**BASE, "sessionkv": {"policy_file": path}}
                               ).policy.report.per_tier == "all"
+
+
+# ---- the tier stack in the policy file (tiers:) ---------------------------
+
+STACK = """version: 1
+tiers:
+  g2_bytes: 2097152
+  g3:
+    - {type: MooncakeTier, master: "127.0.0.1:50051", metadata_server: "http://m/metadata"}
+    - {type: RedisTier, url: "redis://127.0.0.1:6379/0"}
+    - {type: FancyTier, module_path: my.tiers, depth: 3}
+"""
+
+
+def test_the_policy_files_tier_stack_becomes_vllms_keys(tmp_path):
+    path = policy_file(tmp_path, STACK)
+    extra = {"sessionkv": {"policy_file": path,
+                           "tier_options": {"MooncakeTier": {"local_hostname": "10.0.0.5"}}},
+             "block_size": 64}
+    cfg = parse_extra_config(extra)
+    out = vllm_extra_config(extra, cfg)
+    assert out["cpu_bytes_to_use"] == 2097152 and out["block_size"] == 64
+    assert out["secondary_tiers"] == [
+        {"type": "MooncakeTier", "module_path": "sessionkv.tiers.mooncake",
+         "master": "127.0.0.1:50051", "metadata_server": "http://m/metadata",
+         "local_hostname": "10.0.0.5"},                         # this engine's option
+        {"type": "RedisTier", "module_path": "sessionkv.tiers.redis",
+         "url": "redis://127.0.0.1:6379/0"},
+        {"type": "FancyTier", "module_path": "my.tiers", "depth": 3}]
+    assert "secondary_tiers" not in extra                      # the caller's dict is kept
+
+
+def test_without_a_stack_vllms_keys_pass_through(tmp_path):
+    tiers = [{"type": "RedisTier", "module_path": "sessionkv.tiers.redis"}]
+    extra = {**BASE, "secondary_tiers": tiers}
+    assert vllm_extra_config(extra, parse_extra_config(extra)) == extra
+    # G2's size per engine, the G3 tiers from the shared file: both allowed.
+    path = policy_file(tmp_path, "tiers:\n  g3: [{type: RedisTier}]\n")
+    extra = {**BASE, "sessionkv": {"policy_file": path}}
+    out = vllm_extra_config(extra, parse_extra_config(extra))
+    assert out["cpu_bytes_to_use"] == BASE["cpu_bytes_to_use"]
+    assert out["secondary_tiers"] == [{"type": "RedisTier", "module_path": "sessionkv.tiers.redis"}]
+
+
+@pytest.mark.parametrize(
+    "text, extra, key",
+    [
+        (STACK, {"cpu_bytes_to_use": 1 << 20}, "cpu_bytes_to_use and tiers.g2_bytes"),
+        (STACK, {"secondary_tiers": []}, "secondary_tiers and tiers.g3"),
+        ("tiers: {g3: []}\n", {}, "cpu_bytes_to_use is required"),
+        ("tiers: {g2_bytes: 0}\n", {}, "tiers.g2_bytes"),
+        ("tiers: {g2_bytes: 1GiB}\n", {}, "tiers.g2_bytes"),
+        ("tiers: {g2: 5}\n", BASE, "unknown key .*tiers.'g2'"),
+        ("tiers: {g3: {type: RedisTier}}\n", BASE, "tiers.g3 must be a list"),
+        ("tiers: {g3: [RedisTier]}\n", BASE, r"tiers.g3\[0\]"),
+        ("tiers: {g3: [{}]}\n", BASE, r"tiers.g3\[0\] is empty"),
+        ("tiers: {g3: [{url: x}]}\n", BASE, r"tiers.g3\[0\].type"),
+        ("tiers: {g3: [{type: RedisTier}, {type: FancyTier}]}\n", BASE,
+         r"tiers.g3\[1\].module_path"),
+        ("tiers: {g3: [{type: RedisTier, 3: x}]}\n", BASE, "keys must be strings"),
+        ("tiers: [1]\n", BASE, "tiers must be a mapping"),
+        (STACK, {"sessionkv": {"tier_options": {"LMCacheTier": {"url": "lm://x"}}}},
+         "tier_options.LMCacheTier: no tier of that type"),
+        (STACK, {"sessionkv": {"tier_options": {"RedisTier": {"url": "redis://x"}}}},
+         "tier_options.RedisTier.url is set in the policy file"),
+        (STACK, {"sessionkv": {"tier_options": {"RedisTier": "fast"}}},
+         "tier_options.RedisTier must be a mapping"),
+        ("version: 1\n", {**BASE, "sessionkv": {"tier_options": {"RedisTier": {}}}},
+         "tier_options sets options of the policy file's tiers.g3, which has none"),
+    ],
+)
+def test_a_bad_tier_stack_names_the_key(tmp_path, text, extra, key):
+    path = policy_file(tmp_path, text)
+    extra = {**extra, "sessionkv": {**extra.get("sessionkv", {}), "policy_file": path}}
+    with pytest.raises(ValueError, match=key):
+        parse_extra_config(extra)
