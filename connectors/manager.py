@@ -40,6 +40,8 @@ and eviction from the primary tier, transfers and outcomes from the manager.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterator
@@ -52,6 +54,7 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
 )
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 from vllm.v1.kv_offload.tiering.manager import (
     CPUPrimaryTierOffloadingManager,
@@ -69,7 +72,7 @@ from sessionkv.events import (
     Transfer,
     Via,
 )
-from sessionkv.hints import Action, HintOutcome, KvHint, Status
+from sessionkv.hints import Action, HintOutcome, KvHint, SessionTarget, Status
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers.g3 import G3Tier, Quarantine
 from sessionkv.types import Tier
@@ -132,8 +135,9 @@ class SessionPrimaryTier(compat.QuarantinedSlots, CPUPrimaryTierOffloadingManage
 
     def __init__(self, *args, num_chunks: int, index: SessionPrefixIndex,
                  blocks_per_chunk: int, quarantine: Quarantine, event_log: EventLog | None,
-                 **kwargs):
-        super().__init__(*args, num_chunks=num_chunks, **kwargs)
+                 mmap_region: SharedOffloadRegion, **kwargs):
+        super().__init__(*args, num_chunks=num_chunks, mmap_region=mmap_region, **kwargs)
+        self._region_path: str | None = getattr(mmap_region, "mmap_path", None)
         self._chunks = num_chunks
         self._index = index
         self._bpc = blocks_per_chunk
@@ -145,6 +149,17 @@ class SessionPrimaryTier(compat.QuarantinedSlots, CPUPrimaryTierOffloadingManage
     @property
     def blocks_per_chunk(self) -> int:
         return self._bpc
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        # vLLM unlinks the region's /dev/shm file only from the process that
+        # created it (the worker's), and only on its own clean shutdown, which
+        # a server stopped with SIGTERM does not reach: the file (G2's whole
+        # size) outlived every stopped engine. Every mapping still open keeps
+        # its memory, so unlinking here, after the tiers stopped, is safe.
+        if self._region_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._region_path)
 
     @property
     def num_chunks(self) -> int:
@@ -378,7 +393,34 @@ class SessionTierManager(compat.OneLock, compat.CascadeGate, TieringOffloadingMa
         with self.lock:
             self.emit(Outcome(outcome=outcome, via=Via.TRANSFER))
 
+    def drain(self) -> int:
+        """Demote every live session to G3 before the engine exits, so that its
+        next turn on another engine loads instead of recomputing; waits up to
+        ``sessions.drain_timeout_s`` for the copies (their chunks already in
+        G3, as write-through leaves them, cost nothing). The sessions asked.
+        Any thread; takes the lock."""
+        timeout = self.config.policy.sessions.drain_timeout_s
+        if self.mover is None or timeout <= 0:
+            return 0
+        with self.lock:
+            sessions = self.index.sessions()
+            for i, session in enumerate(sessions):
+                hint = KvHint(f"drain-{i}", Action.DEMOTE, SessionTarget(session), signed=True)
+                self.emit_outcomes([self.executor.execute(hint, session)], Via.POLICY, session)
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                self.apply_moves()
+                busy = self.mover.busy
+            if not busy or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        logger.info("sessionkv: drained %d live sessions to G3%s", len(sessions),
+                    " (copies still running at the deadline)" if busy else "")
+        return len(sessions)
+
     def shutdown(self) -> None:
+        self.drain()
         super().shutdown()
         if self.fetcher is not None:
             self.fetcher.close()

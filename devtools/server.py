@@ -88,14 +88,25 @@ class ServerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 30) -> None:
+        """SIGTERM, as an orchestrator stops a server; what is left of its group
+        after ``timeout_s`` (the server too if it hung) is killed. vLLM's
+        engine core shuts down after the server exits (the connector's drain
+        runs then): the group gets that time too."""
+        deadline = time.monotonic() + timeout_s
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(30)
+                self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 pass
-        self.kill()                 # what is left of the group, the server too if it hung
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        self.kill()
         self.log.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.log.name)

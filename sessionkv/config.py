@@ -51,6 +51,9 @@ class SessionPolicy:
 
     idle_timeout_s: float = 3600.0   # a session with no request for this long ends
     max_tombstones: int = 10_000     # ended sessions remembered (to tell "ended" from "unknown")
+    # At shutdown (SIGTERM), live sessions are Demoted to G3 first; waits this
+    # long at most for the copies (0: no drain).
+    drain_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,12 @@ def _positive_number(value: Any, where: str) -> float:
     return float(value)
 
 
+def _seconds_or_zero(value: Any, where: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+        return 0.0
+    return _positive_number(value, where)
+
+
 def _fraction(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise ValueError(f"{where} must be a fraction in [0, 1], got {value!r}")
@@ -238,7 +247,8 @@ def parse_policy(doc: Any, source: str = "policy") -> TierPolicy:
     if not isinstance(write_through, bool):
         raise ValueError(f"{source}: g3.write_through must be true or false, got {write_through!r}")
     sess = mapping_of(doc.get("sessions"), f"{source}: sessions")
-    _reject_unknown(sess, ("idle_timeout_s", "max_tombstones"), f"{source}: sessions.")
+    _reject_unknown(sess, ("idle_timeout_s", "max_tombstones", "drain_timeout_s"),
+                    f"{source}: sessions.")
     defaults = SessionPolicy()
     sessions = SessionPolicy(
         idle_timeout_s=_positive_number(
@@ -247,6 +257,9 @@ def parse_policy(doc: Any, source: str = "policy") -> TierPolicy:
         max_tombstones=_positive_int(
             sess.get("max_tombstones", defaults.max_tombstones),
             f"{source}: sessions.max_tombstones"),
+        drain_timeout_s=_seconds_or_zero(
+            sess.get("drain_timeout_s", defaults.drain_timeout_s),
+            f"{source}: sessions.drain_timeout_s"),
     )
     return TierPolicy(g2=G2Policy(eviction=eviction), g3=G3Policy(write_through=write_through),
                       sessions=sessions,
