@@ -270,7 +270,9 @@ def test_without_write_through_nothing_goes_down(first, tiers, backend, tmp_path
         6 * len(kind.suffixes)
     ns = tiers[0]["namespace"]
     quiet = [{**tiers[0], "namespace": ns + "-quiet"}]
-    (run,) = engine(tmp_path, quiet, [P, P], policy="g3: {write_through: false}\n")[:1]
+    # No drain at exit either (it Demotes the live session: tests/e2e/test_drain.py).
+    (run,) = engine(tmp_path, quiet, [P, P], policy="g3: {write_through: false}\n"
+                    "sessions: {drain_timeout_s: 0}\n")[:1]
     assert same(run, first)
     unwanted = [n.replace(ns + "/", ns + "-quiet/", 1) for n in objects]
     assert kind.names(where, ns + "-quiet/", unwanted) == []
