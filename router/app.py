@@ -89,6 +89,7 @@ log = logging.getLogger("sessionkv.router")
 SESSION_HEADER = "X-Session-ID"
 OUTBOX = 10_000          # policy hints waiting for the control channel (more are dropped, counted)
 WORKER_HEADER = "X-SessionKV-Worker"
+KEEPALIVE_S = 4.0        # below the engines' keep-alive (vLLM: 5 s), see start()
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding",
                "keep-alive"}
 
@@ -132,7 +133,12 @@ class Router:
             await self.store.ping()
         except StateError as e:     # routing goes on from this replica's memory
             log.warning("%s: starting without session state", e)
+        # Idle pooled connections close before the engine's server closes them
+        # (uvicorn's keep-alive in vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s; aiohttp
+        # keeps them 15 s): a turn sent on a connection the server is closing
+        # fails with ServerDisconnectedError although the engine is fine.
         self._http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S),
             timeout=aiohttp.ClientTimeout(total=self.cfg.routing.request_timeout_s))
         for w in self.cfg.workers:
             self.workers[w.name] = Worker(w, self.cfg.secret, self._http,
@@ -397,7 +403,10 @@ class Router:
                 if isinstance(e, _StreamCut):
                     self.counters.event("streams_cut")
                     raise e.__cause__ or e          # aiohttp drops the client's connection
-                if not (dead and self.cfg.routing.retry):
+                # A connection the server dropped before answering, on a live
+                # worker: sent again there (_place keeps the session on it).
+                again = dead or isinstance(e, aiohttp.ServerDisconnectedError)
+                if not (again and self.cfg.routing.retry):
                     return web.json_response({"error": {"message": f"worker {worker.name}: "
                                                         f"{e!r}", "type": "BadGateway"}},
                                              status=502, headers=headers)

@@ -207,14 +207,19 @@ class Worker:
             log.warning("worker %s marked dead: %s", self.name, why)
         self.healthy = False
 
-    async def alive(self) -> bool:
-        """Whether the engine's server answers now (``GET /health``)."""
-        try:
-            async with self._http.get(self.url + "/health",
-                                      timeout=aiohttp.ClientTimeout(total=2)) as r:
-                return r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            return False
+    async def alive(self, tries: int = 2, timeout_s: float = 5.0) -> bool:
+        """Whether the engine's server answers ``GET /health`` with 200 in one
+        of ``tries`` probes. A dead server refuses at once; one slow answer
+        (a loaded host) is not death: it would move the session."""
+        for _ in range(tries):
+            try:
+                async with self._http.get(self.url + "/health",
+                                          timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                    if r.status == 200:
+                        return True
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+        return False
 
     # What /tokenize takes of a request body: the chat template's inputs for
     # chat, the special-token choice for both (their defaults are vLLM's:

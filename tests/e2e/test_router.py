@@ -136,7 +136,7 @@ def moved(cluster):
         worker, out, report = turn(router, "agent", prompt)   # after the load is gone
         turns.append((worker, prompt, out, report))
         status["after"] = {"workers": router.status()["workers"],
-                           "log": router.read_log()[-3000:]}
+                           "log": router.read_log()[-8000:]}
         yield router, turns, status
     finally:
         router.stop()
@@ -145,7 +145,9 @@ def moved(cluster):
 def test_session_sticks_then_moves_and_reads_its_prefix_from_g3(moved):
     router, turns, status = moved
     (w1, _, _, r1), (w2, _, _, r2), (w3, p3, _, r3), (w4, _, _, r4) = turns
-    assert w1 == w2 and w3 != w1 and w4 == w3, ([t[0] for t in turns], status["after"])
+    # a string, not a tuple: pytest prints it whole (the router's log)
+    assert w1 == w2 and w3 != w1 and w4 == w3, \
+        f"{[t[0] for t in turns]}\n{status['after']['workers']}\n{status['after']['log']}"
     assert r2["blocks"]["g1"] >= 4                    # affinity: turn 1's blocks in G1
     # The tool-gap turn carried a signed Pin; the engine took it.
     assert [(h["action"], h["status"] in ("accepted", "deferred")) for h in r2["hints"]] == \
