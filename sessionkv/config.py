@@ -96,7 +96,7 @@ class ReportPolicy:
 
 # G3 tier types whose ``module_path`` the policy file's ``tiers.g3`` may leave out.
 G3_MODULES = {"MooncakeTier": "sessionkv.tiers.mooncake", "RedisTier": "sessionkv.tiers.redis",
-              "LMCacheTier": "sessionkv.tiers.lmcache"}
+              "LMCacheTier": "sessionkv.tiers.lmcache", "DiskTier": "sessionkv.tiers.disk"}
 
 
 @dataclass(frozen=True)

@@ -59,3 +59,10 @@ def lmcache_url(tmp_path_factory):
     url, server = start_lmcache(tmp_path_factory.mktemp("lmcache"))
     yield url
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def g3_disk(tmp_path_factory):
+    """The local-disk G3's directory (``tiers/disk.py``), for the session:
+    nothing to start; engines and tiers on it share objects and one limit."""
+    return str(tmp_path_factory.mktemp("g3-disk"))

@@ -1,8 +1,9 @@
 """Cross-engine sharing through G3 on real vLLM (tiny model), on each backend:
-Mooncake Store, Redis and LMCache's lm:// server.
+Mooncake Store, Redis, LMCache's lm:// server and the local-disk tier (engines
+on one host).
 
 Each engine is its own process (``devtools/g3_engine.py``); the backend (Mooncake's
-standalone store process, the Redis server, the LMCache server) holds the
+standalone store process, the Redis server, the LMCache server, the directory) holds the
 objects after an engine exits. Engines that read from G3
 start with G1 and G2 full of garbage, so only a correct load gives the cold
 reference's tokens and logprobs.
@@ -152,10 +153,56 @@ class LMCache:
             b.close()
 
 
-KINDS = {"mooncake": Mooncake, "redis": Redis, "lmcache": LMCache}
+class Disk:
+    service = "g3_disk"
+    suffixes = ("",)                # the checksum travels in the chunk's object
+
+    @staticmethod
+    def tier(path, namespace):
+        return {"type": "DiskTier", "module_path": "sessionkv.tiers.disk", "path": path,
+                "max_bytes": 1 << 30,
+                "namespace": namespace}
+
+    @staticmethod
+    def names(path, prefix, expected):
+        """The directory names objects by a hash: those of ``expected`` it holds."""
+        from sessionkv.tiers.disk import DiskBackend
+        b = DiskBackend(path, 1 << 30)
+        try:
+            return [n for n, e in zip(expected, b.exists(expected)) if e]
+        finally:
+            b.close()
+
+    @staticmethod
+    def overwrite(path, names, rng):
+        import os
+        from sessionkv.tiers.disk import DiskBackend
+        b = DiskBackend(path, 1 << 30)
+        try:
+            for name in names:
+                size = os.stat(b.path_of(name)).st_size
+                assert b.put_small([name], [rng.integers(0, 256, size, np.uint8).tobytes()])
+        finally:
+            b.close()
+
+    @staticmethod
+    def plant(path, names, rng, like=None):
+        import os
+        from sessionkv.tiers.disk import DiskBackend
+        b = DiskBackend(path, 1 << 30)
+        try:
+            for name in names:
+                size = os.stat(b.path_of(like or name)).st_size
+                data = rng.integers(0, 256, size - SUM.size, np.uint8).tobytes()
+                assert b.put_small([name], [data + checksum(data)])
+        finally:
+            b.close()
 
 
-@pytest.fixture(scope="module", params=["mooncake", "redis", "lmcache"])
+KINDS = {"mooncake": Mooncake, "redis": Redis, "lmcache": LMCache, "disk": Disk}
+
+
+@pytest.fixture(scope="module", params=["mooncake", "redis", "lmcache", "disk"])
 def backend(request):
     kind = KINDS[request.param]
     return kind, request.getfixturevalue(kind.service)

@@ -1,5 +1,5 @@
 """Demote, Prefetch and Share on real vLLM (tiny model, 12-chunk G2, G3 on
-Redis with ``write_through: false``), each compared with the same run
+Redis, then on the local-disk tier, with ``write_through: false``), each compared with the same run
 without the hint. Engine A runs in this process and gets its hints over the
 control channel while idle (no step runs between ``serve`` calls); engine B,
 which receives a Share, is its own process (``devtools/g3_engine.py``). G1 is
@@ -27,11 +27,15 @@ POLICY = ("g2: {eviction: session}\ng3: {write_through: false}\n"
           "report: {per_tier: all}\n")     # the test client reads where KV came from
 
 
-@pytest.fixture(scope="module")
-def tier(redis_url):
+@pytest.fixture(scope="module", params=["redis", "disk"])
+def tier(request):
     # Deadline 10 s, not 2 s: see test_g3_sharing's ``tiers``.
-    return {"type": "RedisTier", "module_path": "sessionkv.tiers.redis", "url": redis_url,
-            "namespace": f"moves-{uuid.uuid4().hex[:8]}", "timeout_s": 10.0}
+    common = {"namespace": f"moves-{uuid.uuid4().hex[:8]}", "timeout_s": 10.0}
+    if request.param == "disk":         # the embedded G3: a directory, no service
+        return {"type": "DiskTier", "module_path": "sessionkv.tiers.disk",
+                "path": request.getfixturevalue("g3_disk"), "max_bytes": 1 << 30, **common}
+    return {"type": "RedisTier", "module_path": "sessionkv.tiers.redis",
+            "url": request.getfixturevalue("redis_url"), **common}
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +201,6 @@ def test_a_request_racing_a_prefetch_never_reads_half_a_copy(engine, tier, tmp_p
 
 
 def test_pin_holds_the_session_in_g3_too(engine, tier):
-    import redis
     a = engine
     run(a, "T", session="pinned")
     with client(a) as c:
@@ -206,13 +209,37 @@ def test_pin_holds_the_session_in_g3_too(engine, tier):
         first, last, _ = hint(c, "pin", "pinned", ttl_s=1.5)
     assert (first.status, last.status, last.blocks_affected) == ("deferred", "accepted", 6), last
     g3 = a.llm_engine.engine_core.engine_core.scheduler.connector.manager.secondary_tiers[0]
-    names = [g3.name(k) + sfx for k in moved.keys for sfx in ("", ".sum")]
-    r = redis.Redis.from_url(tier["url"])
-    assert [r.ttl(n) for n in names] == [-1] * 12           # not evictable while pinned
+    state = g3_pins(tier, [g3.name(k) for k in moved.keys])
+    assert state() == ["pinned"] * 6                          # not evictable while pinned
     deadline = time.monotonic() + 10
-    while not all(r.ttl(n) > 0 for n in names):               # evictable again after
+    while state() != ["evictable"] * 6:                       # evictable again after
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+def g3_pins(tier, names):
+    """Per chunk, "pinned" where the backend holds it from eviction now, else
+    "evictable": Redis, objects without a TTL (``volatile-lru`` evicts only
+    keys with one); the disk, an object whose mtime is in the future (its
+    evictor skips those). A chunk missing an object raises."""
+    if tier["type"] == "DiskTier":
+        import os
+        from sessionkv.tiers.disk import DiskBackend
+        b = DiskBackend(tier["path"], tier["max_bytes"])
+        b.close()
+        return lambda: ["pinned" if os.stat(b.path_of(n)).st_mtime > time.time()
+                        else "evictable" for n in names]
+    import redis
+    r = redis.Redis.from_url(tier["url"])
+
+    def ttls():
+        out = []
+        for n in names:
+            t = {r.ttl(n + sfx) for sfx in ("", ".sum")}
+            assert -2 not in t and len(t) == 1 or min(t) > 0, (n, t)
+            out.append("pinned" if t == {-1} else "evictable")
+        return out
+    return ttls
 
 
 def test_prefetches_past_the_transfer_capacity_wait_then_finish(engine):

@@ -157,6 +157,7 @@ tiers:
   g3:
     - {type: MooncakeTier, master: "127.0.0.1:50051", metadata_server: "http://m/metadata"}
     - {type: RedisTier, url: "redis://127.0.0.1:6379/0"}
+    - {type: DiskTier, path: /var/cache/kv, max_bytes: 1048576}
     - {type: FancyTier, module_path: my.tiers, depth: 3}
 """
 
@@ -175,6 +176,8 @@ def test_the_policy_files_tier_stack_becomes_vllms_keys(tmp_path):
          "local_hostname": "10.0.0.5"},                         # this engine's option
         {"type": "RedisTier", "module_path": "sessionkv.tiers.redis",
          "url": "redis://127.0.0.1:6379/0"},
+        {"type": "DiskTier", "module_path": "sessionkv.tiers.disk", "path": "/var/cache/kv",
+         "max_bytes": 1048576},
         {"type": "FancyTier", "module_path": "my.tiers", "depth": 3}]
     assert "secondary_tiers" not in extra                      # the caller's dict is kept
 

@@ -4,16 +4,14 @@ found by walking the code (config dataclasses, tier constructors), not a
 hand-kept list."""
 
 import dataclasses
+import importlib
 import inspect
 import re
 from pathlib import Path
 
-from sessionkv.config import ControlConfig, SessionKVConfig, TierPolicy
+from sessionkv.config import G3_MODULES, ControlConfig, SessionKVConfig, TierPolicy
 from sessionkv.router.config import RedisConfig, RouterConfig, WorkerConfig
 from sessionkv.tiers.g3 import G3Tier
-from sessionkv.tiers.lmcache import LMCacheTier
-from sessionkv.tiers.mooncake import MooncakeTier
-from sessionkv.tiers.redis import RedisTier
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 # G3Tier's constructor arguments that vLLM or sessionkv's spec pass, not the tier entry.
@@ -44,7 +42,9 @@ def code_keys() -> set[str]:
              if f.name not in ("policy", "control")}
     keys.add("secondary_tiers")
     keys |= set(inspect.signature(G3Tier.__init__).parameters) - FROM_VLLM
-    for tier in (MooncakeTier, RedisTier, LMCacheTier):
+    assert {"DiskTier", "MooncakeTier", "RedisTier", "LMCacheTier"} <= set(G3_MODULES)
+    for kind, module in G3_MODULES.items():         # sessionkv's own tiers
+        tier = getattr(importlib.import_module(module), kind)
         params = set(inspect.signature(tier.backend_class.__init__).parameters) - {"self"}
         keys |= {f"{tier.__name__}.{p}" for p in params}
     return keys

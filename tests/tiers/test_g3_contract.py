@@ -98,7 +98,59 @@ class LMCache:
         return LMCacheTier(spec_, view, "lmcache", url=url, namespace=namespace, **kw)
 
 
-BACKENDS = {"mooncake": Mooncake, "redis": Redis, "lmcache": LMCache}
+class Stall:
+    """FAKE fault, for the disk only: a filesystem that stops answering (an
+    NFS mount whose server went away), which a local directory cannot be
+    made to do on cue. ``signal(SIGSTOP)`` makes every backend call wait
+    until ``signal(SIGCONT)``, as a stopped service process does."""
+
+    def __init__(self):
+        self.running = threading.Event()
+        self.running.set()
+
+    def signal(self, sig):
+        import signal
+        (self.running.clear if sig == signal.SIGSTOP else self.running.set)()
+
+
+class Disk:
+    """The local-disk tier (``tiers/disk.py``): one directory for the
+    session's tests (namespaces keep them apart); for faults, its own
+    directory behind a ``Stall``."""
+
+    MAX_BYTES = 1 << 30
+
+    @staticmethod
+    def shared(request):
+        return request.getfixturevalue("g3_disk")
+
+    @staticmethod
+    def own(log_dir):
+        return (str(log_dir / "g3-disk"), Stall()), None, []
+
+    @classmethod
+    def tier(cls, where, spec_, view, namespace, **kw):
+        from sessionkv.tiers.disk import DiskBackend, DiskTier
+        if isinstance(where, tuple):
+            path, stall = where
+            backend = _stalled(DiskBackend(path, cls.MAX_BYTES), stall)
+            return DiskTier(spec_, view, "disk", backend=backend, namespace=namespace, **kw)
+        return DiskTier(spec_, view, "disk", path=where, max_bytes=cls.MAX_BYTES,
+                        namespace=namespace, **kw)
+
+
+def _stalled(backend, stall):
+    """``backend`` whose calls wait while ``stall`` is stopped."""
+    for name in ("exists", "put_summed", "get_summed", "put_chunks", "get_chunks",
+                 "put_small", "get_small", "remove", "pin"):
+        def call(*a, _fn=getattr(backend, name), **kw):
+            stall.running.wait()
+            return _fn(*a, **kw)
+        setattr(backend, name, call)
+    return backend
+
+
+BACKENDS = {"mooncake": Mooncake, "redis": Redis, "lmcache": LMCache, "disk": Disk}
 
 
 @pytest.fixture(params=sorted(BACKENDS))
@@ -129,7 +181,7 @@ def faulty(request, tmp_path):
     where, victim, services = backend.own(tmp_path)
     tier = backend.tier(where, spec(), memoryview(np.zeros((N_CHUNKS, CHUNK), np.uint8)),
                         "faults", timeout_s=0.5, retry_s=0.3)
-    yield tier, victim
+    yield tier, victim if victim is not None else where[1]
     tier.shutdown()
     for s in services:
         s.stop()
