@@ -71,6 +71,7 @@ from vllm.v1.kv_offload.tiering.manager import (
 __all__ = [
     "VLLM_LOCKS_HOOKS", "CascadeGate", "OneLock", "QuarantinedSlots", "after_vllm_step",
     "close_step", "cpu_policy", "insert", "manager_kwargs", "open_step", "primary_kwargs",
+    "replace_events_tracker",
 ]
 
 # 0.33: OffloadingManager.lock exists and vLLM's connector scheduler holds it
@@ -120,6 +121,13 @@ def after_vllm_step(lock: Any) -> AbstractContextManager:
 
 
 # ---- construction ------------------------------------------------------------
+
+def replace_events_tracker(scheduler: OffloadingConnectorScheduler, make: Any) -> None:
+    """``scheduler._events_tracker = make(scheduler._events_tracker)``: vLLM
+    builds its KV events tracker inside the connector scheduler's constructor
+    (0.32 and 0.33, with other arguments) and offers no hook for another."""
+    scheduler._events_tracker = make(scheduler._events_tracker)
+
 
 def primary_kwargs(spec: Any) -> dict:
     """What 0.33's ``get_manager`` adds to the CPU primary tier's arguments."""

@@ -66,6 +66,7 @@ from sessionkv.types import Tier
 from . import compat
 from .control import ControlChannel
 from .hint_executor import read_request
+from .kv_events import SessionEventsTracker
 from .manager import SessionTierManager
 from .probe import Probe, make_probe
 from .spec import SessionTierSpec, has_device_worker
@@ -93,6 +94,9 @@ EXPIRE_EVERY_S = 1.0
 # retained chunks they release (about 2 us each: bench/scale.py's expiry);
 # when more are idle, the next pass goes on.
 EXPIRE_PER_PASS = 1024
+# Chunks whose storing session KV events remember, per G2 chunk: its G2
+# copy's and the G3 cascade that follows within a few steps (connectors/kv_events.py).
+EVENT_SESSIONS_PER_G2_CHUNK = 2
 
 
 def check_supported(
@@ -257,6 +261,12 @@ class SessionTierConnector(OffloadingConnector):
         self._in_pass = False       # the lock is held for the current schedule() pass
         self.control: ControlChannel | None = None
         if self.connector_scheduler is not None:
+            if vllm_config.kv_events_config is not None and \
+                    vllm_config.kv_events_config.enable_kv_cache_events:
+                # G2 and G3 BlockStored events carry the storing session.
+                cap = EVENT_SESSIONS_PER_G2_CHUNK * self.manager.primary_tier.num_chunks
+                compat.replace_events_tracker(
+                    self.scheduler, lambda t: SessionEventsTracker.replacing(t, cap))
             self.control = start_control(
                 self.manager, kvt.engine_id, par.data_parallel_rank, self._block_size,
                 make_probe(vllm_config, self._block_size, self.manager),

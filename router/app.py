@@ -67,7 +67,7 @@ import logging
 import signal
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any
 
 import aiohttp
@@ -89,6 +89,7 @@ log = logging.getLogger("sessionkv.router")
 SESSION_HEADER = "X-Session-ID"
 OUTBOX = 10_000          # policy hints waiting for the control channel (more are dropped, counted)
 WORKER_HEADER = "X-SessionKV-Worker"
+DRAIN_CONCURRENCY = 8    # Demotes in flight at once while a worker drains
 KEEPALIVE_S = 4.0        # below the engines' keep-alive (vLLM: 5 s), see start()
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding",
                "keep-alive"}
@@ -123,6 +124,8 @@ class Router:
             web.post("/v1/sessions/{sid}/end", self._end_api),
             web.get("/v1/sessions/{sid}", self._session_api),
             web.get("/router/status", self._status),
+            web.post("/router/workers/{name}/drain", self._drain_api),
+            web.delete("/router/workers/{name}/drain", self._drain_api),
             web.get("/metrics", self._metrics),
             web.get("/health", self._health)])
 
@@ -601,6 +604,31 @@ class Router:
         async with self._http.get(worker.url + "/v1/models") as r:
             return web.Response(body=await r.read(), status=r.status,
                                 content_type="application/json")
+
+    async def _drain_api(self, request: web.Request) -> web.Response:
+        """``POST /router/workers/{name}/drain``: before an engine is stopped,
+        it takes no more turns while another worker can, and every session
+        this router last sent there is Demoted to G3 now (their next turns
+        move, Share what is left, and load instead of recomputing); the
+        Demotes' outcomes by status. ``DELETE``: it takes turns again."""
+        worker = self.workers.get(request.match_info["name"])
+        if worker is None:
+            return web.json_response({"error": {"message": "unknown worker"}}, status=404)
+        worker.draining = request.method == "POST"
+        if not worker.draining:
+            return web.json_response({"worker": worker.name, "draining": False})
+        self.counters.event("drains")
+        sessions = self.policy.sessions_on(worker.name)
+        log.info("draining worker %s: demoting %d sessions", worker.name, len(sessions))
+        gate = asyncio.Semaphore(DRAIN_CONCURRENCY)
+
+        async def demote(sid: str) -> str:
+            async with gate:
+                first, _ = await self._hint(worker, Action.DEMOTE, sid, self.cfg.policy.move_wait_s)
+            return "error" if first is None else str(getattr(first.status, "value", first.status))
+        outcomes = Counter(await asyncio.gather(*(demote(s) for s in sessions)))
+        return web.json_response({"worker": worker.name, "draining": True,
+                                  "sessions": len(sessions), "demoted": dict(outcomes)})
 
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response({"workers": [w.status() for w in self.workers.values()],

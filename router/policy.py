@@ -32,6 +32,7 @@ class NoWorker(RuntimeError):
 class Loaded(Protocol):
     name: str
     healthy: bool
+    draining: bool
 
     @property
     def load(self) -> float: ...
@@ -43,6 +44,8 @@ def choose(workers: Sequence[Loaded], current: str | None, max_load: int,
     healthy = [w for w in workers if w.healthy]
     if not healthy:
         raise NoWorker("no healthy worker")
+    # A draining worker takes no turn while another can (its sessions move).
+    healthy = [w for w in healthy if not w.draining] or healthy
     least = min(w.load for w in healthy)
     cur = next((w for w in healthy if w.name == current), None)
     if cur is not None:

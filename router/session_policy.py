@@ -267,6 +267,11 @@ class SessionHints:
         self._claim(s.keys[:s.head], now, force=True)
         return self._drain(now)
 
+    def sessions_on(self, worker: str) -> list[str]:
+        """The live sessions whose turns last went to ``worker`` (at most
+        ``max_sessions``: the policy's own bound)."""
+        return [sid for sid, s in self._live.items() if s.worker == worker]
+
     def session_ended(self, session: str) -> list[Out]:
         """The session is done: ended wherever it went; its head watched."""
         now = self._clock()

@@ -97,6 +97,7 @@ class Worker:
         self._on_final = on_final            # called with (worker, HintOutcome)
         self.engine_load = 0.0
         self.inflight = 0
+        self.draining = False       # POST /router/workers/{name}/drain: no turns while others can
         self.healthy = False
         self._failed_polls = 0
         self.control: AsyncHintClient | None = None
@@ -120,7 +121,7 @@ class Worker:
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "url": self.url, "healthy": self.healthy,
-                "load": self.load, "engine_load": self.engine_load, "inflight": self.inflight,
+                "draining": self.draining, "load": self.load, "engine_load": self.engine_load, "inflight": self.inflight,
                 "overlap": self.hasher is not None, "probe_error": self.probe_error,
                 "metrics_error": self.metrics_error, "bad_events": self.bad_events,
                 "skipped_events": getattr(self.control, "skipped_events", 0),

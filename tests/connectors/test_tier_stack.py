@@ -9,6 +9,9 @@ import time
 
 import redis
 import scale_steps as steps
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+    OffloadingEventsTracker,
+)
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import init_none_hash
 from test_step_lock import PROMPT_BLOCKS, request, run_until_idle
@@ -31,6 +34,8 @@ def test_the_policy_files_tier_stack_builds_g2_and_g3(tmp_path, redis_url):
         assert manager.primary_tier.num_chunks == 48            # the file's G2 size
         (g3,) = manager.secondary_tiers
         assert isinstance(g3, RedisTier)
+        # KV events are off: vLLM's own events tracker is left as it is
+        assert type(sched.connector.scheduler._events_tracker) is OffloadingEventsTracker
         sched.add_request(request("a", "s", 1))
         run_until_idle(sched, set())
         deadline = time.monotonic() + 30

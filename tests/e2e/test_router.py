@@ -343,6 +343,34 @@ def chat_turns_are_tokenized_and_retained(router, servers):
     assert w2 == worker and [lp1, lp2] == refs
 
 
+def test_a_drained_worker_demotes_its_sessions_and_they_move_to_g3_reads(cluster):
+    """``POST /router/workers/{name}/drain`` before an engine is stopped: the
+    session on it is Demoted (outcome accepted), its next turn goes to the
+    other worker and reads its prefix from G3, exactly; a new session avoids
+    the draining worker; ``DELETE`` ends the drain."""
+    _, _, servers, _ = cluster
+    router = start_router(cluster, f"r-{uuid.uuid4().hex[:6]}")
+    try:
+        first = np.random.default_rng(91).integers(10, 4000, 130).tolist()
+        w1, out1, _ = turn(router, "leaving", first)
+        r = requests.post(f"{router.url}/router/workers/{w1}/drain", timeout=90)
+        assert r.status_code == 200 and r.json() == {
+            "worker": w1, "draining": True, "sessions": 1, "demoted": {"accepted": 1}}, r.text
+        assert next(w for w in router.status()["workers"] if w["name"] == w1)["draining"]
+        second = first + tokens(out1) + NEW[5]
+        w2, out2, rep2 = turn(router, "leaving", second)
+        assert w2 != w1 and rep2["blocks"]["g3"] >= len(first) // 32 - 1, rep2
+        assert turn(router, "fresh", NEW[4])[0] == w2
+        ref = cold(servers[w2], [first, second])
+        assert [outputs(out1), outputs(out2)] == [x[0] for x in ref]
+        r = requests.delete(f"{router.url}/router/workers/{w1}/drain", timeout=10)
+        assert r.json() == {"worker": w1, "draining": False}
+        assert requests.post(f"{router.url}/router/workers/nope/drain",
+                             timeout=10).status_code == 404
+    finally:
+        router.stop()
+
+
 def test_odd_session_ids_get_a_clear_400(cluster):
     """A body ``session_id`` with a NUL (which could not be echoed in
     ``X-Session-ID``: was a 500) or too long gets a 400 naming the field."""

@@ -88,6 +88,7 @@ class W:
     name: str
     load: float
     healthy: bool = True
+    draining: bool = False
 
 
 def test_affinity_first_then_load():
@@ -103,6 +104,14 @@ def test_affinity_first_then_load():
     assert choose([W("a", 0), W("b", 0)], None, 4, 1) == "b"   # ties go round
     with pytest.raises(NoWorker):
         choose([W("a", 0, False)], None, 4)
+
+
+def test_a_draining_worker_takes_turns_only_when_no_other_can():
+    a, b = W("a", 0, draining=True), W("b", 3)
+    assert choose([a, b], "a", 4) == "b"                   # its sessions move
+    assert choose([a, b], None, 4) == "b"                  # new ones go elsewhere
+    b.healthy = False
+    assert choose([a, b], "a", 4) == "a"                   # the only one left: still served
 
 
 def test_tool_calls_and_counters(doc):
