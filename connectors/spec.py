@@ -30,7 +30,7 @@ from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers.g2_policy import SessionCachePolicy
 from sessionkv.tiers.g3 import G3Tier, Quarantine
 
-from . import compat
+from . import compat, regions
 from .cpu_worker import TorchCopyWorker
 from .manager import G3Copies, SessionPrimaryTier, SessionTierManager
 from .metrics import DEFINITIONS as METRICS
@@ -86,11 +86,13 @@ class SessionTierSpec(TieringOffloadingSpec):
                                    max_tombstones=policy.sessions.max_tombstones)
         quarantine, g3_copies = Quarantine(), G3Copies()
         events = EventLog() if policy.trust.secret is not None else None
+        regions.reclaim()                   # those killed engines left (connectors/regions.py)
         region = SharedOffloadRegion(
             engine_id=self.config.engine_id, num_chunks=self.num_chunks, rank=None,
             kv_bytes_per_chunk=self.kv_bytes_per_chunk,
             cpu_page_size=self.cpu_page_size_per_worker,
         )
+        regions.hold(region.fd)
         primary = None
         secondary = []
         try:
@@ -158,6 +160,7 @@ class SessionTierSpec(TieringOffloadingSpec):
             kv_bytes_per_chunk=self.kv_bytes_per_chunk,
             cpu_page_size=self.cpu_page_size_per_worker,
         )
+        regions.hold(region.fd)
         try:
             return TorchCopyWorker(kv_caches, self.blocks_per_chunk, region)
         except Exception:
