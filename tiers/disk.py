@@ -55,6 +55,8 @@ import time
 import uuid
 from collections.abc import Sequence
 
+from vllm.v1.kv_offload.base import Locality
+
 from .g3 import G3Tier, ObjectBackend
 
 HIGH_WATER = 0.9        # of max_bytes: a put past it wakes the evictor
@@ -345,3 +347,7 @@ class DiskTier(G3Tier):
     keys: ``path``, ``max_bytes``, and ``G3Tier``'s own."""
 
     backend_class = DiskBackend
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.locality = Locality.LOCAL          # KV events: this host's storage

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -81,6 +82,7 @@ from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
+    OffloadingEvent,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -108,6 +110,7 @@ logger = init_logger(__name__)
 Observer = Callable[[bool, list[OffloadKey], list[bool]], None]
 MISS_AFTER_FAILURE_S = 30.0
 MAX_FAILED = 65_536
+MAX_EVENTS = 65_536                 # store events waiting for vLLM's take_events
 ABANDONED_WAIT_S = 5.0              # shutdown waits this long for abandoned calls
 # A copy (a cascade job or a hint move's wave) goes to the backend in calls of
 # at most this many bytes of chunks (one chunk at least). It bounds what a
@@ -210,6 +213,11 @@ class G3Tier(SecondaryTierManager):
         # wait for them (``drain_jobs``): they hold their G2 slots instead.
         self._hint_work: set[Future] = set()
         self._done: list[JobResult] = []
+        # vLLM's KV events for this tier's stores (its cascades), when events
+        # are on: taken every step; at most MAX_EVENTS wait (the oldest go).
+        events = getattr(offloading_spec, "kv_events_config", None)
+        self._events: deque[OffloadingEvent] | None = deque(maxlen=MAX_EVENTS) \
+            if events is not None and events.enable_kv_cache_events else None
         self._failed: dict[str, float] = {}     # name -> until when it is a miss
         self._lock = threading.Lock()
         self._lookups = _Lookups(self)
@@ -283,6 +291,15 @@ class G3Tier(SecondaryTierManager):
             if keys:                 # failed loads: no second promotion (vLLM #49176)
                 self._lookups.mark_miss(keys)
         return [r for r, _ in done]
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Stores of vLLM's jobs that succeeded (``BlockStored``, medium
+        STORAGE). No removals: the backend evicts without telling."""
+        if self._events is None:
+            return ()
+        with self._lock:
+            out, self._events = list(self._events), deque(maxlen=MAX_EVENTS)
+        return out
 
     def has_pending_work(self) -> bool:
         """vLLM's jobs only (see ``_hint_work``)."""
@@ -392,6 +409,9 @@ class G3Tier(SecondaryTierManager):
                            transfer_bytes=len(good) * self._chunk)
         with self._lock:
             self._done.append((result, failed_loads))
+            if self._events is not None and good and not load:
+                self._events.append(OffloadingEvent(keys=good, medium=self.medium,
+                                                    removed=False, locality=self.locality))
 
     def _copy(self, load: bool, what: str, keys: list[OffloadKey], names: list[str],
               offsets: list[int], ask: bool = True) -> list[bool]:
