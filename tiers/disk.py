@@ -15,25 +15,36 @@ Layout under ``path``::
 
     objects/<h[:2]>/<h[2:]>   one object: the chunk's bytes then its 16-byte
                               seal (``inline_sums``); h = BLAKE2b-128 of its name
-    tmp/                      objects being written (renamed into objects/ once whole)
+    tmp/                      objects being written (linked into objects/ once whole),
+                              and objects being removed (claimed out of objects/)
     usage                     8 bytes: the bytes under objects/, shared by every engine
-    usage.lock, evict.lock    flock(2) locks
+    usage.lock, evict.lock, count.lock    flock(2) locks
 
 Invariants. An object appears only whole (written in ``tmp/``, then
-``rename``d), so ``exists`` is one ``stat``. Objects outlive the engine: a
-restarted engine, or another on the host with the same identity, finds them.
-Nothing is fsynced: after a power loss a torn object fails its seal (a miss).
+hard-linked into ``objects/``), so ``exists`` is one ``stat``. Objects
+outlive the engine: a restarted engine, or another on the host with the same
+identity, finds them. Nothing is fsynced: after a power loss a torn object
+fails its seal (a miss). ``path`` must be on a filesystem with hard links.
 
-Size limit, shared by every engine on the host that uses ``path``: each put
-adds its bytes to ``usage`` under ``usage.lock``; a put that would pass
-``max_bytes`` fails (a failed store: the chunk stays in G2 or is
-recomputed). Past ``HIGH_WATER`` of ``max_bytes`` a put wakes this
+``usage`` is exact: a put adds its bytes before its object appears; an
+object leaves only by being *claimed* (renamed from ``objects/`` into
+``tmp/``, which exactly one of several racing engines wins), and its
+claimer subtracts the claimed file's size. A put over an existing object
+claims that one first. So concurrent puts, removes and evictions, in any
+process, keep the count equal to the bytes under ``objects/`` (a crash
+between the two steps leaves it high by one object: a scan recounts).
+
+Size limit, shared by every engine on the host that uses ``path``: a put
+that would pass ``max_bytes`` fails (a failed store: the chunk stays in G2
+or is recomputed). Past ``HIGH_WATER`` of ``max_bytes`` a put wakes this
 backend's evictor thread, which, holding ``evict.lock`` (one evictor on the
-host at a time; the others skip), scans the objects and removes the least
-recently used until ``LOW_WATER``, and resets ``usage`` to what it saw. A
-scan is O(objects) but runs on its own thread, once per
-``HIGH_WATER - LOW_WATER`` of ``max_bytes`` written, never inside a call.
-Engines that share ``path`` should give the same ``max_bytes``.
+host at a time; the others skip), scans the objects and claims the least
+recently used until ``LOW_WATER``. A scan is O(objects) but runs on its own
+thread, at start and once per ``HIGH_WATER - LOW_WATER`` of ``max_bytes``
+written, never inside a call. A scan whose total differs from ``usage`` by
+more than ``RECOUNT_SLACK`` (a crash's leftovers; puts in flight during the
+scan) recounts with puts and removes held on ``count.lock``. Engines that
+share ``path`` should give the same ``max_bytes``.
 
 Recency and pins are the file's mtime: a read moves it to now, a Pin to the
 pin's end when that is later (the longest pin holds, across engines), and
@@ -41,7 +52,8 @@ the evictor skips objects whose mtime is in the future, so a pin lapses by
 itself (``pin_lapses``) and survives restarts.
 
 Threading: every call may run on several threads at once (each opens its own
-files); ``usage`` updates take a process lock, then the flock.
+files); ``usage`` updates take a process lock, then the flock; puts and
+removes hold ``count.lock`` shared on a descriptor of their own.
 """
 
 from __future__ import annotations
@@ -53,7 +65,8 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from vllm.v1.kv_offload.base import Locality
 
@@ -61,7 +74,9 @@ from .g3 import G3Tier, ObjectBackend
 
 HIGH_WATER = 0.9        # of max_bytes: a put past it wakes the evictor
 LOW_WATER = 0.8         # the evictor removes objects down to this
+RECOUNT_SLACK = 0.01    # of max_bytes: a scan this far off the count recounts
 STALE_TMP_S = 3600.0    # tmp/ files older than this are left by a crash: removed
+PUT_TRIES = 8           # a put that lost this many races for its name fails
 FANOUT = 256            # objects/<2 hex digits>/
 _U64 = struct.Struct("<Q")
 
@@ -92,6 +107,8 @@ class DiskBackend(ObjectBackend):
                                    os.O_RDWR | os.O_CREAT, 0o644)
         self._evict_lock = os.open(os.path.join(self.root, "evict.lock"),
                                    os.O_RDWR | os.O_CREAT, 0o644)
+        self._count_path = os.path.join(self.root, "count.lock")
+        self._count_lock = os.open(self._count_path, os.O_RDWR | os.O_CREAT, 0o644)
         self._lock = threading.Lock()           # flock does not exclude this process's threads
         self.evictions = 0                      # objects this backend's evictor removed
         self._wake = threading.Event()
@@ -125,6 +142,32 @@ class DiskBackend(ObjectBackend):
         raw = os.pread(self._usage, 8, 0)
         return _U64.unpack(raw)[0] if len(raw) == 8 else 0
 
+    @contextmanager
+    def _counting(self) -> Iterator[None]:
+        """Hold ``count.lock`` shared (a recount waits): on a descriptor of
+        this call's own, as one flock per descriptor is shared by threads."""
+        fd = os.open(self._count_path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)
+
+    def _claim(self, path: str) -> bool | None:
+        """Take the object at ``path`` out of ``objects/`` and subtract its
+        size: True, None when it is not there, False on an error."""
+        claimed = os.path.join(self._tmp, uuid.uuid4().hex)
+        try:
+            os.rename(path, claimed)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return False
+        size = _size_or_zero(claimed)
+        _unlink(claimed)
+        self._add_usage(-size)
+        return True
+
     # ---- writes ------------------------------------------------------------------
 
     def _put(self, name: str, parts: Sequence) -> bool:
@@ -133,47 +176,47 @@ class DiskBackend(ObjectBackend):
             self._wake.set()
             return False
         final, tmp = self.path_of(name), os.path.join(self._tmp, uuid.uuid4().hex)
+        placed = False
         try:
-            old = _size_or_zero(final)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 _write_all(fd, parts, size)
             finally:
                 os.close(fd)
-            os.rename(tmp, final)
+            for _ in range(PUT_TRIES):
+                try:
+                    os.link(tmp, final)       # fails if the name is there: never replaces
+                    placed = True
+                    break
+                except FileExistsError:
+                    if self._claim(final) is False:
+                        break
         except OSError:
-            _unlink(tmp)
+            pass
+        _unlink(tmp)
+        if not placed:
             self._add_usage(-size)
             return False
-        if old:
-            self._add_usage(-old)                 # replaced: its bytes are free again
         if self.usage() > HIGH_WATER * self.max_bytes:
             self._wake.set()
         return True
 
+    def _put_all(self, names, parts) -> list[bool]:
+        with self._counting():
+            return [self._put(n, p) for n, p in zip(names, parts)]
+
     def put_summed(self, names, bufs, sums) -> list[bool]:
-        return [self._put(n, (b, s)) for n, b, s in zip(names, bufs, sums)]
+        return self._put_all(names, [(b, s) for b, s in zip(bufs, sums)])
 
     def put_chunks(self, names, bufs) -> list[bool]:
-        return [self._put(n, (b,)) for n, b in zip(names, bufs)]
+        return self._put_all(names, [(b,) for b in bufs])
 
     def put_small(self, names, values) -> list[bool]:
-        return [self._put(n, (memoryview(v),)) for n, v in zip(names, values)]
+        return self._put_all(names, [(memoryview(v),) for v in values])
 
     def remove(self, names) -> list[bool]:
-        out = []
-        for n in names:
-            path = self.path_of(n)
-            size = _size_or_zero(path)
-            try:
-                os.unlink(path)
-                self._add_usage(-size)
-                out.append(True)
-            except FileNotFoundError:
-                out.append(True)
-            except OSError:
-                out.append(False)
-        return out
+        with self._counting():
+            return [self._claim(self.path_of(n)) is not False for n in names]
 
     # ---- reads -------------------------------------------------------------------
 
@@ -257,44 +300,65 @@ class DiskBackend(ObjectBackend):
                 time.sleep(1.0)       # the directory went away or is unreadable: try later
 
     def evict(self, target: float = LOW_WATER) -> int:
-        """Remove the least recently used unpinned objects until the directory
-        holds at most ``target`` of ``max_bytes``; the objects removed (0 if
-        another engine's evictor holds the lock). Resets ``usage`` to what the
-        scan saw plus what was put meanwhile."""
+        """Remove the least recently used unpinned objects until ``usage`` is
+        at most ``target`` of ``max_bytes``; the objects removed (0 if
+        another engine's evictor holds the lock). Recounts first when the
+        scan is off the count by more than ``RECOUNT_SLACK``."""
         try:
             fcntl.flock(self._evict_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return 0
         try:
-            counted_before = self.usage()
+            before = self.usage()
             now = time.time()
-            entries, total = [], 0
-            for i in range(FANOUT):
-                with os.scandir(os.path.join(self._objects, f"{i:02x}")) as it:
-                    for e in it:
-                        try:
-                            st = e.stat()
-                        except FileNotFoundError:
-                            continue
-                        total += st.st_size
-                        if st.st_mtime <= now:              # pinned objects stay
-                            entries.append((st.st_mtime, st.st_size, e.path))
+            entries, total = self._scan(now)
+            after = self.usage()
+            slack = RECOUNT_SLACK * self.max_bytes
+            if not min(before, after) - slack <= total <= max(before, after) + slack:
+                self._recount()
             self._sweep_tmp(now)
-            removed, freed = 0, 0
-            if total > target * self.max_bytes:
+            removed = 0
+            if self.usage() > target * self.max_bytes:
                 entries.sort()
-                for _, size, path in entries:
-                    if total - freed <= target * self.max_bytes:
+                for _, path in entries:
+                    if self.usage() <= target * self.max_bytes:
                         break
-                    if _unlink(path):
-                        freed += size
+                    if self._claim(path):
                         removed += 1
-            # puts and removes that ran during the scan moved usage since
-            self._add_usage(total - freed - counted_before)
             self.evictions += removed
             return removed
         finally:
             fcntl.flock(self._evict_lock, fcntl.LOCK_UN)
+
+    def _scan(self, now: float) -> tuple[list[tuple[float, str]], int]:
+        """(mtime, path) of the unpinned objects, and the bytes of all."""
+        entries, total = [], 0
+        for i in range(FANOUT):
+            with os.scandir(os.path.join(self._objects, f"{i:02x}")) as it:
+                for e in it:
+                    try:
+                        st = e.stat()
+                    except FileNotFoundError:
+                        continue
+                    total += st.st_size
+                    if st.st_mtime <= now:              # pinned objects stay
+                        entries.append((st.st_mtime, e.path))
+        return entries, total
+
+    def _recount(self) -> None:
+        """Set ``usage`` to the bytes under ``objects/``, puts and removes
+        held (the caller holds ``evict.lock``, so no eviction runs)."""
+        fcntl.flock(self._count_lock, fcntl.LOCK_EX)
+        try:
+            _, total = self._scan(time.time())
+            with self._lock:
+                fcntl.flock(self._usage_lock, fcntl.LOCK_EX)
+                try:
+                    os.pwrite(self._usage, _U64.pack(total), 0)
+                finally:
+                    fcntl.flock(self._usage_lock, fcntl.LOCK_UN)
+        finally:
+            fcntl.flock(self._count_lock, fcntl.LOCK_UN)
 
     def _sweep_tmp(self, now: float) -> None:
         with os.scandir(self._tmp) as it:
@@ -309,7 +373,7 @@ class DiskBackend(ObjectBackend):
         self._closed = True
         self._wake.set()
         self._evictor.join(timeout=5)
-        for fd in (self._usage, self._usage_lock, self._evict_lock):
+        for fd in (self._usage, self._usage_lock, self._evict_lock, self._count_lock):
             os.close(fd)
 
 
