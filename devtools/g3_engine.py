@@ -75,9 +75,21 @@ def main(spec_path: str, out_path: str) -> None:
                         "g3_trips": tier.guard.trips})
 
         def held() -> bool:
-            return all(all(tier.listed(keys_of(llm, p))) for p in spec["prompts"])
+            return (not tier.has_pending_work()
+                    and all(all(tier.listed(keys_of(llm, p))) for p in spec["prompts"]))
+        # Held for a settling second: objects another writer planted are
+        # listed before this engine's cascade replaces them, and vLLM submits
+        # a cascade only some steps after the G2 store ends.
         deadline = time.monotonic() + (30 if spec.get("await_stored") else 0)
-        while not held() and time.monotonic() < deadline:
+        settled = None
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            if not held():
+                settled = None
+            elif settled is None:
+                settled = now
+            elif now - settled >= 1.0:
+                break
             llm.llm_engine.step()           # stores still running: let them end
             time.sleep(0.05)
         json.dump({"runs": out, "prefetch": prefetched, "fetch": fetched,
