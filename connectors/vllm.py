@@ -65,6 +65,7 @@ from sessionkv.types import Tier
 
 from . import compat
 from .control import ControlChannel
+from .fills import FillWatch
 from .hint_executor import read_request
 from .kv_events import SessionEventsTracker
 from .manager import SessionTierManager
@@ -257,6 +258,7 @@ class SessionTierConnector(OffloadingConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         self._block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self._tracked: dict[str, _Tracked] = {}
+        self._fills = FillWatch()   # which of them to look at in a step (connectors/fills.py)
         self._next_expiry = 0.0
         self._in_pass = False       # the lock is held for the current schedule() pass
         self.control: ControlChannel | None = None
@@ -382,6 +384,7 @@ class SessionTierConnector(OffloadingConnector):
             self._associated(tr, g1 + ext // bs, Tier.G2)
         # A (re)scheduled request, preempted ones included, computes from here.
         tr.admit_upto(g1 + (ext or 0) // bs, bs)
+        self._fills.look_now(request.request_id)
         return ext, is_async
 
     def update_state_after_alloc(
@@ -410,30 +413,46 @@ class SessionTierConnector(OffloadingConnector):
         # Full-block admission and decode-block completion: blocks this step
         # fills are cached in G1 now (vLLM caches them at allocation).
         bs, now, index, tracked = self._block_size, time.monotonic(), self.index, self._tracked
-        scheduled = scheduler_output.total_num_scheduled_tokens
-        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
-            # A decode step fills a block of one request in ``bs``: the rest
-            # cost a lookup and a comparison.
+        scheduled, total = (scheduler_output.num_scheduled_tokens,
+                            scheduler_output.total_num_scheduled_tokens)
+        fills = self._fills
+        filled: list[tuple[_Tracked, int, int]] = []    # (request, blocks before, after)
+        for req_id in fills.step(scheduled, total):     # those that may fill a block now
             tr = tracked.get(req_id)
-            if tr is None or tr.request.num_computed_tokens + n_sched < tr.due:
+            if tr is None:
+                fills.forget(req_id)
                 continue
-            req = tr.request
-            full = min(len(req.block_hashes), (req.num_computed_tokens + n_sched) // bs)
-            if full > tr.admitted:
-                # The blocks this step filled, below the last one admitted;
-                # the whole chain only when that one was pruned meanwhile.
-                new = tr.keys_between(tr.admitted, full)
-                if not (tr.admitted and index.extend(tr.session, tr.keys[tr.admitted - 1], new,
-                                                     Tier.G1, now)):
-                    index.admit(tr.session, tr.keys_upto(full), Tier.G1, start=tr.admitted,
-                                now=now)
-                tr.admit_upto(full, bs)
-                self._associated(tr, full, Tier.G1)
-        index.sweep_g1(min(G1_SWEEP_MAX, max(G1_SWEEP_MIN, scheduled // bs)))
+            n_sched = scheduled.get(req_id)
+            if n_sched is None:                 # not scheduled in this step
+                fills.file(req_id, 1)
+                continue
+            computed = tr.request.num_computed_tokens + n_sched
+            if computed >= tr.due:
+                req = tr.request
+                full = min(len(req.block_hashes), computed // bs)
+                if full > tr.admitted:
+                    filled.append((tr, tr.admitted, full))
+                    tr.admit_upto(full, bs)
+            fills.file(req_id, min(tr.due - computed, bs))
+        if filled:
+            self._admit_filled(filled, now)
+        index.sweep_g1(min(G1_SWEEP_MAX, max(G1_SWEEP_MIN, total // bs)))
         self.manager.collect_clipped()
         if now >= self._next_expiry:
             more = self.manager.expire_sessions(now, EXPIRE_PER_PASS)
             self._next_expiry = now if more else now + EXPIRE_EVERY_S
+
+    def _admit_filled(self, filled: list[tuple[_Tracked, int, int]], now: float) -> None:
+        """The index learns the blocks this step filled (``(request, blocks
+        admitted before, full blocks now)`` each): an ``extend`` below the
+        blocks admitted before; the whole chain for a request that had none,
+        or whose last one was pruned meanwhile."""
+        index = self.index
+        for tr, start, full in filled:
+            new = tr.keys_between(start, full)
+            if not (start and index.extend(tr.session, tr.keys[start - 1], new, Tier.G1, now)):
+                index.admit(tr.session, tr.keys_upto(full), Tier.G1, start=start, now=now)
+            self._associated(tr, full, Tier.G1)
 
     def _associated(self, tr: _Tracked, n_blocks: int, tier: Tier) -> None:
         events = self.manager.event_log
@@ -443,6 +462,7 @@ class SessionTierConnector(OffloadingConnector):
 
     def _report(self, request: "Request") -> RequestReport:
         tr = self._tracked.pop(request.request_id, None)
+        self._fills.forget(request.request_id)
         g1, sources = (tr.g1_tokens, tr.sources) if tr else (0, {})
         g2 = sources.get(CacheHitSource.HOST, 0)
         g3 = sum(sources.values()) - g2
