@@ -4,8 +4,8 @@ looking at every running request each step.
 The connector admits a request's blocks to the index in the step that fills
 them (``SessionTierConnector._after_step``). A decode step fills a block of
 one request in ``block_size``; asking every request whether it is due cost
-0.15 ms of a 256-request decode step (bench/scale.py's steps), more than the
-admissions it found. So each request is filed under the first step that could
+about 0.15 ms of a 256-request decode step at 64k tokens (bench/scale.py's
+schedule, timed by function), to find the 16 that were. So each request is filed under the first step that could
 fill its next block, and a step looks at the requests filed under it:
 
 - a step that schedules one token per request (``total_num_scheduled_tokens

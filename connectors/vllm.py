@@ -428,8 +428,7 @@ class SessionTierConnector(OffloadingConnector):
                 continue
             computed = tr.request.num_computed_tokens + n_sched
             if computed >= tr.due:
-                req = tr.request
-                full = min(len(req.block_hashes), computed // bs)
+                full = min(len(tr.request.block_hashes), computed // bs)
                 if full > tr.admitted:
                     filled.append((tr, tr.admitted, full))
                     tr.admit_upto(full, bs)
