@@ -64,7 +64,7 @@ from sessionkv.tiers.g2_policy import SessionCachePolicy
 from sessionkv.types import Tier
 
 G2_CHUNKS = 262_144
-REPEATS = 3                 # runs of each steps schedule; a step keeps its fastest
+REPEATS = 5                 # runs of each steps schedule; a step keeps its fastest
 DECODE_STEPS = 128
 
 

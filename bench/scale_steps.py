@@ -25,6 +25,7 @@ code measured 0.03 and 5 ms apart per decode step at 256 x 64k.
 from __future__ import annotations
 
 import gc
+import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -159,15 +160,19 @@ def make_scheduler(ours: bool, spec: StepSpec, policy_file: str | None = None, *
 def make_requests(spec: StepSpec, seed: int = 0) -> list[Request]:
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
+    rng = random.Random(seed)
     out = []
     for i in range(spec.running):
         params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
         params.update_from_generation_config({}, 0)
         base = (seed * spec.running + i) * spec.context
-        # Prompts of different lengths, as traffic has: their decode steps
-        # fill blocks at different steps (equal lengths would put every
-        # request's block boundary, store and admission on the same step).
-        length = spec.context - i % BLOCK
+        # Prompts of different lengths, as traffic has, so that decode steps
+        # fill blocks of different requests at different steps. Drawn, not
+        # ``i % BLOCK``: at 64k request i starts decoding about i steps into
+        # the schedule (chunked prefill does one a step), which paired that
+        # offset with the start into 8 phases, 32 blocks every other step
+        # and none between, against 16 every step at 4k (16 prefill a step).
+        length = spec.context - rng.randrange(BLOCK)
         req = Request(request_id=f"r{i}", prompt_token_ids=[
             (base + t) % 50_000 + 1 for t in range(length)],
             sampling_params=params, pooling_params=None, mm_features=None,

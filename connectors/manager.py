@@ -49,7 +49,6 @@ from typing import NamedTuple
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
-    LookupResult,
     OffloadKey,
     PrepareStoreOutput,
     ReqContext,
@@ -204,21 +203,17 @@ class SessionPrimaryTier(compat.QuarantinedSlots, CPUPrimaryTierOffloadingManage
         if not chunk_keys:
             return
         if self._bpc == 1:
-            blocks = list(chunk_keys)
+            blocks = chunk_keys if isinstance(chunk_keys, list) else list(chunk_keys)
         else:
             blocks = [b for k in chunk_keys for b in self._index.chain_to(k, self._bpc)]
         self._index.set_copies(tier, blocks, copies)
-
-    def _set_g2(self, chunk_keys: Collection[OffloadKey], copies: int) -> None:
-        if chunk_keys:
-            self._index_copies(Tier.G2, chunk_keys, copies)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         out = super().prepare_store(keys, req_context)
         if out is not None and out.evicted_keys:
-            self._set_g2(out.evicted_keys, 0)
+            self._index_copies(Tier.G2, out.evicted_keys, 0)
             if self.event_log is not None:
                 self.event_log.append(
                     Eviction(tier=Tier.G2.name, keys=list(out.evicted_keys)))
@@ -228,15 +223,18 @@ class SessionPrimaryTier(compat.QuarantinedSlots, CPUPrimaryTierOffloadingManage
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         super().complete_store(keys, req_context, success)
+        # ``lookup``'s answer per key, read from the policy directly (HIT:
+        # present and ready; MISS: absent; pending ones are neither).
+        get = compat.cpu_policy(self).get
         stored, dropped = [], []
         for k in keys:
-            hit = self.lookup(k, req_context)
-            if hit is LookupResult.HIT:
-                stored.append(k)
-            elif hit is LookupResult.MISS:
+            chunk = get(k)
+            if chunk is None:
                 dropped.append(k)
-        self._set_g2(stored, 1)
-        self._set_g2(dropped, 0)
+            elif chunk.is_ready:
+                stored.append(k)
+        self._index_copies(Tier.G2, stored, 1)
+        self._index_copies(Tier.G2, dropped, 0)
         if self.event_log is not None:
             for ks, present in ((stored, True), (dropped, False)):
                 if ks:

@@ -74,6 +74,7 @@ class SessionStats:
         self._tokens = dict.fromkeys(SOURCES, 0)        # since start, for the ratio
         self._outcomes: dict[str, int] = {}             # "action/outcome" -> since start
         self._rejected: dict[str, int] = {}             # G3 tier -> rejected objects counted
+        self._chunks_moved: dict[tuple[str, str], int] = {}   # (src, dst) -> since ``take``
 
     def record(self, event: object) -> None:
         """Count an event the manager emits (outcomes, G1<->G2 transfers)."""
@@ -93,9 +94,10 @@ class SessionStats:
             self._moved(src, dst, chunks)
 
     def _moved(self, src: str, dst: str, chunks: int) -> None:
+        # Summed per (src, dst) and put into the stats by ``take``: a decode
+        # step stores a block of every 16th request, each counted here.
         if chunks:
-            self._stats.increase_counter(MOVED_BLOCKS, chunks * self._bpc, (src, dst))
-            self._stats.increase_counter(MOVED_BYTES, chunks * self._chunk_bytes, (src, dst))
+            self._chunks_moved[src, dst] = self._chunks_moved.get((src, dst), 0) + chunks
 
     def tokens(self, report: RequestReport) -> None:
         """Count a finished request's prompt tokens by source."""
@@ -122,11 +124,15 @@ class SessionStats:
         tier's rejected objects since start (counted here by difference)."""
         with self._lock:
             stats, self._stats = self._stats, OffloadingConnectorStats()
+            moved, self._chunks_moved = self._chunks_moved, {}
             for tier, total in (rejected or {}).items():
                 new = total - self._rejected.get(tier, 0)
                 if new > 0:
                     stats.increase_counter(G3_REJECTED, new, (tier,))
                 self._rejected[tier] = total
+        for pair, chunks in moved.items():
+            stats.increase_counter(MOVED_BLOCKS, chunks * self._bpc, pair)
+            stats.increase_counter(MOVED_BYTES, chunks * self._chunk_bytes, pair)
         stats.set_gauge(INDEX_BLOCKS, blocks)
         stats.set_gauge(INDEX_SESSIONS, sessions)
         stats.set_gauge(PINNED, pinned)

@@ -229,10 +229,12 @@ class _Tracked:
         return self.keys_between(0, n_blocks)
 
     def keys_between(self, first: int, end: int) -> list[bytes]:
-        hashes = self.request.block_hashes
-        if len(self.keys) < end:
-            self.keys.extend(make_offload_key(h, 0) for h in hashes[len(self.keys):end])
-        return self.keys[first:end]
+        keys, n = self.keys, len(self.keys)
+        if n + 1 == end:                # a decode step's block
+            keys.append(make_offload_key(self.request.block_hashes[n], 0))
+        elif n < end:
+            keys.extend(make_offload_key(h, 0) for h in self.request.block_hashes[n:end])
+        return keys[first:end]
 
 
 class SessionTierConnector(OffloadingConnector):
@@ -329,7 +331,10 @@ class SessionTierConnector(OffloadingConnector):
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         if self.connector_scheduler is not None:
-            self.index.bind_g1_probe(g1_probe(kv_cache_manager.block_pool))
+            pool, g2 = kv_cache_manager.block_pool, self.manager.primary_tier
+            self.index.bind_g1_probe(g1_probe(pool))
+            # What G1 and G2 hold is what the index holds in steady state.
+            self.index.reserve(pool.num_gpu_blocks + g2.num_chunks * g2.blocks_per_chunk)
 
     def on_new_request(self, request: "Request") -> None:
         params = request.kv_transfer_params
@@ -447,11 +452,22 @@ class SessionTierConnector(OffloadingConnector):
         blocks admitted before; the whole chain for a request that had none,
         or whose last one was pruned meanwhile."""
         index = self.index
-        for tr, start, full in filled:
+        below: list[tuple[str | None, bytes, list[bytes]]] = []   # extends, in one call
+        below_of: list[tuple[_Tracked, int, int]] = []
+        for f in filled:
+            tr, start, full = f
             new = tr.keys_between(start, full)
-            if not (start and index.extend(tr.session, tr.keys[start - 1], new, Tier.G1, now)):
-                index.admit(tr.session, tr.keys_upto(full), Tier.G1, start=start, now=now)
-            self._associated(tr, full, Tier.G1)
+            if start:
+                below.append((tr.session, tr.keys[start - 1], new))
+                below_of.append(f)
+            else:
+                index.admit(tr.session, tr.keys_upto(full), Tier.G1, now=now)
+        for i in index.extend_each(below, Tier.G1, now):
+            tr, start, full = below_of[i]
+            index.admit(tr.session, tr.keys_upto(full), Tier.G1, start=start, now=now)
+        if self.manager.event_log is not None:
+            for tr, _, full in filled:
+                self._associated(tr, full, Tier.G1)
 
     def _associated(self, tr: _Tracked, n_blocks: int, tier: Tier) -> None:
         events = self.manager.event_log

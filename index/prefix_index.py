@@ -51,6 +51,8 @@ from .views import Resolved, SessionSummary, alias64
 __all__ = ["SessionPrefixIndex", "Resolved", "SessionSummary", "alias64"]
 
 G1Probe = Callable[[Sequence[bytes]], Sequence[int]]
+# A G1 sweep window up to this many slots is read in Python, a larger one by numpy.
+G1_SWEEP_FEW = 256
 
 
 @dataclass
@@ -117,21 +119,41 @@ class SessionPrefixIndex:
         it adds, not the context (``admit`` looks up the whole chain). False,
         with nothing done, when ``parent`` is no longer indexed (pruned): the
         caller admits the whole chain instead."""
+        return not self.extend_each([(session, parent, keys)], tier, now)
+
+    def extend_each(self, items: Sequence[tuple[str | None, bytes, Sequence[bytes]]],
+                    tier: Tier, now: float = 0.0) -> list[int]:
+        """``extend`` of each ``(session, parent, keys)``, in order, in one
+        call (a scheduler step's filled blocks); the positions of the items
+        whose parent is no longer indexed, which did nothing."""
         tree = self._tree
-        p = tree.slot.get(parent)
-        if p is None:
-            return False
-        if len(keys) == 1 and keys[0] not in tree.slot and session in self._frontier_of.get(p, ()):
-            # A decode step's block below the session's frontier: the frontier
-            # moves down to it (what ``_admit`` concludes, in a few dict and
-            # array writes: 16 of these a step at 256 x 64k).
-            s = tree.add_leaf(keys[0], p, tier)
-            st = self._touch_session(session, now)
-            self._drop_frontier(session, st, p)
-            self._put_frontier(session, st, s)
-            return True
-        self._admit(session, keys, tier, 0, now, p, int(tree.depth[p]) + 1)
-        return True
+        slot, frontier_of, add_leaf = tree.slot, self._frontier_of, tree.add_leaf
+        missing = []
+        for i, (session, parent, keys) in enumerate(items):
+            p = slot.get(parent)
+            if p is None:
+                missing.append(i)
+                continue
+            owners = frontier_of.get(p)
+            if len(keys) == 1 and owners is not None and session in owners \
+                    and keys[0] not in slot:
+                # A decode step's block below the session's frontier: the
+                # frontier moves down to it (what ``_admit`` concludes, in a
+                # few dict and array writes: 16 a step at 256 x 64k).
+                s = add_leaf(keys[0], p, tier)
+                st = self._touch_session(session, now)
+                st.frontiers.discard(p)
+                st.frontiers.add(s)
+                del frontier_of[p]
+                if len(owners) == 1:            # the session's own: the set moves down
+                    frontier_of[s] = owners
+                else:
+                    owners.discard(session)
+                    frontier_of[p] = owners
+                    frontier_of[s] = {session}
+                continue
+            self._admit(session, keys, tier, 0, now, p, tree.depth.item(p) + 1)
+        return missing
 
     def _admit(self, session: str | None, chain: Sequence[bytes], tier: Tier | None,
                start: int, now: float, root: int = NONE, base: int = 0) -> None:
@@ -243,6 +265,15 @@ class SessionPrefixIndex:
         """Set the copy count of ``keys`` in ``tier`` (one count for all, or one
         per key). Keys the index does not hold are ignored: without their
         chain there is no place for them in the tree."""
+        if isinstance(counts, int):
+            # One count for all: a store's G2 copies, an eviction's (a decode
+            # step at 256 x 64k has about 16 of each, most of one key).
+            get = self._tree.slot.get
+            gone = self._tree.set_each(tier, [s for s in map(get, keys) if s is not None],
+                                       counts)
+            if gone:
+                self._on_gone(gone)
+            return
         self._update(tier, keys, counts, absolute=True)
 
     def add_copies(self, tier: Tier, keys: Sequence[bytes], delta: int = 1) -> None:
@@ -252,13 +283,6 @@ class SessionPrefixIndex:
 
     def _update(self, tier: Tier, keys: Sequence[bytes], value, absolute: bool) -> None:
         slots = list(map(self._tree.slot.get, keys))
-        if absolute and isinstance(value, int):
-            # One count for all: a store's G2 copies, an eviction's (16 calls
-            # each a decode step at 256 x 64k), without the per-pair machinery.
-            gone = self._tree.set_each(tier, [s for s in slots if s is not None], value)
-            if gone:
-                self._on_gone(gone)
-            return
         if isinstance(value, int):
             pairs = [(s, value) for s in slots if s is not None]
         else:
@@ -283,8 +307,11 @@ class SessionPrefixIndex:
                 st.frontiers.discard(s)
                 if a != NONE:
                     self._add_frontier(session, st, a)
-        order = np.asarray(gone, np.int64)
-        order = order[np.argsort(-tree.depth[order], kind="stable")].tolist()
+        if len(gone) == 1:          # an evicted chunk's block: no sort, no numpy
+            order = gone
+        else:
+            order = np.asarray(gone, np.int64)
+            order = order[np.argsort(-tree.depth[order], kind="stable")].tolist()
         keys = tree.keys
         for s in order:
             if keys[s] is not None:
@@ -305,6 +332,12 @@ class SessionPrefixIndex:
     def bind_g1_probe(self, probe: G1Probe | None) -> None:
         """Set the G1 probe once vLLM's block pool is known."""
         self._g1_probe = probe
+
+    def reserve(self, nodes: int) -> None:
+        """Room for ``nodes`` nodes before the tree grows: a growth copies
+        every array inside the step that needs it (1.9 ms at 65,536 nodes,
+        the first decode step of bench/scale.py's 256 x 4k)."""
+        self._tree.reserve(nodes)
 
     def chain_to(self, key: bytes, n: int) -> list[bytes]:
         """``key`` and its ancestors, at most ``n`` keys, root side first: the
@@ -379,7 +412,13 @@ class SessionPrefixIndex:
         lo = self._sweep_cursor if self._sweep_cursor < n else 0
         hi = n if max_slots is None else min(n, lo + max_slots)
         self._sweep_cursor = hi
-        held = (lo + np.flatnonzero(self._tree.copies[Tier.G1, lo:hi])).tolist()
+        # A step's window is a few dozen slots: one numpy call, then Python
+        # (flatnonzero's own overhead was most of a 16-slot sweep).
+        window = self._tree.copies[Tier.G1, lo:hi]
+        if hi - lo > G1_SWEEP_FEW:
+            held = (lo + np.flatnonzero(window)).tolist()
+        else:
+            held = [lo + i for i, c in enumerate(window.tolist()) if c]
         self._refresh_g1(held)
         return len(held)
 
@@ -393,7 +432,7 @@ class SessionPrefixIndex:
             return
         row = self._tree.copies[Tier.G1]
         # Only the changed counts: most nodes a sweep reads are still in G1.
-        changed = [(k, c) for s, k, c in zip(slots, keys, self._g1_probe(keys)) if row[s] != c]
+        changed = [(k, c) for s, k, c in zip(slots, keys, self._g1_probe(keys)) if row.item(s) != c]
         if changed:
             self.set_copies(Tier.G1, [k for k, _ in changed], [c for _, c in changed])
 

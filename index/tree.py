@@ -73,6 +73,10 @@ class BlockTree:
 
     # ------------------------------------------------------------------ slots
 
+    def reserve(self, nodes: int) -> None:
+        """Capacity for ``nodes`` slots without growing."""
+        self._grow(nodes)
+
     def _grow(self, need: int) -> None:
         cap = len(self.parent)
         if need <= cap:
@@ -135,7 +139,7 @@ class BlockTree:
         # Each numpy write costs about 0.5 us on a decode step's cold caches
         # (bench/scale.py's steps), the ``copies[:, s]`` slice several.
         self.parent[s] = parent
-        self.depth[s] = self.depth[parent] + 1
+        self.depth[s] = self.depth.item(parent) + 1
         self.copies[tier, s] = 1
         self.total[s] = 1
         self.nchild[parent] += 1
@@ -259,8 +263,8 @@ class BlockTree:
         (the frontiers), then its ancestors the same way; the first of them
         left with no copy and one child, not kept, is spliced out."""
         nchild, xchild, total, parent = self.nchild, self.xchild, self.total, self.parent
-        while s != NONE and total[s] == 0 and s not in keep:
-            k, p = int(nchild[s]), int(parent[s])
+        while s != NONE and total.item(s) == 0 and s not in keep:
+            k, p = nchild.item(s), parent.item(s)
             if k > 1:
                 return
             if k == 1:
@@ -309,18 +313,21 @@ class BlockTree:
         after (sorted, once)."""
         if len(slots) > FEW_KEYS:
             return self.update(tier, [(s, value) for s in slots], absolute=True)
-        value = min(max(value, 0), MAX_COPIES)
+        if not 0 <= value <= MAX_COPIES:
+            value = min(max(value, 0), MAX_COPIES)
         row, total = self.copies[tier], self.total
         gone = []                        # a store's chunk, an evicted one
         for s in slots:
-            old = int(row[s])
+            old = row.item(s)
             if old != value:
                 row[s] = value
-                left = int(total[s]) + value - old
+                left = total.item(s) + value - old
                 total[s] = left
                 if not left:
                     gone.append(s)
-        return sorted(gone)
+        if len(gone) > 1:
+            gone.sort()
+        return gone
 
     def update(self, tier: Tier, pairs: list[tuple[int, int]], absolute: bool) -> list[int]:
         """Set (``absolute``) or add each ``(slot, value)``'s copies in

@@ -89,3 +89,30 @@ def test_every_filled_block_is_admitted_in_the_step_that_fills_it(batch_tokens):
         assert len(sched.connector._fills) == len(reqs) - 1
     finally:
         sched.shutdown()
+
+
+def test_the_index_has_room_for_what_g1_and_g2_hold_before_the_first_step():
+    # A growth copies every index array inside the step that needs it (1.9 ms
+    # at 65,536 nodes, a decode step of bench/scale.py at 256 x 4k): the
+    # connector reserves G1's blocks plus G2's when it binds vLLM's block pool.
+    spec = steps.StepSpec(context=1024, running=24, decode_steps=20, g2_chunks=4096,
+                          batch_tokens=8192)
+    sched = steps.make_scheduler(True, spec)
+    reqs = steps.make_requests(spec)
+    for r in reqs:
+        sched.add_request(r)
+    tree = sched.connector.index._tree
+    arrays = tree.parent
+    pool = sched.kv_cache_manager.block_pool
+    pending = set()
+    try:
+        assert len(arrays) >= pool.num_gpu_blocks + spec.g2_chunks
+        for _ in range(20):
+            out = sched.schedule()
+            meta = out.kv_connector_metadata
+            sched.update_from_output(out, steps.model_output(out, pending))
+            pending = set(meta.load_jobs) | set(meta.store_jobs)
+        # more nodes than the tree starts with room for, the arrays never replaced
+        assert len(tree) > 1024 and tree.parent is arrays
+    finally:
+        sched.shutdown()
