@@ -30,7 +30,7 @@ pool) for the G1 copy counts of the nodes it is about to report.
 Threading: not thread-safe. One owner (the connector, on vLLM's scheduler
 thread, or any thread holding the connector's lock) calls every method.
 
-Memory: the tree's (numpy arrays per node, key bytes and two dict entries),
+Memory: the tree's (arrays of numbers per node, key bytes and two dict entries),
 plus a set per session and a dict entry per frontier.
 """
 
@@ -45,7 +45,7 @@ import numpy as np
 
 from sessionkv.types import TIERS, Tier
 
-from .tree import NONE, BlockTree
+from .tree import FEW_KEYS, NONE, BlockTree, view
 from .views import Resolved, SessionSummary, alias64
 
 __all__ = ["SessionPrefixIndex", "Resolved", "SessionSummary", "alias64"]
@@ -152,7 +152,7 @@ class SessionPrefixIndex:
                     frontier_of[p] = owners
                     frontier_of[s] = {session}
                 continue
-            self._admit(session, keys, tier, 0, now, p, tree.depth.item(p) + 1)
+            self._admit(session, keys, tier, 0, now, p, tree.depth[p] + 1)
         return missing
 
     def _admit(self, session: str | None, chain: Sequence[bytes], tier: Tier | None,
@@ -307,11 +307,13 @@ class SessionPrefixIndex:
                 st.frontiers.discard(s)
                 if a != NONE:
                     self._add_frontier(session, st, a)
-        if len(gone) == 1:          # an evicted chunk's block: no sort, no numpy
-            order = gone
+        # Deepest first (stable): a step's evictions in Python, a reset's in numpy.
+        if len(gone) <= FEW_KEYS:
+            depth = tree.depth
+            order = sorted(gone, key=lambda s: -depth[s])
         else:
             order = np.asarray(gone, np.int64)
-            order = order[np.argsort(-tree.depth[order], kind="stable")].tolist()
+            order = order[np.argsort(-view(tree.depth)[order], kind="stable")].tolist()
         keys = tree.keys
         for s in order:
             if keys[s] is not None:
@@ -412,13 +414,13 @@ class SessionPrefixIndex:
         lo = self._sweep_cursor if self._sweep_cursor < n else 0
         hi = n if max_slots is None else min(n, lo + max_slots)
         self._sweep_cursor = hi
-        # A step's window is a few dozen slots: one numpy call, then Python
-        # (flatnonzero's own overhead was most of a 16-slot sweep).
-        window = self._tree.copies[Tier.G1, lo:hi]
+        # A step's window is a few dozen slots, read in Python (flatnonzero's
+        # own overhead was most of a 16-slot sweep).
+        row = self._tree.copies[Tier.G1]
         if hi - lo > G1_SWEEP_FEW:
-            held = (lo + np.flatnonzero(window)).tolist()
+            held = (lo + np.flatnonzero(view(row)[lo:hi])).tolist()
         else:
-            held = [lo + i for i, c in enumerate(window.tolist()) if c]
+            held = [i for i in range(lo, hi) if row[i]]
         self._refresh_g1(held)
         return len(held)
 
@@ -432,7 +434,7 @@ class SessionPrefixIndex:
             return
         row = self._tree.copies[Tier.G1]
         # Only the changed counts: most nodes a sweep reads are still in G1.
-        changed = [(k, c) for s, k, c in zip(slots, keys, self._g1_probe(keys)) if row.item(s) != c]
+        changed = [(k, c) for s, k, c in zip(slots, keys, self._g1_probe(keys)) if row[s] != c]
         if changed:
             self.set_copies(Tier.G1, [k for k, _ in changed], [c for _, c in changed])
 
@@ -519,11 +521,10 @@ class SessionPrefixIndex:
         tree = self._tree
         slots = self._members(st)
         idx = np.fromiter(slots, np.int64, len(slots))
-        held = np.count_nonzero(tree.copies[:, idx], axis=1)
         return SessionSummary(
             session_id=session,
             frontiers=sorted(tree.keys[f] for f in st.frontiers),
-            blocks=int(np.count_nonzero(tree.total[idx])),
-            per_tier={t: int(held[t]) for t in TIERS},
+            blocks=int(np.count_nonzero(view(tree.total)[idx])),
+            per_tier={t: int(np.count_nonzero(view(tree.copies[t])[idx])) for t in TIERS},
             last_access=st.last_access,
         )

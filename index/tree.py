@@ -28,12 +28,16 @@ has no copy and no child.
 
 Threading: not thread-safe; its one owner is the SessionPrefixIndex.
 
-Memory: node state lives in numpy arrays indexed by slot; the only per-node
-Python objects are the key bytes and its two dict entries (key and alias).
+Memory: node state lives in ``array.array``s indexed by slot (a node's
+fields are read and written one at a time on the hot paths, where an array
+costs a third of a numpy scalar access: 24 against 74 ns a read here; the
+bulk paths work on numpy views of them, ``view``); the only per-node Python
+objects are the key bytes and its two dict entries (key and alias).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Container, Iterable, Sequence
 
 import numpy as np
@@ -47,13 +51,20 @@ MAX_COPIES = int(np.iinfo(np.uint16).max)
 # Updates of at most this many keys run per key in Python, larger ones in
 # numpy (the cheaper side of each, measured by bench/scale.py's steps).
 FEW_KEYS = 16
+_DTYPES = {"i": np.int32, "H": np.uint16, "I": np.uint32}
+
+
+def view(a: array) -> np.ndarray:
+    """A numpy view of one of the tree's arrays, no copy. Local only: an
+    array exporting a view cannot grow (``BufferError``), so drop it first."""
+    return np.frombuffer(a, _DTYPES[a.typecode])
 
 
 class BlockTree:
     """Slots, tree links and copy counts of the index's nodes (see the module docstring).
 
     Its arrays are public to its owner, which reads them on hot paths; they
-    are replaced when the tree grows, so read them from the tree each time."""
+    grow in place. ``copies[tier]`` is one array per tier."""
 
     def __init__(self, initial_capacity: int = 1024):
         cap = max(16, initial_capacity)
@@ -61,12 +72,12 @@ class BlockTree:
         self.alias: dict[int, int] = {}             # alias64(key) -> slot
         self.keys: list[bytes | None] = []
         self._free: list[int] = []
-        self.parent = np.full(cap, NONE, np.int32)
-        self.depth = np.zeros(cap, np.int32)
-        self.nchild = np.zeros(cap, np.int32)
-        self.xchild = np.zeros(cap, np.int32)      # XOR of the children's slots
-        self.copies = np.zeros((len(TIERS), cap), np.uint16)
-        self.total = np.zeros(cap, np.uint32)      # copies over all tiers
+        self.parent = array("i", [NONE]) * cap
+        self.depth = array("i", bytes(4 * cap))
+        self.nchild = array("i", bytes(4 * cap))
+        self.xchild = array("i", bytes(4 * cap))   # XOR of the children's slots
+        self.copies = [array("H", bytes(2 * cap)) for _ in TIERS]
+        self.total = array("I", bytes(4 * cap))    # copies over all tiers
 
     def __len__(self) -> int:
         return len(self.slot)
@@ -82,13 +93,9 @@ class BlockTree:
         if need <= cap:
             return
         more = max(need, cap * 2) - cap
-        self.parent = np.concatenate([self.parent, np.full(more, NONE, np.int32)])
-        self.depth = np.concatenate([self.depth, np.zeros(more, np.int32)])
-        self.nchild = np.concatenate([self.nchild, np.zeros(more, np.int32)])
-        self.xchild = np.concatenate([self.xchild, np.zeros(more, np.int32)])
-        self.copies = np.concatenate(
-            [self.copies, np.zeros((len(TIERS), more), np.uint16)], axis=1)
-        self.total = np.concatenate([self.total, np.zeros(more, np.uint32)])
+        self.parent.extend(array("i", [NONE]) * more)
+        for a in (self.depth, self.nchild, self.xchild, *self.copies, self.total):
+            a.frombytes(bytes(a.itemsize * more))
 
     def _alloc(self, n: int) -> list[int]:
         reuse = self._free[-n:] if n else []
@@ -136,11 +143,9 @@ class BlockTree:
             self._grow(s + 1)
             self.keys.append(None)
         # A free slot has no copy and no child (``_drop``): only these are set.
-        # Each numpy write costs about 0.5 us on a decode step's cold caches
-        # (bench/scale.py's steps), the ``copies[:, s]`` slice several.
         self.parent[s] = parent
-        self.depth[s] = self.depth.item(parent) + 1
-        self.copies[tier, s] = 1
+        self.depth[s] = self.depth[parent] + 1
+        self.copies[tier][s] = 1
         self.total[s] = 1
         self.nchild[parent] += 1
         self.xchild[parent] ^= s
@@ -158,7 +163,7 @@ class BlockTree:
             prev = np.empty(m, np.int64)
             prev[0] = root
             prev[1:] = idx[:-1]
-            return np.flatnonzero(self.parent[idx] != prev).tolist()
+            return np.flatnonzero(view(self.parent)[idx] != prev).tolist()
         parent, out, prev = self.parent, [], root
         for j in range(m):
             s = slots[j]
@@ -173,9 +178,9 @@ class BlockTree:
         n, parent, depth = len(chain), self.parent, self.depth
         for j in bad:                           # validate before changing anything
             above = next((slots[i] for i in range(j - 1, -1, -1) if slots[i] is not None), root)
-            x = int(parent[slots[j]])
+            x = parent[slots[j]]
             if depth[slots[j]] != base + j or x != NONE and (
-                    above == NONE or self.ancestor_at(above, int(depth[x])) != x):
+                    above == NONE or self.ancestor_at(above, depth[x]) != x):
                 raise ValueError("chain holds a known key that is not the child of the "
                                  "key before it, nor of a spliced-out one: not a prefix chain")
         relinked, i = [], 0
@@ -192,7 +197,7 @@ class BlockTree:
             i = j
         moved = []
         for j in bad:
-            moved.append((slots[j], int(parent[slots[j]])))
+            moved.append((slots[j], parent[slots[j]]))
             self._reparent(slots[j], slots[j - 1] if j else root)
         return relinked, moved
 
@@ -219,7 +224,7 @@ class BlockTree:
 
     def _reparent(self, c: int, p: int) -> None:
         """Make ``p`` the parent of ``c`` in place of its spliced link."""
-        old = int(self.parent[c])
+        old = self.parent[c]
         if old != NONE:
             self.nchild[old] -= 1
             self.xchild[old] ^= c
@@ -237,7 +242,8 @@ class BlockTree:
             dep[s] = depth
             nchild[s] = 0
             xchild[s] = 0
-            copies[:, s] = 0
+            for row in copies:
+                row[s] = 0
             total[s] = 0
             if parent != NONE:
                 nchild[parent] += 1
@@ -246,14 +252,17 @@ class BlockTree:
 
     def _link_many(self, new: list[int], parent: int, depth: int) -> None:
         idx = np.asarray(new, np.int64)
-        self.parent[idx] = [parent, *new[:-1]]
-        self.depth[idx] = np.arange(depth, depth + len(new), dtype=np.int32)
-        self.nchild[idx] = 1
-        self.nchild[new[-1]] = 0
-        self.xchild[idx[:-1]] = idx[1:]
-        self.xchild[new[-1]] = 0
-        self.copies[:, idx] = 0
-        self.total[idx] = 0
+        view(self.parent)[idx] = [parent, *new[:-1]]
+        view(self.depth)[idx] = np.arange(depth, depth + len(new), dtype=np.int32)
+        nchild = view(self.nchild)
+        nchild[idx] = 1
+        nchild[new[-1]] = 0
+        xchild = view(self.xchild)
+        xchild[idx[:-1]] = idx[1:]
+        xchild[new[-1]] = 0
+        for row in self.copies:
+            view(row)[idx] = 0
+        view(self.total)[idx] = 0
         if parent != NONE:
             self.nchild[parent] += 1
             self.xchild[parent] ^= new[0]
@@ -263,12 +272,12 @@ class BlockTree:
         (the frontiers), then its ancestors the same way; the first of them
         left with no copy and one child, not kept, is spliced out."""
         nchild, xchild, total, parent = self.nchild, self.xchild, self.total, self.parent
-        while s != NONE and total.item(s) == 0 and s not in keep:
-            k, p = nchild.item(s), parent.item(s)
+        while s != NONE and total[s] == 0 and s not in keep:
+            k, p = nchild[s], parent[s]
             if k > 1:
                 return
             if k == 1:
-                c = int(xchild[s])
+                c = xchild[s]
                 parent[c] = p
                 if p != NONE:
                     xchild[p] ^= s ^ c
@@ -304,7 +313,8 @@ class BlockTree:
                     total[s] += 1
             return
         idx = np.asarray(slots, np.int64)
-        row[idx] = np.maximum(row[idx], 1)
+        rows = view(row)
+        rows[idx] = np.maximum(rows[idx], 1)
         self._recount(idx)
 
     def set_each(self, tier: Tier, slots: Sequence[int], value: int) -> list[int]:
@@ -318,10 +328,10 @@ class BlockTree:
         row, total = self.copies[tier], self.total
         gone = []                        # a store's chunk, an evicted one
         for s in slots:
-            old = row.item(s)
+            old = row[s]
             if old != value:
                 row[s] = value
-                left = total.item(s) + value - old
+                left = total[s] + value - old
                 total[s] = left
                 if not left:
                     gone.append(s)
@@ -337,17 +347,17 @@ class BlockTree:
             return self._update_few(tier, pairs, absolute)
         idx = np.fromiter((s for s, _ in pairs), np.int64, len(pairs))
         vals = np.fromiter((v for _, v in pairs), np.int64, len(pairs))
-        before = self.total[idx] != 0
-        row = self.copies[tier]
+        before = view(self.total)[idx] != 0
         if absolute:
-            row[idx] = np.clip(vals, 0, MAX_COPIES)
+            view(self.copies[tier])[idx] = np.clip(vals, 0, MAX_COPIES)
         else:
             # Sequential semantics, a key named twice counts twice; clamped at
             # zero after each step, as a per-key loop would.
+            row = self.copies[tier]
             for s, v in pairs:
-                row[s] = min(max(int(row[s]) + v, 0), MAX_COPIES)
+                row[s] = min(max(row[s] + v, 0), MAX_COPIES)
         self._recount(idx)
-        gone = idx[before & (self.total[idx] == 0)]
+        gone = idx[before & (view(self.total)[idx] == 0)]
         return np.unique(gone).tolist() if gone.size else []
 
     def _update_few(self, tier: Tier, pairs: list[tuple[int, int]], absolute: bool) -> list[int]:
@@ -360,24 +370,27 @@ class BlockTree:
         for s, v in pairs:
             if s not in before:
                 before[s] = total[s] != 0
-            old = int(row[s])
+            old = row[s]
             new = min(max(v if absolute else old + v, 0), MAX_COPIES)
             row[s] = new
-            total[s] = int(total[s]) - old + new
+            total[s] = total[s] - old + new
         return sorted(s for s, had in before.items() if had and total[s] == 0)
 
     def _recount(self, idx: np.ndarray) -> None:
-        self.total[idx] = self.copies[:, idx].sum(axis=0, dtype=np.uint32)
+        total = np.zeros(len(idx), np.uint32)
+        for row in self.copies:
+            total += view(row)[idx]
+        view(self.total)[idx] = total
 
     def held(self, tier: Tier) -> list[bytes]:
         """The keys with a copy in ``tier``."""
-        return [self.keys[s] for s in np.flatnonzero(self.copies[tier]).tolist()]
+        return [self.keys[s] for s in np.flatnonzero(view(self.copies[tier])).tolist()]
 
     def copies_of(self, key: bytes) -> dict[Tier, int] | None:
         s = self.slot.get(key)
         if s is None:
             return None
-        return {t: int(self.copies[t, s]) for t in TIERS}
+        return {t: self.copies[t][s] for t in TIERS}
 
     # ---------------------------------------------------------------- walks
 
@@ -386,15 +399,15 @@ class BlockTree:
         (NONE when there is none): the node at ``depth`` when it is indexed."""
         parent, dep = self.parent, self.depth
         while slot != NONE and dep[slot] > depth:
-            slot = int(parent[slot])
+            slot = parent[slot]
         return slot
 
     def nearest_resident_above(self, s: int) -> int:
         """The closest resident ancestor of ``s`` (NONE when there is none)."""
         parent, total = self.parent, self.total
-        a = int(parent[s])
+        a = parent[s]
         while a != NONE and total[a] == 0:
-            a = int(parent[a])
+            a = parent[a]
         return a
 
     def paths(self, tips: Iterable[int]) -> list[int]:
@@ -405,7 +418,7 @@ class BlockTree:
             s = f
             while s != NONE and s not in seen:
                 seen.add(s)
-                s = int(parent[s])
+                s = parent[s]
         return list(seen)
 
     def chain_to(self, key: bytes, n: int) -> list[bytes]:
@@ -415,10 +428,10 @@ class BlockTree:
         if s is None:
             return []
         out: list[bytes] = []
-        parent, depth, lo = self.parent, self.depth, int(self.depth[s]) - n
+        parent, depth, lo = self.parent, self.depth, self.depth[s] - n
         while s != NONE and depth[s] > lo:
             out.append(self.keys[s])
-            s = int(parent[s])
+            s = parent[s]
         return out[::-1]
 
     def chunk_keys(self, keys: Sequence[bytes], blocks_per_chunk: int) -> list[bytes]:
@@ -428,13 +441,14 @@ class BlockTree:
             return [k for k in keys if k in self.slot]
         depth = self.depth
         return [k for k in keys if (s := self.slot.get(k)) is not None
-                and (int(depth[s]) + 1) % blocks_per_chunk == 0]
+                and (depth[s] + 1) % blocks_per_chunk == 0]
 
     def result(self, slots: Iterable[int]) -> Resolved:
         """The resident ones of ``slots`` as a ``Resolved`` (root side first, ties by key)."""
         keys_of, total = self.keys, self.total
         slots = [s for s in slots if keys_of[s] is not None and total[s] != 0]
-        slots.sort(key=lambda s: (int(self.depth[s]), keys_of[s]))
+        depth = self.depth
+        slots.sort(key=lambda s: (depth[s], keys_of[s]))
         keys = [keys_of[s] for s in slots]
-        per_tier = {t: [k for s, k in zip(slots, keys) if self.copies[t, s] > 0] for t in TIERS}
+        per_tier = {t: [k for s, k in zip(slots, keys) if self.copies[t][s] > 0] for t in TIERS}
         return Resolved(keys, per_tier)
