@@ -13,7 +13,9 @@ Everything runs the product's classes in one process (no model):
   in both and the ratio compares context lengths, not a full G2 with an
   empty one). Our extra work per step is the difference of the two
   connectors' scheduler-side time at each step, each side's fastest of
-  ``REPEATS`` runs of the deterministic schedule (``run_both``).
+  ``REPEATS`` runs of the deterministic schedule (``run_both``, which
+  alternates which of the two steps first). Prompt lengths are drawn, so a
+  decode step fills about 16 blocks at both lengths, as traffic would.
 - ``evict``: ``SessionCachePolicy.evict(1)`` (and the insert that follows, as
   a store does) with all 262,144 chunks retained at mixed priorities, against
   vLLM's ``LRUCachePolicy`` with none; p99 of each, in one run.
