@@ -159,6 +159,7 @@ class ControlChannel:
                         break
                     self._serve(frames)
             if mover is not None and mover.wake_fd in ready:
+                mover.drain_wake()
                 try:
                     with self._manager.lock:        # copies ended: finish them now
                         self._manager.apply_moves()

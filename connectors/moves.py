@@ -123,7 +123,7 @@ class Mover:
 
     @property
     def wake_fd(self) -> int:
-        """Readable when copies ended; ``apply`` drains it."""
+        """Readable when copies ended (``drain_wake`` empties it)."""
         return self._wake_r
 
     @property
@@ -234,13 +234,21 @@ class Mover:
                         lambda ok, m=move: self._copied(m, ok), check=move.check)
         return True
 
-    def apply(self) -> None:
-        """Finish the waves that ended; start the next ones, and waiting copies."""
+    def drain_wake(self) -> None:
+        """Empty ``wake_fd`` (its reader, the control thread, before ``apply``)."""
         try:
             while os.read(self._wake_r, 4096):
                 pass
         except BlockingIOError:
             pass
+
+    def apply(self) -> None:
+        """Finish the waves that ended; start the next ones, and waiting copies.
+        No system call: the scheduler calls this every pass, and a loop of
+        short GIL releases starves the threads that wait to take it back (an
+        idle engine stepping while a request waits for its G3 load kept the
+        disk tier's reads from their GIL for 5-10 s a load, past the 10 s
+        deadline on CI)."""
         while self._finished:
             move = self._finished.popleft()
             if move.abandoned:

@@ -4,6 +4,7 @@ vLLM's CPU primary tier with ``SessionCachePolicy``, the index, the tier
 manager and its Mover, over a real Redis G3 tier. The stalled backend is
 real too: Redis's ``CLIENT PAUSE WRITE`` holds every write for a while."""
 
+import select
 import threading
 import time
 import uuid
@@ -185,3 +186,25 @@ def test_the_lock_is_never_taken_twice(parts):
     t.join(30)
     assert done == [True], "a scheduler-side method took the lock again"
     assert m.end_session("nobody") is False        # out of band: takes it itself
+
+
+def test_the_scheduler_finishes_copies_without_a_system_call(parts, monkeypatch):
+    # CI: an engine stepping while its request waited for a G3 load called
+    # os.read on the wake pipe every pass; that loop of short GIL releases
+    # kept the disk tier's reads from the GIL for 5-10 s a load, past their
+    # deadline (a miss and a recompute). The pipe is the control thread's.
+    from sessionkv.connectors import moves
+    m, g3, _ = parts
+    keys = fill(m, 4)
+
+    def no_read(*args):
+        raise AssertionError("apply read the wake pipe")
+    monkeypatch.setattr(moves.os, "read", no_read)
+    (first,) = m.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
+    (done,), _ = final(m, first.hint_id)
+    assert done.status is Status.ACCEPTED and g3.listed(keys) == [True] * 4
+    monkeypatch.undo()
+    wake = m.mover.wake_fd
+    assert select.select([wake], [], [], 0)[0] == [wake]    # left for the control thread
+    m.mover.drain_wake()
+    assert select.select([wake], [], [], 0)[0] == []
