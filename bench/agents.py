@@ -411,11 +411,14 @@ def main() -> None:
     ap.add_argument("--max-load", type=int, default=2)
     ap.add_argument("--store", default="6GB", help="the Mooncake store (G3) per run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tool-median-s", type=float, default=Shape.tool_median_s,
+                    help="the tool calls' median duration (log-normal)")
     a = ap.parse_args()
     # A SIGTERM unwinds like Ctrl-C, so that every finally stops its servers
     # (each runs in a process group of its own and would outlive the bench).
     signal.signal(signal.SIGTERM, lambda sig, _: sys.exit(128 + sig))
-    shape = quick_args(a) if a.quick else Shape(tasks=a.tasks, seed=a.seed)
+    shape = quick_args(a) if a.quick else Shape(tasks=a.tasks, seed=a.seed,
+                                                         tool_median_s=a.tool_median_s)
     if a.max_model_len < max_context(shape):
         raise SystemExit(f"--max-model-len {a.max_model_len} < the longest context "
                          f"{max_context(shape)}")

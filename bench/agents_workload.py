@@ -11,7 +11,10 @@ exact (the bench checks it) the prompts are the same too.
 Tool calls last a log-normal time (``tool_median_s``, ``tool_sigma``),
 truncated to ``[0.2 s, tool_max_s]``: agent tool calls (tests, builds,
 searches, a human's approval) are mostly seconds with a tail of minutes; the
-defaults are real durations divided by about five for this machine.
+defaults (median 10 s, up to 60 s) are real durations divided by about two
+to three for this machine. At a 5 s median the two one-core engines were
+busy 92 % of the time, and a resumed turn's TTFT was its wait behind other
+agents' turns rather than what its cache held (bench/README).
 
 Nothing here talks to a server.
 """
@@ -38,7 +41,7 @@ class Shape:
     turns: tuple[int, int] = (3, 5)  # turns per task, uniform, inclusive
     tool_tokens: tuple[int, int] = (32, 128)   # a tool result, uniform, inclusive
     output_tokens: int = 16          # per turn (greedy, ignore_eos)
-    tool_median_s: float = 5.0
+    tool_median_s: float = 10.0
     tool_sigma: float = 1.0
     tool_max_s: float = 60.0
     seed: int = 0
