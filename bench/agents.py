@@ -417,8 +417,8 @@ def main() -> None:
     # A SIGTERM unwinds like Ctrl-C, so that every finally stops its servers
     # (each runs in a process group of its own and would outlive the bench).
     signal.signal(signal.SIGTERM, lambda sig, _: sys.exit(128 + sig))
-    shape = quick_args(a) if a.quick else Shape(tasks=a.tasks, seed=a.seed,
-                                                         tool_median_s=a.tool_median_s)
+    shape = quick_args(a) if a.quick else Shape(
+        tasks=a.tasks, seed=a.seed, tool_median_s=a.tool_median_s)
     if a.max_model_len < max_context(shape):
         raise SystemExit(f"--max-model-len {a.max_model_len} < the longest context "
                          f"{max_context(shape)}")
