@@ -36,15 +36,17 @@ between the two steps leaves it high by one object: a scan recounts).
 
 Size limit, shared by every engine on the host that uses ``path``: a put
 that would pass ``max_bytes`` fails (a failed store: the chunk stays in G2
-or is recomputed). Past ``HIGH_WATER`` of ``max_bytes`` a put wakes this
-backend's evictor thread, which, holding ``evict.lock`` (one evictor on the
-host at a time; the others skip), scans the objects and claims the least
-recently used until ``LOW_WATER``. A scan is O(objects) but runs on its own
-thread, at start and once per ``HIGH_WATER - LOW_WATER`` of ``max_bytes``
-written, never inside a call. A scan whose total differs from ``usage`` by
-more than ``RECOUNT_SLACK`` (a crash's leftovers; puts in flight during the
-scan) recounts with puts and removes held on ``count.lock``. Engines that
-share ``path`` should give the same ``max_bytes``.
+or is recomputed). Past ``HIGH_WATER`` of ``max_bytes`` (or on a refused
+put) a put wakes this backend's evictor thread, which, holding
+``evict.lock`` (one evictor on the host at a time; the others skip), scans
+the objects and claims the least recently used until ``LOW_WATER``; the scan
+at start evicts only past ``HIGH_WATER``. A scan is O(objects) but runs on
+its own thread, at start and once per ``HIGH_WATER - LOW_WATER`` of
+``max_bytes`` written, never inside a call. A scan whose total differs from
+``usage`` by more than ``RECOUNT_SLACK`` (a crash's leftovers; puts in
+flight during the scan) recounts with puts and removes held on
+``count.lock``. Engines that share ``path`` should give the same
+``max_bytes``.
 
 Recency and pins are the file's mtime: a read moves it to now, a Pin to the
 pin's end when that is later (the longest pin holds, across engines), and
@@ -112,6 +114,7 @@ class DiskBackend(ObjectBackend):
         self._lock = threading.Lock()           # flock does not exclude this process's threads
         self.evictions = 0                      # objects this backend's evictor removed
         self._wake = threading.Event()
+        self._refused = False                   # a put was refused: evict even below HIGH_WATER
         self._closed = False
         self._evictor = threading.Thread(target=self._evict_loop, daemon=True,
                                          name="sessionkv-disk-evict")
@@ -173,6 +176,7 @@ class DiskBackend(ObjectBackend):
     def _put(self, name: str, parts: Sequence) -> bool:
         size = sum(len(p) for p in parts)
         if not self._add_usage(size, self.max_bytes):
+            self._refused = True
             self._wake.set()
             return False
         final, tmp = self.path_of(name), os.path.join(self._tmp, uuid.uuid4().hex)
@@ -294,16 +298,21 @@ class DiskBackend(ObjectBackend):
             self._wake.clear()
             if self._closed:
                 return
+            # Below HIGH_WATER a wake-up (the start scan) only recounts: a
+            # directory left between the marks by a restart keeps its
+            # objects, as a running engine's would (CI lost one that way).
+            refused, self._refused = self._refused, False
             try:
-                self.evict()
+                self.evict(start=LOW_WATER if refused else HIGH_WATER)
             except OSError:
                 time.sleep(1.0)       # the directory went away or is unreadable: try later
 
-    def evict(self, target: float = LOW_WATER) -> int:
-        """Remove the least recently used unpinned objects until ``usage`` is
-        at most ``target`` of ``max_bytes``; the objects removed (0 if
-        another engine's evictor holds the lock). Recounts first when the
-        scan is off the count by more than ``RECOUNT_SLACK``."""
+    def evict(self, target: float = LOW_WATER, start: float | None = None) -> int:
+        """When ``usage`` is above ``start`` (default ``target``) of
+        ``max_bytes``, remove the least recently used unpinned objects until
+        it is at most ``target``; the objects removed (0 if another engine's
+        evictor holds the lock). Recounts first when the scan is off the
+        count by more than ``RECOUNT_SLACK``."""
         try:
             fcntl.flock(self._evict_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -318,7 +327,7 @@ class DiskBackend(ObjectBackend):
                 self._recount()
             self._sweep_tmp(now)
             removed = 0
-            if self.usage() > target * self.max_bytes:
+            if self.usage() > (target if start is None else start) * self.max_bytes:
                 entries.sort()
                 for _, path in entries:
                     if self.usage() <= target * self.max_bytes:

@@ -63,6 +63,36 @@ def test_two_engines_share_one_limit_and_the_least_recently_used_go_first(tmp_pa
         b.close()
 
 
+def test_a_restart_between_the_marks_keeps_every_object(tmp_path):
+    """The start scan recounts but evicts only past HIGH_WATER, as a put
+    would: a directory left at 87.5 % (between LOW_WATER and HIGH_WATER)
+    keeps its objects. CI lost the oldest object when the start scan of the
+    test above ran late, after its puts."""
+    d = DiskBackend(str(tmp_path), 1024 * KIB)
+    for i in range(14):                                 # 896 KiB: past LOW_WATER only
+        assert put(d, f"o{i}")
+    d.close()
+    (tmp_path / "usage").write_bytes(b"\xff" * 8)      # the start scan must recount
+    d = DiskBackend(str(tmp_path), 1024 * KIB)
+    deadline = time.monotonic() + 10
+    while d.usage() > d.max_bytes:                     # until the recount
+        assert time.monotonic() < deadline, d.usage()
+        time.sleep(0.05)
+    d.close()                                           # waits for the scan to end
+    d = DiskBackend(str(tmp_path), 1024 * KIB)
+    try:
+        assert d.exists([f"o{i}" for i in range(14)]) == [True] * 14
+        assert d.usage() == on_disk(str(tmp_path)) == 896 * KIB
+        assert not put(d, "big", size=200 * KIB)        # refused: the evictor runs now
+        deadline = time.monotonic() + 10
+        while d.usage() > LOW_WATER * d.max_bytes:
+            assert time.monotonic() < deadline, d.usage()
+            time.sleep(0.05)
+        assert sum(d.exists([f"o{i}" for i in range(14)])) == 12 and d.evictions == 2
+    finally:
+        d.close()
+
+
 def test_the_count_stays_exact_under_racing_puts_removes_and_evictions(tmp_path):
     """Two engines, three threads each, on 24 names: puts over each other's
     objects, removes and evictions all race; once they stop, ``usage`` is
