@@ -20,6 +20,19 @@ schedules are identical: both connectors load nothing the other would not,
 since G2 starts empty and every prompt is new). Both schedulers live in one
 process and step in turn (``run_both``): run one after the other, the same
 code measured 0.03 and 5 ms apart per decode step at 256 x 64k.
+
+Each step also reports the time spent in vLLM's *shared* scheduler-side code:
+``OffloadingConnector``'s own methods, which both connectors run on the same
+requests (ours through ``super()``), less the calls they make into the
+offloading manager (ours: ``SessionTierManager``; vLLM's: its CPU manager
+and LRU), where the two differ. A step's *work* is its time less that shared
+part: for vLLM's connector its manager's time, for ours everything our code
+adds plus our manager's time. The shared part is the same code on the same
+inputs in both, so the difference of works is the difference of totals
+without the shared part's noise: at 256 x 64k that part is about 7 ms a
+decode step (vLLM's ``update_offload_keys`` walks every request's whole
+``block_hashes`` with ``islice``), and the same connector on both sides
+(A/A) differed by 1.2-2.9 ms at p99 over totals (2026-12-06).
 """
 
 from __future__ import annotations
@@ -60,13 +73,18 @@ TIMED = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connec
 
 
 class _Timer:
-    """Seconds spent in the timed connector calls since the last ``take``."""
+    """Seconds since the last ``take``: in the timed connector calls
+    (``spent``), and in vLLM's shared code inside them (``shared``, see the
+    module docstring)."""
 
     spent = 0.0
+    shared = 0.0
+    in_shared = 0           # depth of OffloadingConnector's own timed methods
 
     @classmethod
-    def take(cls) -> float:
-        out, cls.spent = cls.spent, 0.0
+    def take(cls) -> tuple[float, float]:
+        out = (cls.spent, cls.shared)
+        cls.spent = cls.shared = 0.0
         return out
 
 
@@ -92,8 +110,60 @@ def _timed(cls):
     return type(f"Timed{cls.__name__}", (cls,), {n: wrap(n) for n in TIMED if hasattr(cls, n)})
 
 
-TimedSessionTierConnector = _timed(SessionTierConnector)
-TimedOffloadingConnector = _timed(OffloadingConnector)
+def _shared(base):
+    """``OffloadingConnector``'s own ``base`` method, adding its time to
+    ``_Timer.shared`` (the manager calls inside are taken back out)."""
+    def call(self, *args, **kwargs):
+        _Timer.in_shared += 1
+        t0 = time.perf_counter()
+        try:
+            return base(self, *args, **kwargs)
+        finally:
+            _Timer.in_shared -= 1
+            if not _Timer.in_shared:
+                _Timer.shared += time.perf_counter() - t0
+    call.__name__ = base.__name__
+    return call
+
+
+# vLLM's connector with its own timed methods measured as shared code: both
+# timed connectors derive from it, so ours reaches it by ``super()``.
+_SharedOffloadingConnector = type(
+    "SharedOffloadingConnector", (OffloadingConnector,),
+    {n: _shared(getattr(OffloadingConnector, n)) for n in TIMED if hasattr(OffloadingConnector, n)})
+
+
+class _SessionTierConnector(SessionTierConnector, _SharedOffloadingConnector):
+    """Ours over the measured base (``super()`` from ours goes to
+    ``_SharedOffloadingConnector`` first, then vLLM's)."""
+
+
+def _watch_manager(manager) -> None:
+    """The offloading manager's calls made from the shared code: their time
+    is the connector's own work, so it leaves ``_Timer.shared``."""
+    for name in ("lookup", "on_new_request", "get_load_source", "prepare_load",
+                 "prepare_store", "on_schedule_end", "on_request_finished",
+                 "complete_store", "complete_load", "get_stats", "take_events",
+                 "touch", "has_pending_work"):
+        base = getattr(manager, name, None)
+        if base is None:
+            continue
+
+        def call(*args, _base=base, **kwargs):
+            if not _Timer.in_shared:
+                return _base(*args, **kwargs)
+            held, _Timer.in_shared = _Timer.in_shared, 0     # nested: not shared
+            t0 = time.perf_counter()
+            try:
+                return _base(*args, **kwargs)
+            finally:
+                _Timer.shared -= time.perf_counter() - t0
+                _Timer.in_shared = held
+        setattr(manager, name, call)
+
+
+TimedSessionTierConnector = _timed(_SessionTierConnector)
+TimedOffloadingConnector = _timed(_SharedOffloadingConnector)
 
 
 @dataclass(frozen=True)
@@ -197,12 +267,14 @@ def model_output(sched_out, done_jobs: set[int]) -> ModelRunnerOutput:
 
 
 def step_times(ours: bool, spec: StepSpec, policy_file: str | None = None
-               ) -> Iterator[tuple[str, float]]:
+               ) -> Iterator[tuple[str, tuple[float, float]]]:
     """Prefill ``spec``'s requests, decode them ``decode_steps`` steps once
     all are decoding, then finish them all, one step per ``next``: yields
-    (phase, the connector's seconds in that step). Two of these stepped in
-    turn (``run_both``) see the same machine noise and memory state."""
+    (phase, (the connector's seconds in that step, its work: those less
+    vLLM's shared code)). Two of these stepped in turn (``run_both``) see
+    the same machine noise and memory state."""
     sched = make_scheduler(ours, spec, policy_file)
+    _watch_manager(sched.connector.connector_scheduler.manager)
     reqs = make_requests(spec)
     for r in reqs:
         sched.add_request(r)
@@ -221,32 +293,39 @@ def step_times(ours: bool, spec: StepSpec, policy_file: str | None = None
         return bool(out.num_scheduled_tokens) and \
             all(n == 1 for n in out.num_scheduled_tokens.values())
 
+    def took() -> tuple[float, float]:
+        spent, shared = _Timer.take()
+        return spent, spent - shared
+
     try:
         while not step():
-            yield "prefill", _Timer.take()
+            yield "prefill", took()
         # The first step that schedules only decodes still completes the last
         # prefill chunks' stores (their job ids come back in its output): prefill.
-        yield "prefill", _Timer.take()
+        yield "prefill", took()
         for _ in range(spec.decode_steps):
             step()
-            yield "decode", _Timer.take()
+            yield "decode", took()
         sched.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_LENGTH_CAPPED)
-        yield "finish", _Timer.take()
+        yield "finish", took()
         while sched.has_requests() or pending:
             step()
-            yield "finish", _Timer.take()
+            yield "finish", took()
     finally:
         sched.shutdown()
 
 
-def run_both(spec: StepSpec, repeats: int = 1) -> tuple[dict, dict]:
+def run_both(spec: StepSpec, repeats: int = 1, same: bool = False) -> tuple[dict, dict]:
     """vLLM's connector and ours on the same schedule, a step of each in
-    turn: (vLLM's, ours), each phase -> seconds per step. With ``repeats``,
+    turn: (vLLM's, ours), each phase -> {"total": seconds per step, "work":
+    the same less vLLM's shared code (module docstring)}. With ``repeats``,
     the schedule runs that many times and each step keeps its fastest run,
     for each connector alone: the schedule is deterministic, so step i does
     the same work every time, and what a repeat adds is the machine's noise
-    (a 10 ms step at 256 x 64k varies by about 0.5 ms from step to step)."""
-    passes = [_run_both_once(spec, ours_first=bool(i % 2)) for i in range(repeats)]
+    (a 10 ms step at 256 x 64k varies by about 0.5 ms from step to step).
+    ``same``: vLLM's connector on both sides (A/A), whose difference is the
+    measurement's noise floor."""
+    passes = [_run_both_once(spec, ours_first=bool(i % 2), same=same) for i in range(repeats)]
     out = []
     for side in (0, 1):
         per_phase = {}
@@ -254,19 +333,21 @@ def run_both(spec: StepSpec, repeats: int = 1) -> tuple[dict, dict]:
             runs = [p[side][phase] for p in passes]
             if len({len(r) for r in runs}) != 1:
                 raise RuntimeError(f"{phase}: the repeats' schedules differ")
-            per_phase[phase] = [min(ts) for ts in zip(*runs)]
+            per_phase[phase] = {m: [min(t[i] for t in ts) for ts in zip(*runs)]
+                                for i, m in enumerate(("total", "work"))}
         out.append(per_phase)
     return out[0], out[1]
 
 
-def _run_both_once(spec: StepSpec, ours_first: bool = False) -> tuple[dict, dict]:
+def _run_both_once(spec: StepSpec, ours_first: bool = False,
+                   same: bool = False) -> tuple[dict, dict]:
     """One run of the schedule, a step of each connector in turn: (vLLM's,
     ours). ``run_both`` alternates which steps first, since the second of a
     pair meets the caches the first left."""
     sides = (True, False) if ours_first else (False, True)
-    runs = [step_times(ours, spec) for ours in sides]
-    out: list[dict[str, list[float]]] = [{"prefill": [], "decode": [], "finish": []}
-                                         for _ in runs]
+    runs = [step_times(ours and not same, spec) for ours in sides]
+    out: list[dict[str, list[tuple[float, float]]]] = [
+        {"prefill": [], "decode": [], "finish": []} for _ in runs]
     for (pa, a), (pb, b) in zip(*runs, strict=True):
         if pa != pb:
             raise RuntimeError(f"the schedules differ: {pa} vs {pb}")
