@@ -85,7 +85,8 @@ def ms(x: float) -> float:
 
 def summary(xs: list[float]) -> dict:
     return {"p50_ms": ms(pct(xs, 50)), "p99_ms": ms(pct(xs, 99)),
-            "max_ms": ms(max(xs) if xs else 0.0), "steps": len(xs)}
+            "max_ms": ms(max(xs) if xs else 0.0),
+            "mean_ms": ms(sum(xs) / len(xs) if xs else 0.0), "steps": len(xs)}
 
 
 # ---- steps ------------------------------------------------------------------
