@@ -29,10 +29,11 @@ def on_disk(path):
                for e in os.scandir(d.path))
 
 
-def settle(backend, timeout_s=10):
-    """Wait for the evictor to catch up (its thread runs on wake-ups)."""
+def settle(backend, timeout_s=10, below=0.9):
+    """Wait for the evictor to catch up (its thread runs on wake-ups): until
+    ``usage`` is at most ``below`` of ``max_bytes``."""
     deadline = time.monotonic() + timeout_s
-    while backend.usage() > 0.9 * backend.max_bytes:
+    while backend.usage() > below * backend.max_bytes:
         assert time.monotonic() < deadline, backend.usage()
         time.sleep(0.05)
 
@@ -74,20 +75,14 @@ def test_a_restart_between_the_marks_keeps_every_object(tmp_path):
     d.close()
     (tmp_path / "usage").write_bytes(b"\xff" * 8)      # the start scan must recount
     d = DiskBackend(str(tmp_path), 1024 * KIB)
-    deadline = time.monotonic() + 10
-    while d.usage() > d.max_bytes:                     # until the recount
-        assert time.monotonic() < deadline, d.usage()
-        time.sleep(0.05)
+    settle(d, below=1.0)                                # until the recount
     d.close()                                           # waits for the scan to end
     d = DiskBackend(str(tmp_path), 1024 * KIB)
     try:
         assert d.exists([f"o{i}" for i in range(14)]) == [True] * 14
         assert d.usage() == on_disk(str(tmp_path)) == 896 * KIB
         assert not put(d, "big", size=200 * KIB)        # refused: the evictor runs now
-        deadline = time.monotonic() + 10
-        while d.usage() > LOW_WATER * d.max_bytes:
-            assert time.monotonic() < deadline, d.usage()
-            time.sleep(0.05)
+        settle(d, below=LOW_WATER)
         assert sum(d.exists([f"o{i}" for i in range(14)])) == 12 and d.evictions == 2
     finally:
         d.close()
