@@ -113,11 +113,16 @@ def close_step(scheduler: OffloadingConnectorScheduler, lock: Any) -> None:
         lock.release()
 
 
+# What a lock helper returns when the caller already holds the lock: one
+# reusable no-op (the helpers run every scheduler step).
+NO_LOCK: AbstractContextManager = nullcontext()
+
+
 def after_vllm_step(lock: Any) -> AbstractContextManager:
     """The lock for the connector's own work after vLLM's
     ``build_connector_meta``: on 0.33 vLLM closed the step's region there, so
     the work takes the lock again; on 0.32 the connector's region is still open."""
-    return lock if VLLM_LOCKS_HOOKS else nullcontext()
+    return lock if VLLM_LOCKS_HOOKS else NO_LOCK
 
 
 # ---- construction ------------------------------------------------------------

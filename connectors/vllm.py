@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -96,7 +95,6 @@ EXPIRE_EVERY_S = 1.0
 # retained chunks they release (about 2 us each: bench/scale.py's expiry);
 # when more are idle, the next pass goes on.
 EXPIRE_PER_PASS = 1024
-_NO_LOCK = contextlib.nullcontext()     # reusable: the lock when the caller holds it
 # Chunks whose storing session KV events remember, per G2 chunk: its G2
 # copy's and the G3 cascade that follows within a few steps (connectors/kv_events.py).
 EVENT_SESSIONS_PER_G2_CHUNK = 2
@@ -310,19 +308,19 @@ class SessionTierConnector(OffloadingConnector):
             self._in_pass = False
             compat.close_step(self.scheduler, self.manager.lock)
 
-    def _around_vllm(self) -> AbstractContextManager:
+    def _around_vllm(self) -> contextlib.AbstractContextManager:
         """The lock around a call into vLLM's hook outside the pass: on 0.33
         vLLM's hook takes it itself (``compat.VLLM_LOCKS_HOOKS``). The lock
         or a shared no-op, not a generator context: vLLM's scheduler calls
         such hooks every step, and the generator's enter and exit in
         ``update_connector_output`` alone were 1.5 % of our scheduler-side
         work (py-spy, 256 x 64k decode steps, 2026-12-06)."""
-        return _NO_LOCK if self._in_pass or compat.VLLM_LOCKS_HOOKS else self.manager.lock
+        return compat.NO_LOCK if self._in_pass or compat.VLLM_LOCKS_HOOKS else self.manager.lock
 
-    def _locked(self) -> AbstractContextManager:
+    def _locked(self) -> contextlib.AbstractContextManager:
         """The lock around our own manager work in a hook outside the pass;
         inside a pass the pass already holds it: never taken twice."""
-        return _NO_LOCK if self._in_pass else self.manager.lock
+        return compat.NO_LOCK if self._in_pass else self.manager.lock
 
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
