@@ -251,7 +251,8 @@ class SessionPrimaryTier(compat.QuarantinedSlots, CPUPrimaryTierOffloadingManage
             self.event_log.append(Eviction(tier=Tier.G2.name, keys=[], reason="reset"))
 
 
-class SessionTierManager(compat.OneLock, compat.CascadeGate, TieringOffloadingManager):
+class SessionTierManager(compat.OneLock, compat.CascadeGate, compat.ParkedCascades,
+                         TieringOffloadingManager):
     """vLLM's tiering manager that owns the lock, the SessionPrefixIndex and
     the HintExecutor, and executes each request's hints when it finishes.
 

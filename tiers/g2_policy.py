@@ -25,12 +25,19 @@ Data structure: the policy owns its ordering (it subclasses vLLM's abstract
 ``PIN_LEVEL`` above all for pinned; each level is a lazy min-heap of
 (order, key), order the recency rank (for pins: when pinned, then rank).
 A chunk's valid entry is recorded in ``_at``; moving it (a hint, a touch, a
-lapse) pushes a new entry and the old one is dropped when popped.
+lapse) pushes a new entry and the old one is dropped when popped. Level 0
+also has a run (``_run``, an ``OrderedDict``) that takes every plain chunk
+filed with a rank above all before it, which is nearly every one (ranks
+grow with each store and use; a chunk becomes evictable when its store
+ends, in the order the stores began): its front is its least, so the common
+store and eviction cost what LRU's do, with no heap entry. The level's least
+is the smaller of the run's front and the heap's top.
 
 Cost: ``evict(n)`` pops O(n + stale + protected) entries from the lowest
 levels, with no sort and no pass over the chunks, however many are pinned or
-retained; a hint or touch costs O(log n) per chunk; heaps are compacted when
-they hold twice their live entries. Memory: O(chunks + live hints).
+retained; a hint or touch costs O(log n) per chunk (O(1) into the run);
+heaps are compacted when they hold twice their live entries. Memory:
+O(chunks + live hints).
 
 vLLM builds policies as ``cls(cache_capacity=n)`` (``eviction_policy`` +
 ``cache_policy_module_path``); the limits live in the hint executor, which
@@ -45,6 +52,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
@@ -77,6 +85,10 @@ class SessionCachePolicy(CachePolicy):
         self._heaps: dict[int, list[tuple[object, OffloadKey]]] = {}
         self._size: dict[int, int] = {}                  # level -> evictable keys in it
         self._levels: list[int] = []                     # sorted levels with a key
+        # level-0 keys filed in rank order, key -> rank (module docstring);
+        # the highest rank it took, which the next must pass to join it
+        self._run: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._run_top = 0
         # (expiry, key) of every pin and retain set, lazily invalidated: lapses
         # are found without a pass over all hints on every eviction.
         self._expiries: list[tuple[float, OffloadKey]] = []
@@ -97,7 +109,7 @@ class SessionCachePolicy(CachePolicy):
         if old == where:
             return
         if old is not None:
-            self._shrink(old[0])
+            self._leave(k, old[0])
         self._at[k] = where
         level, order = where
         if level not in self._size:
@@ -105,6 +117,9 @@ class SessionCachePolicy(CachePolicy):
             self._heaps[level] = []
             bisect.insort(self._levels, level)
         self._size[level] += 1
+        if level == 0 and order > self._run_top:
+            self._run[k] = self._run_top = order
+            return
         heap = self._heaps[level]
         heapq.heappush(heap, (order, k))
         if len(heap) > 2 * self._size[level] + 64:       # drop entries that went stale
@@ -114,7 +129,26 @@ class SessionCachePolicy(CachePolicy):
     def _unfile(self, k: OffloadKey) -> None:
         old = self._at.pop(k, None)
         if old is not None:
-            self._shrink(old[0])
+            self._leave(k, old[0])
+
+    def _leave(self, k: OffloadKey, level: int) -> None:
+        """``k`` leaves ``level`` (its heap entry goes stale, its run entry goes)."""
+        if level == 0:
+            self._run.pop(k, None)
+        self._shrink(level)
+
+    def _least(self, level: int) -> tuple[object, OffloadKey, bool] | None:
+        """The least valid entry of ``level`` and whether it is the heap's top
+        (else the run's front), stale tops dropped on the way; None when empty."""
+        heap, at = self._heaps[level], self._at
+        while heap and at.get(heap[0][1]) != (level, heap[0][0]):
+            heapq.heappop(heap)
+        if level == 0 and self._run:
+            k = next(iter(self._run))
+            rank = self._run[k]
+            if not heap or rank < heap[0][0]:
+                return rank, k, False
+        return (heap[0][0], heap[0][1], True) if heap else None
 
     def _shrink(self, level: int) -> None:
         self._size[level] -= 1
@@ -308,6 +342,8 @@ class SessionCachePolicy(CachePolicy):
         self._rank.clear()
         self._next_rank = 0
         self._at.clear()
+        self._run.clear()
+        self._run_top = 0
         self._heaps.clear()
         self._size.clear()
         self._levels.clear()
@@ -330,36 +366,34 @@ class SessionCachePolicy(CachePolicy):
         if n == 0:
             return []
         self._expire()
-        at = self._at
         if n == 1 and self._levels:
             # A store's one chunk (16 a decode step at 256 x 64k): the lowest
-            # level's oldest valid entry, stale ones dropped on the way, as
-            # the general loop below would choose it.
+            # level's least, as the general loop below would choose it.
             level = self._levels[0]
-            heap = self._heaps[level]
-            while heap:
-                order, k = heap[0]
-                if at.get(k) != (level, order):
-                    heapq.heappop(heap)
-                    continue
-                if k in protected:
-                    break
-                heapq.heappop(heap)
-                return [self._evicted(k)]
+            least = self._least(level)
+            if least is not None and least[1] not in protected:
+                if least[2]:
+                    heapq.heappop(self._heaps[level])
+                return [self._evicted(least[1])]
         chosen: list[tuple[int, tuple[object, OffloadKey]]] = []
         skipped: list[tuple[int, tuple[object, OffloadKey]]] = []     # protected ones
         seen: set[OffloadKey] = set()
         for level in self._levels:
-            heap = self._heaps[level]
-            while heap and len(chosen) < n:
-                entry = heapq.heappop(heap)
-                k = entry[1]
-                # stale (moved, used or gone since), or a duplicate: a chunk
-                # that left a level and came back at the same order has two
-                if at.get(k) != (level, entry[0]) or k in seen:
+            while len(chosen) < n:
+                least = self._least(level)
+                if least is None:
+                    break
+                order, k, in_heap = least
+                if in_heap:
+                    heapq.heappop(self._heaps[level])
+                else:               # put back (if it is) as a heap entry, valid as well
+                    del self._run[k]
+                # a duplicate: a chunk that left a level and came back at the
+                # same order has two entries
+                if k in seen:
                     continue
                 seen.add(k)
-                (skipped if k in protected else chosen).append((level, entry))
+                (skipped if k in protected else chosen).append((level, (order, k)))
             if len(chosen) == n:
                 break
         for level, entry in skipped if len(chosen) == n else skipped + chosen:
