@@ -95,6 +95,9 @@ STATUS_YIELD_S = 0.0002
 # multiple of what G2 holds; a chunk forgotten is still found by vLLM's own
 # G3 lookups, only hints no longer name it.
 G3_KNOWN_PER_G2_CHUNK = 2
+# Tier names as events and stats carry them, read once: an enum member's
+# ``name`` is a property call (two per G1 -> G2 store, 16 stores a decode step).
+_G1, _G2 = Tier.G1.name, Tier.G2.name
 
 
 class G3Copy(NamedTuple):
@@ -142,6 +145,7 @@ class SessionPrimaryTier(compat.QuarantinedSlots, CPUPrimaryTierOffloadingManage
         self._bpc = blocks_per_chunk
         self.event_log = event_log      # vLLM's own list is ``events``
         self.quarantine = quarantine
+        self._chunk = compat.cpu_policy(self).get      # vLLM builds its policy once
         self._g3_known: OrderedDict[OffloadKey, None] = OrderedDict()   # oldest first
         self._g3_cap = G3_KNOWN_PER_G2_CHUNK * num_chunks
 
@@ -200,10 +204,8 @@ class SessionPrimaryTier(compat.QuarantinedSlots, CPUPrimaryTierOffloadingManage
         return [k for k in chunk_keys if k in known]
 
     def _index_copies(self, tier: Tier, chunk_keys: Collection[OffloadKey], copies: int) -> None:
-        if not chunk_keys:
-            return
         if self._bpc == 1:
-            blocks = chunk_keys if isinstance(chunk_keys, list) else list(chunk_keys)
+            blocks = chunk_keys if isinstance(chunk_keys, (list, tuple)) else list(chunk_keys)
         else:
             blocks = [b for k in chunk_keys for b in self._index.chain_to(k, self._bpc)]
         self._index.set_copies(tier, blocks, copies)
@@ -213,7 +215,11 @@ class SessionPrimaryTier(compat.QuarantinedSlots, CPUPrimaryTierOffloadingManage
     ) -> PrepareStoreOutput | None:
         out = super().prepare_store(keys, req_context)
         if out is not None and out.evicted_keys:
-            self._index_copies(Tier.G2, out.evicted_keys, 0)
+            if self._bpc == 1 and len(out.evicted_keys) == 1:
+                for k in out.evicted_keys:          # a decode step's store evicts one
+                    self._index.set_copy(Tier.G2, k, 0)
+            else:
+                self._index_copies(Tier.G2, out.evicted_keys, 0)
             if self.event_log is not None:
                 self.event_log.append(
                     Eviction(tier=Tier.G2.name, keys=list(out.evicted_keys)))
@@ -225,7 +231,13 @@ class SessionPrimaryTier(compat.QuarantinedSlots, CPUPrimaryTierOffloadingManage
         super().complete_store(keys, req_context, success)
         # ``lookup``'s answer per key, read from the policy directly (HIT:
         # present and ready; MISS: absent; pending ones are neither).
-        get = compat.cpu_policy(self).get
+        get = self._chunk
+        if self._bpc == 1 and self.event_log is None:
+            for k in keys:                          # a decode step's store: one key
+                chunk = get(k)
+                if chunk is None or chunk.is_ready:
+                    self._index.set_copy(Tier.G2, k, chunk is not None)
+            return
         stored, dropped = [], []
         for k in keys:
             chunk = get(k)
@@ -233,8 +245,10 @@ class SessionPrimaryTier(compat.QuarantinedSlots, CPUPrimaryTierOffloadingManage
                 dropped.append(k)
             elif chunk.is_ready:
                 stored.append(k)
-        self._index_copies(Tier.G2, stored, 1)
-        self._index_copies(Tier.G2, dropped, 0)
+        if stored:
+            self._index_copies(Tier.G2, stored, 1)
+        if dropped:
+            self._index_copies(Tier.G2, dropped, 0)
         if self.event_log is not None:
             for ks, present in ((stored, True), (dropped, False)):
                 if ks:
@@ -491,21 +505,22 @@ class SessionTierManager(compat.OneLock, compat.CascadeGate, compat.ParkedCascad
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
         super().complete_store(keys, req_context, success)
-        self._transferred(Tier.G1, Tier.G2, keys, success, req_context)
+        self._transferred(_G1, _G2, keys, success, req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         super().complete_load(keys, req_context)
-        self._transferred(Tier.G2, Tier.G1, keys, True, req_context)
+        self._transferred(_G2, _G1, keys, True, req_context)
 
-    def _transferred(self, src: Tier, dst: Tier, keys: Collection[OffloadKey], ok: bool,
+    def _transferred(self, src: str, dst: str, keys: Collection[OffloadKey], ok: bool,
                      req_context: ReqContext) -> None:
-        """A G1<->G2 copy ended: counted, and logged when there is a log. Without
-        one no event is built (a decode step stores a block of every 16th request)."""
+        """A G1<->G2 copy ended (tier names): counted, and logged when there is
+        a log. Without one no event is built (a decode step stores a block of
+        every 16th request)."""
         if self.event_log is not None:
-            self.emit(Transfer(src=src.name, dst=dst.name, keys=list(keys), ok=ok,
+            self.emit(Transfer(src=src, dst=dst, keys=list(keys), ok=ok,
                                req_id=req_context.req_id))
         elif ok:
-            self.stats.moved(src.name, dst.name, len(keys))
+            self.stats.moved(src, dst, len(keys))
 
     def execute_request_hints(self, hints: tuple[KvHint | HintOutcome, ...],
                               session: str | None) -> tuple[HintOutcome, ...]:

@@ -258,6 +258,15 @@ class SessionTierConnector(OffloadingConnector):
             has_device_worker(),
         )
         super().__init__(vllm_config, role, kv_cache_config)
+        # Read once: ``manager`` and its lock are asked for several times a
+        # step, each time through two properties of vLLM's before.
+        self._manager: SessionTierManager | None = None
+        if self.connector_scheduler is not None:
+            manager = self.connector_scheduler.manager
+            if not isinstance(manager, SessionTierManager):
+                raise TypeError(f"SessionTierConnector's offloading manager is "
+                                f"{type(manager).__name__}, not a SessionTierManager")
+            self._manager = manager
         self._block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self._tracked: dict[str, _Tracked] = {}
         self._fills = FillWatch()   # which of them to look at in a step (connectors/fills.py)
@@ -287,9 +296,8 @@ class SessionTierConnector(OffloadingConnector):
     @property
     def manager(self) -> SessionTierManager:
         """The tier manager (scheduler side): owner of the lock, index and hints."""
-        manager = self.scheduler.manager
-        assert isinstance(manager, SessionTierManager)
-        return manager
+        assert self._manager is not None, "scheduler side only"
+        return self._manager
 
     @property
     def index(self) -> SessionPrefixIndex:

@@ -45,7 +45,7 @@ import numpy as np
 
 from sessionkv.types import TIERS, Tier
 
-from .tree import FEW_KEYS, NONE, BlockTree, view
+from .tree import FEW_KEYS, MAX_COPIES, NONE, BlockTree, view
 from .views import Resolved, SessionSummary, alias64
 
 __all__ = ["SessionPrefixIndex", "Resolved", "SessionSummary", "alias64"]
@@ -128,6 +128,9 @@ class SessionPrefixIndex:
         whose parent is no longer indexed, which did nothing."""
         tree = self._tree
         slot, frontier_of, add_leaf = tree.slot, self._frontier_of, tree.add_leaf
+        sessions = self._sessions
+        if sessions:            # no earlier than the latest access (``_touch_session``)
+            now = max(now, sessions[next(reversed(sessions))].last_access)
         missing = []
         for i, (session, parent, keys) in enumerate(items):
             p = slot.get(parent)
@@ -141,7 +144,10 @@ class SessionPrefixIndex:
                 # frontier moves down to it (what ``_admit`` concludes, in a
                 # few dict and array writes: 16 a step at 256 x 64k).
                 s = add_leaf(keys[0], p, tier)
-                st = self._touch_session(session, now)
+                # a frontier's owner is live (the invariants): touched in place
+                st = sessions.pop(session, None) or self._touch_session(session, now)
+                sessions[session] = st
+                st.last_access = now
                 st.frontiers.discard(p)
                 st.frontiers.add(s)
                 del frontier_of[p]
@@ -268,6 +274,10 @@ class SessionPrefixIndex:
         if isinstance(counts, int):
             # One count for all: a store's G2 copies, an eviction's (a decode
             # step at 256 x 64k has about 16 of each, most of one key).
+            if len(keys) == 1:
+                for key in keys:
+                    self.set_copy(tier, key, min(max(counts, 0), MAX_COPIES))
+                return
             get = self._tree.slot.get
             gone = self._tree.set_each(tier, [s for s in map(get, keys) if s is not None],
                                        counts)
@@ -275,6 +285,13 @@ class SessionPrefixIndex:
                 self._on_gone(gone)
             return
         self._update(tier, keys, counts, absolute=True)
+
+    def set_copy(self, tier: Tier, key: bytes, count: int) -> None:
+        """``set_copies`` of one key, ``count`` in 0 to ``MAX_COPIES`` (a
+        decode step's G2 store or eviction)."""
+        s = self._tree.slot.get(key)
+        if s is not None and self._tree.put(tier, s, count):
+            self._on_gone([s])
 
     def add_copies(self, tier: Tier, keys: Sequence[bytes], delta: int = 1) -> None:
         """Add ``delta`` (negative to remove) copies of ``keys`` in ``tier``;

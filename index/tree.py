@@ -317,6 +317,18 @@ class BlockTree:
         rows[idx] = np.maximum(rows[idx], 1)
         self._recount(idx)
 
+    def put(self, tier: Tier, s: int, value: int) -> bool:
+        """``value`` copies (0 to ``MAX_COPIES``) in ``tier`` for slot ``s``;
+        whether it had a copy before and has none after. One slot, without
+        the lists of ``set_each``: a decode step's G2 store or eviction."""
+        row = self.copies[tier]
+        old = row[s]
+        if old == value:
+            return False
+        row[s] = value
+        self.total[s] = left = self.total[s] + value - old
+        return not left
+
     def set_each(self, tier: Tier, slots: Sequence[int], value: int) -> list[int]:
         """``value`` copies in ``tier`` for each of ``slots`` (clamped to
         ``[0, MAX_COPIES]``); the slots that had a copy before and have none

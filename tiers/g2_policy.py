@@ -309,7 +309,8 @@ class SessionCachePolicy(CachePolicy):
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         keys = list(keys)
-        self._demoted_keys.difference_update(keys)
+        if self._demoted_keys:
+            self._demoted_keys.difference_update(keys)
         self._use(reversed(keys))
 
     def _use(self, keys: Iterable[OffloadKey]) -> None:
@@ -365,7 +366,8 @@ class SessionCachePolicy(CachePolicy):
     ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
         if n == 0:
             return []
-        self._expire()
+        if self._expiries:
+            self._expire()
         if n == 1 and self._levels:
             # A store's one chunk (16 a decode step at 256 x 64k): the lowest
             # level's least, as the general loop below would choose it.
@@ -409,8 +411,10 @@ class SessionCachePolicy(CachePolicy):
         out = (k, self.chunks.pop(k))
         del self._rank[k]
         self._unfile(k)
-        self._demoted_keys.discard(k)
-        if self._pins.pop(k, None) is not None:
+        if self._demoted_keys:
+            self._demoted_keys.discard(k)
+        if self._pins and self._pins.pop(k, None) is not None:
             self._clipped.append(k)
-        self._drop_retain(k)
+        if self._retains:
+            self._drop_retain(k)
         return out

@@ -189,6 +189,12 @@ class Quarantine:
 
     def park(self, slot: int) -> bool:
         """True when ``slot`` is held: it is the quarantine's until released."""
+        if slot not in self._held:
+            # One read, atomic under the GIL, without the lock: G2 frees every
+            # evicted slot here (a decode step's store evicts one), and a
+            # slot can only be held by a load that holds it before G2 could
+            # free it (the load's own slot, freed when the load is abandoned).
+            return False
         with self._lock:
             if slot not in self._held:
                 return False

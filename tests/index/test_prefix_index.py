@@ -217,3 +217,22 @@ def test_a_steps_admission_looks_up_only_the_blocks_it_adds():
     assert idx.frontiers("s") == [chain[4096]] and len(idx) == 4097
     assert idx.resolve_session("s").keys == chain
     assert not idx.extend("s", block_key("never-seen"), [block_key("x")], Tier.G1)
+
+
+def test_one_key_counts_clamp_as_many_keys_do():
+    # set_copies of one key takes its own path (a decode step's G2 store or
+    # eviction); counts out of range clamp on both paths alike.
+    from sessionkv.index.tree import MAX_COPIES
+
+    one, many = SessionPrefixIndex(), SessionPrefixIndex()
+    for idx in (one, many):
+        idx.admit("s", [A, AB], Tier.G2)
+    one.set_copies(Tier.G3, [AB], MAX_COPIES + 5)
+    many.set_copies(Tier.G3, [AB, block_key("unknown")], MAX_COPIES + 5)
+    assert one.copies(AB) == many.copies(AB) and one.copies(AB)[Tier.G3] == MAX_COPIES
+    one.set_copies(Tier.G2, [AB], -3)
+    many.set_copies(Tier.G2, [AB, block_key("unknown")], -3)
+    assert one.copies(AB) == many.copies(AB) and one.copies(AB)[Tier.G2] == 0
+    for idx in (one, many):
+        idx.set_copies(Tier.G3, [AB], 0)
+    assert AB not in one and AB not in many              # no copy left: pruned on both
