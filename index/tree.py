@@ -140,7 +140,8 @@ class BlockTree:
             s = self._free.pop()
         else:
             s = len(self.keys)
-            self._grow(s + 1)
+            if s == len(self.parent):
+                self._grow(s + 1)
             self.keys.append(None)
         # A free slot has no copy and no child (``_drop``): only these are set.
         self.parent[s] = parent
