@@ -33,6 +33,13 @@ Everything runs the product's classes in one process (no model):
   with those 10,000 sessions: its longest hold of the lock (it summarizes
   the 1,000 it shows in batches, letting the lock go in between) and its
   total time.
+- ``lines_4k``: the Python lines a 4k decode step runs in each connector's
+  work (our packages and vLLM's offloading managers and policies; not the
+  connector code both run alike, nor the scheduler), counted by a trace
+  function over 16 decode steps of the same schedule. No target: unlike a
+  time it comes out the same on every run and machine, so a change of a few
+  percent shows (times here move 20 % from run to run), and ``top`` says
+  which functions the extra lines are in.
 - ``soak``: 24 simulated hours of 10,000 live sessions taking turns (200 a
   minute, 32 new blocks each) over the same production G2 with write-through:
   the index's nodes and the process RSS each hour; sessions end or idle out.
@@ -52,7 +59,9 @@ import argparse
 import gc
 import json
 import random
+import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +71,12 @@ from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
 from replay_router import make_hint
-from scale_steps import StepSpec, make_scheduler, run_both
+import sessionkv
+import sessionkv.index
+import sessionkv.tiers
+import vllm.v1.kv_offload
+from scale_steps import StepSpec, make_scheduler, run_both, step_times
+from sessionkv import connectors
 from sessionkv.connectors import compat
 from sessionkv.connectors.manager import G3_KNOWN_PER_G2_CHUNK
 from sessionkv.connectors.vllm import EXPIRE_PER_PASS
@@ -109,6 +123,50 @@ def steps(spec: StepSpec, repeats: int, same: bool = False) -> dict:
             "extra": summary([y - x for x, y in zip(a["work"], b["work"])]),
             "extra_of_totals": summary([y - x for x, y in zip(a["total"], b["total"])])}
     return out
+
+
+# ---- lines -------------------------------------------------------------------
+
+# Where a connector's work runs: our packages, and vLLM's offloading managers
+# and policies (its manager is the baseline's work). Not vLLM's connector code,
+# which both run alike, nor its scheduler.
+WORK_DIRS = tuple(str(Path(m.__file__).parent) + "/" for m in (
+    sessionkv, connectors, sessionkv.index, sessionkv.tiers, vllm.v1.kv_offload))
+
+
+def lines_per_step(spec: StepSpec, traced: int = 16, skip: int = 8) -> dict:
+    """Python lines per decode step in each side's work (``WORK_DIRS``) over
+    ``traced`` decode steps after ``skip``; ``top``: the functions with the
+    most extra lines a step (ours less vLLM's)."""
+    per_side = []
+    for ours in (False, True):
+        counts: Counter = Counter()
+
+        def tracer(frame, event, arg, counts=counts):
+            code = frame.f_code
+            if not code.co_filename.startswith(WORK_DIRS):
+                return None                    # its callees are still traced
+            if event == "line":
+                counts[f"{Path(code.co_filename).name}:{code.co_name}"] += 1
+            return tracer
+
+        decode = 0
+        steps = step_times(ours, spec)
+        for phase, _ in steps:
+            decode += phase == "decode"
+            if decode == skip:
+                sys.settrace(tracer)
+            elif decode == skip + traced:
+                sys.settrace(None)
+                break
+        steps.close()
+        per_side.append(Counter({k: v / traced for k, v in counts.items()}))
+    base, mine = per_side
+    extra = Counter(mine)
+    extra.subtract(base)
+    return {"vllm": round(sum(base.values())), "ours": round(sum(mine.values())),
+            "extra": round(sum(extra.values())), "traced_steps": traced,
+            "top": [[name, round(n)] for name, n in extra.most_common(12)]}
 
 
 # ---- evict ------------------------------------------------------------------
@@ -299,6 +357,9 @@ def main() -> None:
     aa = steps(StepSpec(context=long_ctx, running=running, g2_chunks=G2_CHUNKS,
                         decode_steps=DECODE_STEPS), 1, same=True)["decode"]
     out["noise_floor_64k"] = {"extra": aa["extra"], "extra_of_totals": aa["extra_of_totals"]}
+    out["lines_4k"] = lines_per_step(StepSpec(context=short_ctx, running=running,
+                                              g2_chunks=G2_CHUNKS * short_ctx // long_ctx,
+                                              decode_steps=32))
     out["evict"] = evict_cost(16_384 if q else G2_CHUNKS, 200 if q else 2000)
     out["expiry"] = sessions_and_pins(1000 if q else 10_000, 1600 if q else 16_384,
                                       100 if q else 1000, 16)
@@ -323,6 +384,9 @@ def main() -> None:
     Path(args.json).write_text(json.dumps(out, indent=1))
     for name, t in out["targets"].items():
         print(f"{name}: {t['value']} (target {t['target']}) {'met' if t['met'] else 'NOT met'}")
+    lines = out["lines_4k"]
+    print(f"lines per 4k decode step: ours {lines['ours']}, vLLM's {lines['vllm']}, "
+          f"extra {lines['extra']}")
     print("targets_met:", out["targets_met"], f"({out['wall_s']} s)")
 
 
