@@ -71,8 +71,8 @@ from vllm.v1.kv_offload.tiering.manager import (
 
 __all__ = [
     "VLLM_LOCKS_HOOKS", "CascadeGate", "OneLock", "ParkedCascades", "QuarantinedSlots",
-    "after_vllm_step", "close_step", "cpu_policy", "insert", "manager_kwargs", "open_step", "primary_kwargs",
-    "replace_events_tracker",
+    "after_vllm_step", "close_step", "cpu_policy", "insert", "manager_kwargs", "open_step",
+    "primary_kwargs", "replace_events_tracker",
 ]
 
 # 0.33: OffloadingManager.lock exists and vLLM's connector scheduler holds it
