@@ -164,7 +164,8 @@ def lines_per_step(spec: StepSpec, traced: int = 16, skip: int = 8) -> dict:
     base, mine = per_side
     extra = Counter(mine)
     extra.subtract(base)
-    return {"vllm": round(sum(base.values())), "ours": round(sum(mine.values())),
+    return {"context": spec.context, "running": spec.running,
+            "vllm": round(sum(base.values())), "ours": round(sum(mine.values())),
             "extra": round(sum(extra.values())), "traced_steps": traced,
             "top": [[name, round(n)] for name, n in extra.most_common(12)]}
 
@@ -385,8 +386,8 @@ def main() -> None:
     for name, t in out["targets"].items():
         print(f"{name}: {t['value']} (target {t['target']}) {'met' if t['met'] else 'NOT met'}")
     lines = out["lines_4k"]
-    print(f"lines per 4k decode step: ours {lines['ours']}, vLLM's {lines['vllm']}, "
-          f"extra {lines['extra']}")
+    print(f"lines per decode step ({lines['running']} x {lines['context']}): ours "
+          f"{lines['ours']}, vLLM's {lines['vllm']}, extra {lines['extra']}")
     print("targets_met:", out["targets_met"], f"({out['wall_s']} s)")
 
 
