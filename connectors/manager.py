@@ -204,22 +204,17 @@ class SessionPrimaryTier(compat.QuarantinedSlots, CPUPrimaryTierOffloadingManage
         return [k for k in chunk_keys if k in known]
 
     def _index_copies(self, tier: Tier, chunk_keys: Collection[OffloadKey], copies: int) -> None:
-        if self._bpc == 1:
-            blocks = chunk_keys if isinstance(chunk_keys, (list, tuple)) else list(chunk_keys)
-        else:
-            blocks = [b for k in chunk_keys for b in self._index.chain_to(k, self._bpc)]
-        self._index.set_copies(tier, blocks, copies)
+        if self._bpc > 1:
+            chunk_keys = [b for k in chunk_keys for b in self._index.chain_to(k, self._bpc)]
+        # One key (a decode step's store or eviction) takes the index's one-key path.
+        self._index.set_copies(tier, chunk_keys, copies)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         out = super().prepare_store(keys, req_context)
         if out is not None and out.evicted_keys:
-            if self._bpc == 1 and len(out.evicted_keys) == 1:
-                for k in out.evicted_keys:          # a decode step's store evicts one
-                    self._index.set_copy(Tier.G2, k, 0)
-            else:
-                self._index_copies(Tier.G2, out.evicted_keys, 0)
+            self._index_copies(Tier.G2, out.evicted_keys, 0)
             if self.event_log is not None:
                 self.event_log.append(
                     Eviction(tier=Tier.G2.name, keys=list(out.evicted_keys)))
@@ -232,12 +227,6 @@ class SessionPrimaryTier(compat.QuarantinedSlots, CPUPrimaryTierOffloadingManage
         # ``lookup``'s answer per key, read from the policy directly (HIT:
         # present and ready; MISS: absent; pending ones are neither).
         get = self._chunk
-        if self._bpc == 1 and self.event_log is None:
-            for k in keys:                          # a decode step's store: one key
-                chunk = get(k)
-                if chunk is None or chunk.is_ready:
-                    self._index.set_copy(Tier.G2, k, chunk is not None)
-            return
         stored, dropped = [], []
         for k in keys:
             chunk = get(k)

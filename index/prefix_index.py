@@ -274,9 +274,11 @@ class SessionPrefixIndex:
         if isinstance(counts, int):
             # One count for all: a store's G2 copies, an eviction's (a decode
             # step at 256 x 64k has about 16 of each, most of one key).
-            if len(keys) == 1:
+            if len(keys) == 1:          # without the lists of ``set_each``
                 for key in keys:
-                    self.set_copy(tier, key, min(max(counts, 0), MAX_COPIES))
+                    s = self._tree.slot.get(key)
+                    if s is not None and self._tree.put(tier, s, min(max(counts, 0), MAX_COPIES)):
+                        self._on_gone([s])
                 return
             get = self._tree.slot.get
             gone = self._tree.set_each(tier, [s for s in map(get, keys) if s is not None],
@@ -285,13 +287,6 @@ class SessionPrefixIndex:
                 self._on_gone(gone)
             return
         self._update(tier, keys, counts, absolute=True)
-
-    def set_copy(self, tier: Tier, key: bytes, count: int) -> None:
-        """``set_copies`` of one key, ``count`` in 0 to ``MAX_COPIES`` (a
-        decode step's G2 store or eviction)."""
-        s = self._tree.slot.get(key)
-        if s is not None and self._tree.put(tier, s, count):
-            self._on_gone([s])
 
     def add_copies(self, tier: Tier, keys: Sequence[bytes], delta: int = 1) -> None:
         """Add ``delta`` (negative to remove) copies of ``keys`` in ``tier``;
