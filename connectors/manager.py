@@ -435,12 +435,10 @@ class SessionTierManager(compat.OneLock, compat.CascadeGate, compat.ParkedCascad
 
     def get_stats(self):
         """vLLM's offloading stats, with sessionkv's (``connectors.metrics``)."""
-        stats = super().get_stats()
-        mine = self.stats.take(len(self.index), self.index.num_sessions,
+        return self.stats.take(len(self.index), self.index.num_sessions,
                                self.executor.pinned_chunks,
                                {t.tier_type: t.rejected for t in self.secondary_tiers
-                                if isinstance(t, G3Tier)})
-        return mine if stats is None else stats.aggregate(mine)
+                                if isinstance(t, G3Tier)}, into=super().get_stats())
 
     def reset_cache(self) -> None:
         # vLLM's reset waits for its own jobs (drain_jobs); hint copies are

@@ -118,12 +118,18 @@ class SessionStats:
             return dict(sorted(self._outcomes.items()))
 
     def take(self, blocks: int, sessions: int, pinned: int,
-             rejected: dict[str, int] | None = None) -> OffloadingConnectorStats:
+             rejected: dict[str, int] | None = None,
+             into: OffloadingConnectorStats | None = None) -> OffloadingConnectorStats:
         """The observations since the last call, with the gauges as read now
         by the caller: index blocks, live sessions, pinned chunks; and each G3
-        tier's rejected objects since start (counted here by difference)."""
+        tier's rejected objects since start (counted here by difference).
+        Written into ``into`` (vLLM's stats of the step) when given, rather
+        than into a second object that vLLM's ``aggregate`` merges: every
+        step calls this."""
         with self._lock:
             stats, self._stats = self._stats, OffloadingConnectorStats()
+            if into is not None:
+                stats = stats if into.is_empty() else into.aggregate(stats)
             moved, self._chunks_moved = self._chunks_moved, {}
             for tier, total in (rejected or {}).items():
                 new = total - self._rejected.get(tier, 0)

@@ -116,6 +116,8 @@ class SessionCachePolicy(CachePolicy):
     # ------------------------------------------------------------ the levels
 
     def _place(self, k: OffloadKey) -> tuple[int, object]:
+        if not self._pins and not self._retains:      # no hints: every chunk is plain
+            return 0, self._rank[k]
         pin = self._pins.get(k)
         if pin is not None:
             return PIN_LEVEL, (pin[0], self._rank[k])

@@ -46,3 +46,20 @@ def test_every_name_it_emits_is_declared_for_vllm():
     for name, labels in stats.data["data"].items():
         assert name in DEFINITIONS
         assert all(len(lv) == len(DEFINITIONS[name].labelnames) for lv in labels)
+
+
+def test_taken_into_vllms_stats_keeps_both():
+    s = SessionStats(chunk_bytes=1000, blocks_per_chunk=1)
+    s.record(Outcome(outcome=HintOutcome("h", "kv.pin", Status.ACCEPTED), via="request"))
+    s.moved("G1", "G2", 2)
+    vllms = OffloadingConnectorStats()
+    vllms.increase_counter("vllm:some_counter", 5)
+    s.moved("G1", "G2", 1)
+    got = s.take(7, 2, 1, into=vllms)
+    assert got is vllms
+    assert got.reduce() == {
+        "vllm:some_counter": 5, "sessionkv:hint_outcomes:('kv.pin', 'accepted')": 1,
+        "sessionkv:moved_blocks:('G1', 'G2')": 3, "sessionkv:moved_bytes:('G1', 'G2')": 3000,
+        "sessionkv:index_blocks": 7, "sessionkv:index_sessions": 2, "sessionkv:pinned_chunks": 1}
+    assert s.take(7, 2, 1, into=OffloadingConnectorStats()).reduce() == {
+        "sessionkv:index_blocks": 7, "sessionkv:index_sessions": 2, "sessionkv:pinned_chunks": 1}
