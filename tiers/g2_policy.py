@@ -107,7 +107,7 @@ class SessionCachePolicy(CachePolicy):
         # the highest rank it took, which the next must pass to join it
         self._run: OrderedDict[OffloadKey, int] = OrderedDict()
         self._run_top = 0
-        # keys made evictable since the last ``evict``, filed by it in rank order
+        # keys made evictable, not filed yet (``_settle``: the module docstring)
         self._arriving: dict[OffloadKey, None] = {}
         # (expiry, key) of every pin and retain set, lazily invalidated: lapses
         # are found without a pass over all hints on every eviction.
