@@ -128,8 +128,8 @@ class SessionStats:
         step calls this."""
         with self._lock:
             stats, self._stats = self._stats, OffloadingConnectorStats()
-            if into is not None:
-                stats = stats if into.is_empty() else into.aggregate(stats)
+            if into is not None and not into.is_empty():
+                stats = into.aggregate(stats)
             moved, self._chunks_moved = self._chunks_moved, {}
             for tier, total in (rejected or {}).items():
                 new = total - self._rejected.get(tier, 0)
