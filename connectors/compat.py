@@ -11,8 +11,9 @@ Differences (0.32 -> 0.33):
 
 - ``OffloadingManager.lock``: 0.33 adds it (a context manager that every
   caller of a manager method holds, never re-entered; the tiering manager's
-  is a plain ``threading.Lock``, its tier-poll thread takes it too). 0.32 has
-  none: the manager makes its own (``OneLock``).
+  is a plain ``threading.Lock``, its tier-poll thread takes it too; the CPU
+  manager's a no-op). 0.32 has none: the manager makes its own where vLLM's
+  is not a real lock (``manager_lock``).
 - Who holds it during a step: on 0.33 vLLM's ``OffloadingConnectorScheduler``
   takes it from the first manager hook of ``schedule()`` to the end of
   ``build_connector_meta`` and around each other hook; on 0.32 nothing in
@@ -70,8 +71,9 @@ from vllm.v1.kv_offload.tiering.manager import (
 )
 
 __all__ = [
-    "VLLM_LOCKS_HOOKS", "CascadeGate", "OneLock", "ParkedCascades", "QuarantinedSlots",
-    "after_vllm_step", "close_step", "cpu_policy", "insert", "manager_kwargs", "open_step",
+    "VLLM_LOCKS_HOOKS", "CascadeGate", "ParkedCascades", "QuarantinedSlots",
+    "after_vllm_step", "close_step", "cpu_policy", "insert", "manager_kwargs", "manager_lock",
+    "open_step",
     "primary_kwargs", "replace_events_tracker",
 ]
 
@@ -85,16 +87,13 @@ _MANAGER_PARAMS = inspect.signature(TieringOffloadingManager.__init__).parameter
 
 # ---- the lock ----------------------------------------------------------------
 
-class OneLock:
-    """Mixin for a ``TieringOffloadingManager`` subclass: ``lock`` is vLLM's
-    on 0.33 (a plain ``threading.Lock``), and on 0.32, which has none, a
-    plain ``threading.Lock`` of ours: re-entry deadlocks on both alike."""
-
-    if not VLLM_LOCKS_HOOKS:
-        @property
-        def lock(self) -> threading.Lock:
-            # Made on first use, which may come from vLLM's own __init__.
-            return self.__dict__.setdefault("_sessionkv_lock", threading.Lock())
+def manager_lock(manager: OffloadingManager) -> threading.Lock:
+    """The lock of a manager over vLLM's ``manager``: vLLM's own where it is
+    a real lock (0.33's tiering manager: its tier-poll thread takes it too),
+    else a plain ``threading.Lock`` of ours (0.32 has none; 0.33's CPU
+    manager's is a no-op). Re-entry deadlocks on both alike."""
+    lock = getattr(manager, "lock", None)
+    return lock if isinstance(lock, type(threading.Lock())) else threading.Lock()
 
 
 def open_step(scheduler: OffloadingConnectorScheduler, lock: Any) -> None:

@@ -1,7 +1,9 @@
-"""Scheduler-side managers: vLLM's tiering managers, keeping the
+"""Scheduler-side managers: vLLM's offloading manager (its tiering manager
+with G3 tiers, its CPU primary tier alone without), keeping the
 SessionPrefixIndex in step with G2.
 
-``SessionTierManager`` owns the index (one owner of mutable state).
+``SessionTierManager`` owns the index (one owner of mutable state) and wraps
+vLLM's manager (``vllm``).
 ``SessionPrimaryTier`` reports every change of G2 residency to it, from the
 exact sources: ``PrepareStoreOutput.evicted_keys`` of every store and promotion
 into G2 (both go through ``prepare_store``; ``prepare_write`` is its alias), and
@@ -44,14 +46,21 @@ import contextlib
 import os
 import time
 from collections import OrderedDict, deque
-from collections.abc import Collection, Iterator
+import threading
+from collections.abc import Collection, Iterable, Iterator
 from typing import NamedTuple
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
     OffloadKey,
     PrepareStoreOutput,
     ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
 )
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
@@ -59,6 +68,7 @@ from vllm.v1.kv_offload.tiering.manager import (
     CPUPrimaryTierOffloadingManager,
     TieringOffloadingManager,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from sessionkv.config import SessionKVConfig
 from sessionkv.events import (
@@ -254,10 +264,32 @@ class SessionPrimaryTier(compat.QuarantinedSlots, CPUPrimaryTierOffloadingManage
             self.event_log.append(Eviction(tier=Tier.G2.name, keys=[], reason="reset"))
 
 
-class SessionTierManager(compat.OneLock, compat.CascadeGate, compat.ParkedCascades,
-                         TieringOffloadingManager):
-    """vLLM's tiering manager that owns the lock, the SessionPrefixIndex and
-    the HintExecutor, and executes each request's hints when it finishes.
+class VllmTiering(compat.CascadeGate, compat.ParkedCascades, TieringOffloadingManager):
+    """vLLM's tiering manager over G2 and the G3 tiers, cascading G2 -> G3
+    only with ``g3.write_through``."""
+
+    def __init__(self, primary_tier: SessionPrimaryTier,
+                 secondary_tiers: list[SecondaryTierManager], write_through: bool,
+                 **vllm_kwargs):
+        super().__init__(primary_tier=primary_tier, secondary_tiers=secondary_tiers,
+                         **vllm_kwargs)
+        self._write_through = write_through
+
+    def cascades(self) -> bool:
+        # g3.write_through false: vLLM's cascade sends nothing down; hints do.
+        return self._write_through
+
+
+class SessionTierManager(OffloadingManager):
+    """The offloading manager vLLM's connector calls: vLLM's own (``vllm``)
+    with the lock, the SessionPrefixIndex and the HintExecutor around it, and
+    each request's hints executed when it finishes.
+
+    ``vllm`` is vLLM's tiering manager when there are G3 tiers, and the G2
+    primary tier alone when there are none, as vLLM's own CPU spec runs it:
+    the tiering layer's per-call work there is bookkeeping for cascades that
+    cannot happen (about 330 Python lines of a 256-request decode step, 0.10
+    ms p50 at 64k-token contexts in bench/scale.py; bench/README).
 
     Lock rule: the scheduler thread holds ``lock`` for each ``schedule()``
     pass (first scheduler-side connector call until ``build_connector_meta``
@@ -277,8 +309,12 @@ class SessionTierManager(compat.OneLock, compat.CascadeGate, compat.ParkedCascad
         """``g3_copies``: the queue every G3 tier observes into; ``event_log``:
         the primary tier's too (None: no event stream); ``vllm_kwargs``: what
         the running vLLM's tiering manager takes besides (``compat.manager_kwargs``)."""
-        super().__init__(primary_tier=primary_tier, secondary_tiers=secondary_tiers,
-                         **vllm_kwargs)
+        self.primary_tier = primary_tier
+        self.secondary_tiers = secondary_tiers
+        self.vllm: OffloadingManager = (
+            VllmTiering(primary_tier, secondary_tiers, config.policy.g3.write_through,
+                        **vllm_kwargs) if secondary_tiers else primary_tier)
+        self._lock = compat.manager_lock(self.vllm)
         self.index = index
         self.config = config
         self.event_log = event_log
@@ -296,6 +332,12 @@ class SessionTierManager(compat.OneLock, compat.CascadeGate, compat.ParkedCascad
         self.executor = HintExecutor(
             index, config.policy.limits, primary_tier.policy, primary_tier.num_chunks,
             primary_tier.blocks_per_chunk, mover=self.mover, fetcher=self.fetcher)
+
+    @property
+    def lock(self) -> threading.Lock:
+        """The one lock (module docstring): vLLM's tiering manager's on 0.33,
+        ours otherwise."""
+        return self._lock
 
     def emit(self, event) -> None:
         """Count ``event`` in the metrics; append it to the event log, if any."""
@@ -423,7 +465,7 @@ class SessionTierManager(compat.OneLock, compat.CascadeGate, compat.ParkedCascad
 
     def shutdown(self) -> None:
         self.drain()
-        super().shutdown()
+        self.vllm.shutdown()
         if self.fetcher is not None:
             self.fetcher.close()
         if self.mover is not None:
@@ -438,7 +480,7 @@ class SessionTierManager(compat.OneLock, compat.CascadeGate, compat.ParkedCascad
         return self.stats.take(len(self.index), self.index.num_sessions,
                                self.executor.pinned_chunks,
                                {t.tier_type: t.rejected for t in self.secondary_tiers
-                                if isinstance(t, G3Tier)}, into=super().get_stats())
+                                if isinstance(t, G3Tier)}, into=self.vllm.get_stats())
 
     def reset_cache(self) -> None:
         # vLLM's reset waits for its own jobs (drain_jobs); hint copies are
@@ -448,7 +490,7 @@ class SessionTierManager(compat.OneLock, compat.CascadeGate, compat.ParkedCascad
         self.apply_moves()
         if self.mover is not None:
             self.mover.abandon()
-        super().reset_cache()
+        self.vllm.reset_cache()
 
     def expire_sessions(self, now: float, max_chunks: int | None = None) -> bool:
         """End the sessions idle past the policy's timeout, the oldest first,
@@ -485,18 +527,55 @@ class SessionTierManager(compat.OneLock, compat.CascadeGate, compat.ParkedCascad
         if self.mover is not None:
             self.mover.apply()
 
-    def cascades(self) -> bool:
-        # g3.write_through false: vLLM's cascade sends nothing down; hints do.
-        return self.config.policy.g3.write_through
+    # vLLM's manager interface: ``vllm`` does the work; G1 <-> G2 copies that
+    # end are counted here too.
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        return self.vllm.lookup(key, req_context)
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        return self.vllm.get_load_source(key, req_context)
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext
+                     ) -> LoadStoreSpec:
+        return self.vllm.prepare_load(keys, req_context)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.vllm.touch(keys, req_context)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.vllm.complete_load(keys, req_context)
+        self._transferred(_G2, _G1, keys, True, req_context)
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext
+                      ) -> PrepareStoreOutput | None:
+        return self.vllm.prepare_store(keys, req_context)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
-        super().complete_store(keys, req_context, success)
+        self.vllm.complete_store(keys, req_context, success)
         self._transferred(_G1, _G2, keys, success, req_context)
 
-    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        super().complete_load(keys, req_context)
-        self._transferred(_G2, _G1, keys, True, req_context)
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return self.vllm.on_new_request(req_context)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self.vllm.on_request_finished(req_context)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        return self.vllm.take_events()
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self.vllm.on_schedule_end(context)
+
+    def has_pending_work(self) -> bool:
+        return self.vllm.has_pending_work()
+
+    def on_reset_flushed(self) -> None:        # vLLM 0.33
+        self.vllm.on_reset_flushed()
+
+    def config_info(self):                      # vLLM 0.33
+        return self.vllm.config_info()
 
     def _transferred(self, src: str, dst: str, keys: Collection[OffloadKey], ok: bool,
                      req_context: ReqContext) -> None:
