@@ -13,8 +13,9 @@ the index holds blocks, so each chunk key stands for that block and its
 ``blocks_per_chunk - 1`` ancestors.
 
 G2 slots that a G3 load abandoned past its deadline may still write stay
-out of the primary tier's free list until that load ends (``quarantine``,
-shared with every G3 tier; ``tiers/g3_io.Quarantine``).
+out of the primary tier's free list until that load ends
+(``QuarantinedPrimaryTier``, G2 when there are G3 tiers: its ``quarantine``
+is shared with every G3 tier; ``tiers/g3_io.Quarantine``).
 
 Wiring (ARCHITECTURE.md, "One composition root"): ``SessionTierSpec.get_manager``
 builds the index, the quarantine, the event log and the G3 copy queue first and
@@ -134,11 +135,9 @@ class G3Copies:
             yield self._seen.popleft()
 
 
-class SessionPrimaryTier(compat.QuarantinedSlots, CPUPrimaryTierOffloadingManager):
-    """vLLM's CPU primary tier (G2) that reports residency to the index; G2
-    slots a G3 load may still write stay out of its free list until released
-    (``compat.QuarantinedSlots``). Called under ``SessionTierManager.lock``
-    (see the module docstring)."""
+class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
+    """vLLM's CPU primary tier (G2) that reports residency to the index.
+    Called under ``SessionTierManager.lock`` (see the module docstring)."""
 
     @property
     def policy(self):
@@ -146,7 +145,7 @@ class SessionPrimaryTier(compat.QuarantinedSlots, CPUPrimaryTierOffloadingManage
         return compat.cpu_policy(self)
 
     def __init__(self, *args, num_chunks: int, index: SessionPrefixIndex,
-                 blocks_per_chunk: int, quarantine: Quarantine, event_log: EventLog | None,
+                 blocks_per_chunk: int, event_log: EventLog | None,
                  mmap_region: SharedOffloadRegion, **kwargs):
         super().__init__(*args, num_chunks=num_chunks, mmap_region=mmap_region, **kwargs)
         self._region_path: str | None = getattr(mmap_region, "mmap_path", None)
@@ -154,7 +153,6 @@ class SessionPrimaryTier(compat.QuarantinedSlots, CPUPrimaryTierOffloadingManage
         self._index = index
         self._bpc = blocks_per_chunk
         self.event_log = event_log      # vLLM's own list is ``events``
-        self.quarantine = quarantine
         self._chunk = compat.cpu_policy(self).get      # vLLM builds its policy once
         self._g3_known: OrderedDict[OffloadKey, None] = OrderedDict()   # oldest first
         self._g3_cap = G3_KNOWN_PER_G2_CHUNK * num_chunks
@@ -256,12 +254,26 @@ class SessionPrimaryTier(compat.QuarantinedSlots, CPUPrimaryTierOffloadingManage
 
     def reset_cache(self) -> None:
         super().reset_cache()
-        held = self.quarantine.reset()
-        if held:
-            self._leave_out(held, self._chunks)
         self._index.clear_tier(Tier.G2)
         if self.event_log is not None:     # no keys: everything in the tier
             self.event_log.append(Eviction(tier=Tier.G2.name, keys=[], reason="reset"))
+
+
+class QuarantinedPrimaryTier(compat.QuarantinedSlots, SessionPrimaryTier):
+    """G2 under G3 tiers: slots a G3 load may still write stay out of its
+    free list until released (``compat.QuarantinedSlots``). Without G3
+    nothing can hold a slot, and vLLM's allocator runs without these hooks
+    (three calls a store)."""
+
+    def __init__(self, *args, quarantine: Quarantine, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.quarantine = quarantine
+
+    def reset_cache(self) -> None:
+        super().reset_cache()
+        held = self.quarantine.reset()
+        if held:
+            self._leave_out(held, self.num_chunks)
 
 
 class VllmTiering(compat.CascadeGate, compat.ParkedCascades, TieringOffloadingManager):

@@ -32,7 +32,7 @@ from sessionkv.tiers.g3 import G3Tier, Quarantine
 
 from . import compat, regions
 from .cpu_worker import TorchCopyWorker
-from .manager import G3Copies, SessionPrimaryTier, SessionTierManager
+from .manager import G3Copies, QuarantinedPrimaryTier, SessionPrimaryTier, SessionTierManager
 from .metrics import DEFINITIONS as METRICS
 
 
@@ -96,14 +96,17 @@ class SessionTierSpec(TieringOffloadingSpec):
         primary = None
         secondary = []
         try:
-            primary = SessionPrimaryTier(
+            g2 = dict(
                 num_chunks=self.num_chunks, mmap_region=region,
                 cache_policy=self.eviction_policy,
                 cache_policy_module_path=self.cache_policy_module_path,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 index=index, blocks_per_chunk=self.blocks_per_chunk,
-                quarantine=quarantine, event_log=events, **compat.primary_kwargs(self),
+                event_log=events, **compat.primary_kwargs(self),
             )
+            # Only a G3 load can hold a G2 slot past its job (the quarantine).
+            primary = (QuarantinedPrimaryTier(quarantine=quarantine, **g2)
+                       if self.secondary_tier_configs else SessionPrimaryTier(**g2))
             view = primary.get_kv_memoryview()
             for tier_config in self.secondary_tier_configs:
                 secondary.append(self._secondary_tier(tier_config, view, quarantine, g3_copies))

@@ -18,7 +18,7 @@ from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from sessionkv.config import SessionKVConfig
-from sessionkv.connectors.manager import G3Copies, SessionPrimaryTier, SessionTierManager
+from sessionkv.connectors.manager import G3Copies, QuarantinedPrimaryTier, SessionTierManager
 from sessionkv.devtools.engines import MODELS
 from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.keys import block_key
@@ -47,7 +47,7 @@ def parts(redis_url):
     def observe(load, keys, ok):
         seen.append((load, list(keys), list(ok)))
         copies.observe(load, keys, ok)
-    primary = SessionPrimaryTier(
+    primary = QuarantinedPrimaryTier(
         num_chunks=CHUNKS, mmap_region=region, cache_policy=SessionCachePolicy.__name__,
         cache_policy_module_path=SessionCachePolicy.__module__, index=index,
         blocks_per_chunk=1, quarantine=quarantine, event_log=events)

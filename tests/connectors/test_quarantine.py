@@ -1,5 +1,5 @@
 """G2 slots that an abandoned G3 read may still write stay out of vLLM's
-free list until the read ends: ``SessionPrimaryTier`` (vLLM's CPU primary
+free list until the read ends: ``QuarantinedPrimaryTier`` (vLLM's CPU primary
 tier, real) with its ``Quarantine``, driven as the tiering manager drives it.
 The late read itself is faked by ``hold``/``release`` (the real one is in
 ``tests/tiers/test_g3_contract.py``: a stopped Mooncake store process)."""
@@ -10,7 +10,7 @@ import pytest
 from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-from sessionkv.connectors.manager import SessionPrimaryTier
+from sessionkv.connectors.manager import QuarantinedPrimaryTier
 from sessionkv.devtools.keys import block_key
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers.g3 import Quarantine
@@ -23,8 +23,8 @@ N = 4
 def g2():
     region = SharedOffloadRegion(engine_id=f"quarantine-{uuid.uuid4().hex[:8]}", num_chunks=N,
                                  rank=None, kv_bytes_per_chunk=4096, cpu_page_size=4096)
-    tier = SessionPrimaryTier(num_chunks=N, mmap_region=region, index=SessionPrefixIndex(),
-                              blocks_per_chunk=1, quarantine=Quarantine(), event_log=None)
+    tier = QuarantinedPrimaryTier(num_chunks=N, mmap_region=region, index=SessionPrefixIndex(),
+                                  blocks_per_chunk=1, quarantine=Quarantine(), event_log=None)
     yield tier
     tier.shutdown()
 
