@@ -45,9 +45,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections import OrderedDict, deque
-import threading
 from collections.abc import Collection, Iterable, Iterator
 from typing import NamedTuple
 
