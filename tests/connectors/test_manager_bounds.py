@@ -21,8 +21,8 @@ from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.keys import block_key
 from sessionkv.hints import Action
 from sessionkv.index.prefix_index import SessionPrefixIndex
-from sessionkv.tiers.g2_policy import SessionCachePolicy
 from sessionkv.tiers.disk import DiskTier
+from sessionkv.tiers.g2_policy import SessionCachePolicy
 from sessionkv.tiers.g3 import Quarantine
 from sessionkv.types import Tier
 
