@@ -78,7 +78,7 @@ import vllm.v1.kv_offload
 from scale_steps import StepSpec, make_scheduler, run_both, step_times
 from sessionkv import connectors
 from sessionkv.connectors import compat
-from sessionkv.connectors.manager import G3_KNOWN_PER_G2_CHUNK
+from sessionkv.connectors.g2 import G3_KNOWN_PER_G2_CHUNK
 from sessionkv.connectors.vllm import EXPIRE_PER_PASS
 from sessionkv.hints import Action
 from sessionkv.tiers.g2_policy import SessionCachePolicy

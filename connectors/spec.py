@@ -32,7 +32,8 @@ from sessionkv.tiers.g3 import G3Tier, Quarantine
 
 from . import compat, regions
 from .cpu_worker import TorchCopyWorker
-from .manager import G3Copies, QuarantinedPrimaryTier, SessionPrimaryTier, SessionTierManager
+from .g2 import QuarantinedPrimaryTier, SessionPrimaryTier
+from .manager import G3Copies, SessionTierManager
 from .metrics import DEFINITIONS as METRICS
 
 

@@ -14,7 +14,7 @@ import textwrap
 
 from sessionkv.connectors import compat
 
-MODULES = ("sessionkv.connectors.vllm", "sessionkv.connectors.manager",
+MODULES = ("sessionkv.connectors.vllm", "sessionkv.connectors.manager", "sessionkv.connectors.g2",
            "sessionkv.connectors.spec", "sessionkv.connectors.cpu_worker",
            "sessionkv.connectors.moves", "sessionkv.tiers.g2_policy", "sessionkv.tiers.g3",
            "sessionkv.tiers.g3_io", "sessionkv.tiers.g3_spec", "sessionkv.tiers.redis",

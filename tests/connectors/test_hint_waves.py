@@ -18,7 +18,8 @@ from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from sessionkv.config import SessionKVConfig
-from sessionkv.connectors.manager import G3Copies, QuarantinedPrimaryTier, SessionTierManager
+from sessionkv.connectors.g2 import QuarantinedPrimaryTier
+from sessionkv.connectors.manager import G3Copies, SessionTierManager
 from sessionkv.devtools.engines import MODELS
 from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.keys import block_key

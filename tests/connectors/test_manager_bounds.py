@@ -14,8 +14,9 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from sessionkv.config import SessionKVConfig
 from sessionkv.connectors import manager as manager_mod
-from sessionkv.connectors.manager import (G3Copies, QuarantinedPrimaryTier, SessionPrimaryTier,
-                                          SessionTierManager)
+from sessionkv.connectors import g2 as g2_mod
+from sessionkv.connectors.g2 import QuarantinedPrimaryTier, SessionPrimaryTier
+from sessionkv.connectors.manager import G3Copies, SessionTierManager
 from sessionkv.devtools.engines import MODELS
 from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.keys import block_key
@@ -131,7 +132,7 @@ def test_g3_copies_are_known_for_a_bounded_number_of_chunks(manager):
     # Issue 26: every chunk a cascade wrote to G3 stayed indexed for ever
     # (backends evict without telling), about 250 bytes a block. Now the
     # index knows the G3 copies of the chunks seen last, twice G2's size.
-    cap = manager_mod.G3_KNOWN_PER_G2_CHUNK * CHUNKS
+    cap = g2_mod.G3_KNOWN_PER_G2_CHUNK * CHUNKS
     keys = [block_key(f"g3-{i}") for i in range(cap + 100)]
     for i in range(0, len(keys), 64):          # as apply_moves indexes cascades, in batches
         part = keys[i:i + 64]

@@ -10,7 +10,7 @@ import pytest
 from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-from sessionkv.connectors.manager import QuarantinedPrimaryTier
+from sessionkv.connectors.g2 import QuarantinedPrimaryTier
 from sessionkv.devtools.keys import block_key
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers.g3 import Quarantine
