@@ -69,6 +69,9 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
         self._chunk = compat.cpu_policy(self).get      # vLLM builds its policy once
         self._g3_known: OrderedDict[OffloadKey, None] = OrderedDict()   # oldest first
         self._g3_cap = G3_KNOWN_PER_G2_CHUNK * num_chunks
+        # A chunk of one block is its own key in the index: the index's own
+        # ``set_copies``, without a call between (two a decode step's store).
+        self._index_copies = index.set_copies if blocks_per_chunk == 1 else self._chain_copies
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -124,11 +127,10 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
         self._index_copies(Tier.G3, forgotten, 0)
         return [k for k in chunk_keys if k in known]
 
-    def _index_copies(self, tier: Tier, chunk_keys: Collection[OffloadKey], copies: int) -> None:
-        if self._bpc > 1:
-            chunk_keys = [b for k in chunk_keys for b in self._index.chain_to(k, self._bpc)]
-        # One key (a decode step's store or eviction) takes the index's one-key path.
-        self._index.set_copies(tier, chunk_keys, copies)
+    def _chain_copies(self, tier: Tier, chunk_keys: Collection[OffloadKey], copies: int) -> None:
+        """``_index_copies`` of chunks of several blocks: each chunk's blocks."""
+        self._index.set_copies(
+            tier, [b for k in chunk_keys for b in self._index.chain_to(k, self._bpc)], copies)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext

@@ -119,10 +119,13 @@ class SessionStats:
 
     def take(self, blocks: int, sessions: int, pinned: int,
              rejected: dict[str, int] | None = None,
-             into: OffloadingConnectorStats | None = None) -> OffloadingConnectorStats:
+             into: OffloadingConnectorStats | None = None,
+             copied: dict[tuple[str, str], int] | None = None) -> OffloadingConnectorStats:
         """The observations since the last call, with the gauges as read now
-        by the caller: index blocks, live sessions, pinned chunks; and each G3
-        tier's rejected objects since start (counted here by difference).
+        by the caller: index blocks, live sessions, pinned chunks; each G3
+        tier's rejected objects since start (counted here by difference); and
+        the chunks the caller counted copied since its last call
+        (``copied``: (src, dst) -> chunks, the scheduler's G1 <-> G2 copies).
         Written into ``into`` (vLLM's stats of the step) when given, rather
         than into a second object that vLLM's ``aggregate`` merges: every
         step calls this."""
@@ -131,6 +134,8 @@ class SessionStats:
             if into is not None and not into.is_empty():
                 stats = into.aggregate(stats)
             moved, self._chunks_moved = self._chunks_moved, {}
+            for pair, chunks in (copied or {}).items():
+                moved[pair] = moved.get(pair, 0) + chunks
             for tier, total in (rejected or {}).items():
                 new = total - self._rejected.get(tier, 0)
                 if new > 0:

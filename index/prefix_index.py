@@ -507,9 +507,18 @@ class SessionPrefixIndex:
         self._refresh_g1([s for s in map(slot_of, keys) if s is not None])
         return self._tree.result(s for s in map(slot_of, keys) if s is not None)
 
+    def build_aliases(self, max_slots: int | None = None) -> bool:
+        """Build the map from 64-bit aliases to keys, ``max_slots`` slots a
+        call (all when None), so that a caller holding a lock can let it go
+        between calls; kept up to date from the first call. Whether it is
+        complete. Until then admission costs no alias (``index/tree.py``)."""
+        return self._tree.build_aliases(max_slots)
+
     def resolve_aliases(self, aliases: Sequence[int]) -> Resolved:
         """``resolve_keys`` for blocks named by their 64-bit aliases (KV
-        events' block hashes, KVCR's ``kv.fetch``); unknown aliases are dropped."""
+        events' block hashes, KVCR's ``kv.fetch``); unknown aliases are
+        dropped. Completes the alias map first (``build_aliases``)."""
+        self._tree.build_aliases()
         slot_of, keys = self._tree.alias.get, self._tree.keys
         return self.resolve_keys([keys[s] for s in map(slot_of, aliases) if s is not None])
 

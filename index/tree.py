@@ -22,9 +22,16 @@ ancestor (so depths may skip: ``depth`` is the block's position in its
 chain); ``nchild`` counts the live children and ``xchild`` is the XOR of
 their slots (the one child, when there is one); every live node is resident,
 kept, or has two children or more, as of the last ``prune`` over it;
-``alias`` maps a key's 64-bit alias to its slot (the last key admitted under
-an alias wins, and pruning a key drops only its own entry); a free slot
-has no copy and no child.
+``alias``, once built (``build_aliases``), maps a key's 64-bit alias to its
+slot (of several live keys under one alias, one: the last admitted since
+the build; pruning a key drops only its own entry); a free slot has no
+copy and no child.
+
+The alias map is built on first use, not kept from the start: only the
+control channel's ``resolve`` (KVCR's ``kv.fetch``, asked of the engine
+holding the blocks) reads it, and kept for every block it was 1.5 us of
+a decode block's 9 us of admission at 256 x 64k (caches cold after vLLM's
+step; per-section timers, 2026-12-06). Once built it is kept up to date.
 
 Threading: not thread-safe; its one owner is the SessionPrefixIndex.
 
@@ -32,7 +39,7 @@ Memory: node state lives in ``array.array``s indexed by slot (a node's
 fields are read and written one at a time on the hot paths, where an array
 costs a third of a numpy scalar access: 24 against 74 ns a read here; the
 bulk paths work on numpy views of them, ``view``); the only per-node Python
-objects are the key bytes and its two dict entries (key and alias).
+objects are the key bytes and its dict entries (key, and alias once built).
 """
 
 from __future__ import annotations
@@ -69,7 +76,8 @@ class BlockTree:
     def __init__(self, initial_capacity: int = 1024):
         cap = max(16, initial_capacity)
         self.slot: dict[bytes, int] = {}
-        self.alias: dict[int, int] = {}             # alias64(key) -> slot
+        self.alias: dict[int, int] | None = None    # alias64(key) -> slot, once built
+        self._aliased = 0                           # slots the build has covered
         self.keys: list[bytes | None] = []
         self._free: list[int] = []
         self.parent = array("i", [NONE]) * cap
@@ -152,8 +160,22 @@ class BlockTree:
         self.xchild[parent] ^= s
         self.keys[s] = key
         self.slot[key] = s
-        self.alias[alias64(key)] = s
+        if self.alias is not None:
+            self.alias[alias64(key)] = s
         return s
+
+    def build_aliases(self, max_slots: int | None = None) -> bool:
+        """Add the next ``max_slots`` slots (all when None) to the alias map,
+        which from the first call on also gets every key admitted; whether
+        every slot is covered (``alias`` complete)."""
+        if self.alias is None:
+            self.alias = {}
+        lo, n = self._aliased, len(self.keys)
+        hi = n if max_slots is None else min(n, lo + max_slots)
+        live = [s for s in range(lo, hi) if self.keys[s] is not None]
+        self.alias.update(zip(aliases64([self.keys[s] for s in live]), live))
+        self._aliased = hi
+        return hi == n
 
     def _misparented(self, slots: list, m: int, root: int) -> list[int]:
         """The positions ``j < m`` whose node is not a child of the chain's
@@ -220,7 +242,8 @@ class BlockTree:
             for s, k in zip(new, new_keys):
                 keys[s] = k
         self.slot.update(zip(new_keys, new))
-        self.alias.update(zip(aliases64(new_keys), new))
+        if self.alias is not None:
+            self.alias.update(zip(aliases64(new_keys), new))
         slots[i:j] = new
 
     def _reparent(self, c: int, p: int) -> None:
@@ -295,7 +318,7 @@ class BlockTree:
         """Free ``s``, which has no copy and no child left (``add_leaf`` relies on it)."""
         keys = self.keys
         del self.slot[keys[s]]
-        if self.alias.get(a := alias64(keys[s])) == s:
+        if self.alias is not None and self.alias.get(a := alias64(keys[s])) == s:
             del self.alias[a]
         keys[s] = None
         self.parent[s] = NONE

@@ -159,6 +159,34 @@ def test_summary_and_alias():
     assert alias64(AB) == int.from_bytes(AB[-12:-4], "big")
 
 
+def test_the_alias_map_is_built_on_first_use_and_kept_from_then_on():
+    # Admission keeps no alias map until something resolves an alias (the
+    # control channel's ``resolve``); a build in slices, with admissions and
+    # prunes between, ends with exactly the live keys' aliases.
+    idx = SessionPrefixIndex()
+    chains = [[block_key(f"{c}{i}") for i in range(j + 1)] for c in "PQRS" for j in range(6)]
+    for c in "PQRS":
+        chain = [block_key(f"{c}{i}") for i in range(6)]
+        idx.admit(c, chain[:4], Tier.G1)
+        idx.extend(c, chain[3], chain[4:5], Tier.G1, now=1.0)   # a decode step's leaf
+    assert idx._tree.alias is None
+    assert not idx.build_aliases(3)
+    idx.set_copies(Tier.G1, [block_key(f"P{i}") for i in range(5)], 0)     # P pruned
+    for c in "QRS":                          # leaves and a chain after the build began
+        chain = [block_key(f"{c}{i}") for i in range(8)]
+        idx.extend(c, chain[4], chain[5:6], Tier.G1, now=2.0)
+        idx.admit(c, chain, Tier.G1, start=6, now=3.0)
+    while not idx.build_aliases(3):
+        pass
+    live = [k for k in dict.fromkeys(k for ch in chains for k in ch) if k in idx]
+    live += [block_key(f"{c}{i}") for c in "QRS" for i in (6, 7)]
+    assert block_key("P0") not in idx and block_key("Q7") in idx
+    assert idx._tree.alias == {alias64(k): idx._tree.slot[k] for k in live}
+    assert idx.resolve_aliases([alias64(k) for k in live]).keys == \
+        idx.resolve_keys(live).keys
+    assert idx.resolve_aliases([alias64(block_key("P0"))]).keys == []
+
+
 def test_a_chain_that_is_not_a_prefix_chain_is_refused():
     idx = SessionPrefixIndex()
     idx.admit(None, [A, AB], Tier.G1)
