@@ -375,8 +375,8 @@ class HintExecutor:
         """Pins the policy clipped under G2 pressure since the last call, one
         ``clipped`` outcome per hint; the owner calls this every step, so the
         policy's sets stay small."""
-        if self._policy is None:
-            return []
+        if self._policy is None or not (self._pins or self._clipped):
+            return []       # the policy reports only pins booked here (most steps: none)
         self._forget_lapsed()
         lost, self._clipped = self._clipped, {}
         return [HintOutcome(hint_id, Action.PIN.action_type, Status.CLIPPED, 0, n,

@@ -130,9 +130,12 @@ class SessionStats:
         than into a second object that vLLM's ``aggregate`` merges: every
         step calls this."""
         with self._lock:
-            stats, self._stats = self._stats, OffloadingConnectorStats()
             if into is not None and not into.is_empty():
-                stats = into.aggregate(stats)
+                stats = into                # a new object only after something was recorded
+                if not self._stats.is_empty():
+                    stats, self._stats = into.aggregate(self._stats), OffloadingConnectorStats()
+            else:
+                stats, self._stats = self._stats, OffloadingConnectorStats()
             moved, self._chunks_moved = self._chunks_moved, {}
             for pair, chunks in (copied or {}).items():
                 moved[pair] = moved.get(pair, 0) + chunks
