@@ -23,9 +23,8 @@ chain); ``nchild`` counts the live children and ``xchild`` is the XOR of
 their slots (the one child, when there is one); every live node is resident,
 kept, or has two children or more, as of the last ``prune`` over it;
 ``alias``, once built (``build_aliases``), maps a key's 64-bit alias to its
-slot (of several live keys under one alias, one: the last admitted since
-the build; pruning a key drops only its own entry); a free slot has no
-copy and no child.
+slot (of several live keys under one alias, one of them; pruning a key
+drops only its own entry); a free slot has no copy and no child.
 
 The alias map is built on first use, not kept from the start: only the
 control channel's ``resolve`` (KVCR's ``kv.fetch``, asked of the engine
