@@ -61,6 +61,27 @@ def fill(m, sessions: int, blocks: int = 2, pin: int = 0, now: float = 1.0):
             assert o.blocks_affected == pin, o
 
 
+def lock_taken_while(manager, monkeypatch, hooked: str, call):
+    """Run ``call`` on a thread and, once it first calls the index's
+    ``hooked`` method, take the lock as the scheduler's next pass does:
+    (``call``'s result, seconds from the lock taken to ``call``'s end)."""
+    started, done = threading.Event(), []
+    inner = getattr(manager.index, hooked)
+
+    def first(*args):
+        started.set()
+        return inner(*args)
+    monkeypatch.setattr(manager.index, hooked, first)
+    t = threading.Thread(target=lambda: done.append((call(), time.monotonic())))
+    t.start()
+    assert started.wait(10)
+    with manager.lock:
+        got = time.monotonic()
+    t.join(30)
+    (out, finished), = done
+    return out, finished - got
+
+
 def test_expiry_ends_at_most_its_budget_per_pass_and_the_next_pass_goes_on(manager):
     # Issue 26: 1,000 sessions idling out with 16k live pins were ended in one
     # scheduler pass. Now a pass ends the oldest until the budget (sessions
@@ -83,21 +104,8 @@ def test_status_lets_the_lock_go_between_batches(manager, monkeypatch):
     fill(manager, 200, blocks=4, pin=1)
     monkeypatch.setattr(manager_mod, "STATUS_HOLD_S", 0.0)     # one session per batch
     monkeypatch.setattr(manager_mod, "STATUS_YIELD_S", 0.002)
-    started, done, got = threading.Event(), [], []
-    summary = manager.index.summary
-
-    def first_summary(s):
-        started.set()
-        return summary(s)
-    monkeypatch.setattr(manager.index, "summary", first_summary)
-    t = threading.Thread(target=lambda: done.append((manager.status(), time.monotonic())))
-    t.start()
-    assert started.wait(10)
-    with manager.lock:                          # as the scheduler's next pass does
-        got.append(time.monotonic())
-    t.join(30)
-    (st, finished), = done
-    assert got[0] < finished - 0.1              # ~200 batches x 2 ms still to go
+    st, ahead = lock_taken_while(manager, monkeypatch, "summary", manager.status)
+    assert ahead > 0.1                          # ~200 batches x 2 ms still to go
     assert [s["session_id"] for s in st["sessions"]] == [f"s{i}" for i in reversed(range(200))]
     assert all(s["blocks"] == 4 and s["per_tier"]["G2"] == 4 and s["per_tier"]["G1"] == 0 for s in st["sessions"])
     assert len(st["pins"]) == 200 and st["pinned_chunks"] == 200
@@ -113,24 +121,11 @@ def test_the_first_resolve_builds_the_alias_map_letting_the_lock_go_between_slic
     assert manager.index._tree.alias is None
     monkeypatch.setattr(manager_mod, "ALIAS_BUILD_SLOTS", 2)
     monkeypatch.setattr(manager_mod, "STATUS_YIELD_S", 0.002)
-    started, done, got = threading.Event(), [], []
-    build = manager.index.build_aliases
-
-    def first_slice(n):
-        started.set()
-        return build(n)
-    monkeypatch.setattr(manager.index, "build_aliases", first_slice)
     keys = [block_key(f"s7-{b}") for b in range(4)]
-    t = threading.Thread(target=lambda: done.append(
-        (manager.resolve_hashes([alias64(k) for k in reversed(keys)] + [12345]),
-         time.monotonic())))
-    t.start()
-    assert started.wait(10)
-    with manager.lock:                          # as the scheduler's next pass does
-        got.append(time.monotonic())
-    t.join(30)
-    (resolved, finished), = done
-    assert got[0] < finished - 0.1              # ~400 slices x 2 ms still to go
+    resolved, ahead = lock_taken_while(
+        manager, monkeypatch, "build_aliases",
+        lambda: manager.resolve_hashes([alias64(k) for k in reversed(keys)] + [12345]))
+    assert ahead > 0.1                          # ~400 slices x 2 ms still to go
     assert resolved == keys                     # root first; the unknown hash dropped
     assert manager.resolve_hashes([alias64(keys[0])]) == keys[:1]     # kept since
 
