@@ -16,8 +16,7 @@ Everything runs the product's classes in one process (no model):
   vLLM's code which both run alike (``scale_steps``' docstring: without it,
   vLLM's connector against itself differed by 1.2-2.9 ms at p99, more than
   the target), each side's fastest of ``REPEATS`` runs of the deterministic
-  schedule (``run_both``, which alternates which of the two steps first and
-  keeps to one CPU).
+  schedule (``run_both``, which alternates which of the two steps first).
   ``extra_of_totals`` keeps the plain difference, and ``noise_floor_64k``
   both differences of vLLM's connector against itself (one run). Prompt
   lengths are drawn, so a decode step fills about 16 blocks at both lengths,

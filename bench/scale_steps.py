@@ -40,9 +40,7 @@ decode step (vLLM's ``update_offload_keys`` walks every request's whole
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -333,10 +331,8 @@ def run_both(spec: StepSpec, repeats: int = 1, same: bool = False) -> tuple[dict
     the same work every time, and what a repeat adds is the machine's noise
     (a 10 ms step at 256 x 64k varies by about 0.5 ms from step to step).
     ``same``: vLLM's connector on both sides (A/A), whose difference is the
-    measurement's noise floor. The runs keep to one CPU (``one_cpu``)."""
-    with one_cpu():
-        passes = [_run_both_once(spec, ours_first=bool(i % 2), same=same)
-                  for i in range(repeats)]
+    measurement's noise floor."""
+    passes = [_run_both_once(spec, ours_first=bool(i % 2), same=same) for i in range(repeats)]
     out = []
     for side in (0, 1):
         per_phase = {}
@@ -348,21 +344,6 @@ def run_both(spec: StepSpec, repeats: int = 1, same: bool = False) -> tuple[dict
                                 for i, m in enumerate(("total", "work"))}
         out.append(per_phase)
     return out[0], out[1]
-
-
-@contextlib.contextmanager
-def one_cpu() -> Iterator[None]:
-    """The calling thread on one CPU (the highest it may use), as benchmarks
-    pin: moved between this machine's two CPUs, a step meets caches the other
-    one holds. Both connectors step on it alike. At 256 x 64k with 3 repeats,
-    our extra work's p99 was 0.59 and 0.60 ms unpinned and 0.50 pinned
-    (2026-12-07), its p50 0.31-0.33 in all three."""
-    allowed = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {max(allowed)})
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, allowed)
 
 
 def _run_both_once(spec: StepSpec, ours_first: bool = False,
