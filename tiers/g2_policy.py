@@ -157,24 +157,8 @@ class SessionCachePolicy(CachePolicy):
     def _settle(self) -> None:
         """File the arrived keys, lowest rank first (module docstring)."""
         arriving, self._arriving = self._arriving, {}
-        if self._pins or self._retains:
-            for k in sorted(arriving, key=self._rank.__getitem__):
-                self._file(k)
-            return
-        # Without hints a key's place is (0, its rank) (``_place``): one not
-        # filed yet whose rank passes the run's top joins the run here, as
-        # ``_file`` would put it, in three writes and one rank lookup. At 256
-        # x 64k (bench/scale.py) a decode step's settle went from 54 to 43 us
-        # (p50), and the first decode step settles the last prefill's 1,945
-        # stores (2.9 ms through ``_file``).
-        at, size, run = self._at, self._size, self._run
-        for r, k in sorted(zip(map(self._rank.__getitem__, arriving), arriving)):
-            if r > self._run_top and 0 in size and k not in at:
-                at[k] = (0, r)
-                size[0] += 1
-                run[k] = self._run_top = r
-            else:
-                self._file(k)
+        for k in sorted(arriving, key=self._rank.__getitem__) if len(arriving) > 1 else arriving:
+            self._file(k)
 
     def _unfile(self, k: OffloadKey) -> None:
         if self._arriving:
