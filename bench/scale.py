@@ -8,10 +8,12 @@ Everything runs the product's classes in one process (no model):
 - ``steps``: a real vLLM ``Scheduler`` with our connector and, on the same
   schedule, with vLLM's ``OffloadingConnector`` and its LRU policy
   (``scale_steps``): 256 running requests of 64k-token prompts at block size
-  16 with G2 of 262,144 chunks, and of 4k-token prompts with G2 sized to the
-  same share of their blocks (16,384 chunks: a quarter, so that stores evict
-  in both and the ratio compares context lengths, not a full G2 with an
-  empty one). Our extra work per step is the difference of the two
+  16, and of 4k-token prompts, both with G2 of 262,144 chunks, full when
+  decoding starts (``step_spec``: at 4k, 1,029 earlier requests fill it
+  first), so that decode stores evict in both and the two runs differ in
+  context length alone. Until 2026-12-07 the 4k run had a G2 of 16,384
+  chunks (a quarter of its blocks), so the ratio also compared a 16 x
+  smaller G2, whose policy and index fit the caches. Our extra work per step is the difference of the two
   connectors' scheduler-side *work* at each step: their time less that of
   vLLM's code which both run alike (``scale_steps``' docstring: without it,
   vLLM's connector against itself differed by 1.2-2.9 ms at p99, more than
@@ -75,7 +77,7 @@ import sessionkv
 import sessionkv.index
 import sessionkv.tiers
 import vllm.v1.kv_offload
-from scale_steps import StepSpec, make_scheduler, run_both, step_times
+from scale_steps import BLOCK, StepSpec, make_scheduler, run_both, step_times
 from sessionkv import connectors
 from sessionkv.connectors import compat
 from sessionkv.connectors.g2 import G3_KNOWN_PER_G2_CHUNK
@@ -86,7 +88,7 @@ from sessionkv.types import Tier
 
 G2_CHUNKS = 262_144
 REPEATS = 5                 # runs of each steps schedule; a step keeps its fastest
-DECODE_STEPS = 128
+DECODE_STEPS = 256         # a p99 of 128 steps was the second-largest of them
 
 
 def pct(xs, q: float) -> float:
@@ -104,6 +106,18 @@ def summary(xs: list[float]) -> dict:
 
 
 # ---- steps ------------------------------------------------------------------
+
+def step_spec(context: int, running: int, g2_chunks: int, decode_steps: int) -> StepSpec:
+    """The schedule at ``context`` tokens with G2 of ``g2_chunks``, full before
+    the measured requests decode: where their prompts would not fill it (at 4k
+    256 x 255 blocks against 262,144 chunks), earlier requests of the same
+    length fill it first, as a running engine's traffic has (their blocks
+    are what decode steps then evict)."""
+    blocks = context // BLOCK - 1           # full blocks of the shortest prompt
+    warm = 0 if running * blocks >= g2_chunks else -(-g2_chunks // blocks)
+    return StepSpec(context=context, running=running, g2_chunks=g2_chunks,
+                    decode_steps=decode_steps, warm_requests=warm)
+
 
 def steps(spec: StepSpec, repeats: int, same: bool = False) -> dict:
     """Ours minus vLLM's per step, per phase, on one schedule (``same``:
@@ -349,18 +363,13 @@ def main() -> None:
     running = 32 if q else 256
     out: dict = {"quick": q}
     reps = 1 if q else REPEATS
+    g2 = 4096 if q else G2_CHUNKS
     for name, ctx in (("steps_64k", long_ctx), ("steps_4k", short_ctx)):
-        # The same share of the blocks in G2 at both lengths (see the docstring).
-        g2 = G2_CHUNKS * ctx // long_ctx
-        out[name] = steps(StepSpec(context=ctx, running=running, g2_chunks=g2,
-                                   decode_steps=DECODE_STEPS), reps)
+        out[name] = steps(step_spec(ctx, running, g2, DECODE_STEPS), reps)
     # The noise floor: vLLM's connector against itself, one run at 64k.
-    aa = steps(StepSpec(context=long_ctx, running=running, g2_chunks=G2_CHUNKS,
-                        decode_steps=DECODE_STEPS), 1, same=True)["decode"]
+    aa = steps(step_spec(long_ctx, running, g2, DECODE_STEPS), 1, same=True)["decode"]
     out["noise_floor_64k"] = {"extra": aa["extra"], "extra_of_totals": aa["extra_of_totals"]}
-    out["lines_4k"] = lines_per_step(StepSpec(context=short_ctx, running=running,
-                                              g2_chunks=G2_CHUNKS * short_ctx // long_ctx,
-                                              decode_steps=32))
+    out["lines_4k"] = lines_per_step(step_spec(short_ctx, running, g2, 32))
     out["evict"] = evict_cost(16_384 if q else G2_CHUNKS, 200 if q else 2000)
     out["expiry"] = sessions_and_pins(1000 if q else 10_000, 1600 if q else 16_384,
                                       100 if q else 1000, 16)

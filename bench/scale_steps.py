@@ -20,7 +20,7 @@ our decode step at 256 x 64k against 0.03 and 0.00 of vLLM's), summed per
 step by a subclass that wraps each in ``perf_counter``. Our extra work per step is
 ours minus the baseline at the same step of the same schedule (the
 schedules are identical: both connectors load nothing the other would not,
-since G2 starts empty and every prompt is new). Both schedulers live in one
+since G2 starts empty and every prompt, the warm requests' too, is new). Both schedulers live in one
 process and step in turn (``run_both``): run one after the other, the same
 code measured 0.03 and 5 ms apart per decode step at 256 x 64k.
 
@@ -175,14 +175,18 @@ TimedOffloadingConnector = _timed(_SharedOffloadingConnector)
 
 @dataclass(frozen=True)
 class StepSpec:
-    """One schedule: ``running`` requests of ``context`` prompt tokens (less 0..15),
-    prefilled ``batch_tokens`` at a time, then ``decode_steps`` decoding."""
+    """One schedule: ``warm_requests`` requests of ``context`` prompt tokens
+    that generate one token each (earlier traffic, which leaves G2 full;
+    untimed), then ``running`` requests of ``context`` prompt tokens (less
+    0..15), prefilled ``batch_tokens`` at a time, then ``decode_steps``
+    decoding."""
 
     context: int
     running: int = 256
     decode_steps: int = 64
     g2_chunks: int = 262_144
     batch_tokens: int = 65_536
+    warm_requests: int = 0
 
     @property
     def max_len(self) -> int:
@@ -234,13 +238,17 @@ def make_scheduler(ours: bool, spec: StepSpec, policy_file: str | None = None, *
                      block_size=BLOCK)
 
 
-def make_requests(spec: StepSpec, seed: int = 0) -> list[Request]:
+def make_requests(spec: StepSpec, seed: int = 0, n: int | None = None,
+                  max_tokens: int = 1 << 20) -> list[Request]:
+    """``n`` requests (``spec.running``); ``seed`` tells sets apart (their
+    prompts, request and session ids differ)."""
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
     rng = random.Random(seed)
     out = []
-    for i in range(spec.running):
-        params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
+    n = spec.running if n is None else n
+    for i in range(n):
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         params.update_from_generation_config({}, 0)
         base = (seed * spec.running + i) * spec.context
         # Prompts of different lengths, as traffic has, so that decode steps
@@ -250,7 +258,7 @@ def make_requests(spec: StepSpec, seed: int = 0) -> list[Request]:
         # offset with the start into 8 phases, 32 blocks every other step
         # and none between, against 16 every step at 4k (16 prefill a step).
         length = spec.context - rng.randrange(BLOCK)
-        req = Request(request_id=f"r{i}", prompt_token_ids=[
+        req = Request(request_id=f"r{seed}-{i}", prompt_token_ids=[
             (base + t) % 50_000 + 1 for t in range(length)],
             sampling_params=params, pooling_params=None, mm_features=None,
             block_hasher=hasher)
@@ -282,10 +290,8 @@ def step_times(ours: bool, spec: StepSpec, policy_file: str | None = None
     the same machine noise and memory state."""
     sched = make_scheduler(ours, spec, policy_file)
     _watch_manager(sched.connector.connector_scheduler.manager)
-    reqs = make_requests(spec)
-    for r in reqs:
+    for r in make_requests(spec, seed=1, n=spec.warm_requests, max_tokens=1):
         sched.add_request(r)
-    gc.collect()
     _Timer.take()
     pending: set[int] = set()
 
@@ -305,6 +311,14 @@ def step_times(ours: bool, spec: StepSpec, policy_file: str | None = None
         return spent, spent - shared
 
     try:
+        while sched.has_requests() or pending:
+            step()
+            yield "warm", took()
+        reqs = make_requests(spec)
+        for r in reqs:
+            sched.add_request(r)
+        gc.collect()
+        _Timer.take()
         while not step():
             yield "prefill", took()
         # The first step that schedules only decodes still completes the last
@@ -354,7 +368,7 @@ def _run_both_once(spec: StepSpec, ours_first: bool = False,
     sides = (True, False) if ours_first else (False, True)
     runs = [step_times(ours and not same, spec) for ours in sides]
     out: list[dict[str, list[tuple[float, float]]]] = [
-        {"prefill": [], "decode": [], "finish": []} for _ in runs]
+        {"warm": [], "prefill": [], "decode": [], "finish": []} for _ in runs]
     for (pa, a), (pb, b) in zip(*runs, strict=True):
         if pa != pb:
             raise RuntimeError(f"the schedules differ: {pa} vs {pb}")
