@@ -88,7 +88,7 @@ from sessionkv.types import Tier
 
 G2_CHUNKS = 262_144
 REPEATS = 5                 # runs of each steps schedule; a step keeps its fastest
-DECODE_STEPS = 256         # a p99 of 128 steps was the second-largest of them
+DECODE_STEPS = 256         # a p99 of 128 fell between their 2nd- and 3rd-largest steps
 
 
 def pct(xs, q: float) -> float:
