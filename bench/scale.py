@@ -13,12 +13,14 @@ Everything runs the product's classes in one process (no model):
   first), so that decode stores evict in both and the two runs differ in
   context length alone. Until 2026-12-07 the 4k run had a G2 of 16,384
   chunks (a quarter of its blocks), so the ratio also compared a 16 x
-  smaller G2, whose policy and index fit the caches. Our extra work per step is the difference of the two
-  connectors' scheduler-side *work* at each step: their time less that of
-  vLLM's code which both run alike (``scale_steps``' docstring: without it,
-  vLLM's connector against itself differed by 1.2-2.9 ms at p99, more than
-  the target), each side's fastest of ``REPEATS`` runs of the deterministic
-  schedule (``run_both``, which alternates which of the two steps first).
+  smaller G2, whose policy and index fit the caches. Our extra work per
+  step is the difference of the two connectors' scheduler-side *work* at
+  each step: their time less that of vLLM's code which both run alike
+  (``scale_steps``' docstring: without it, vLLM's connector against itself
+  differed by 1.2-2.9 ms at p99, more than the target), over
+  ``DECODE_STEPS`` decode steps, each side's fastest of ``REPEATS`` runs of
+  the deterministic schedule (``run_both``, which alternates which of the
+  two steps first).
   ``extra_of_totals`` keeps the plain difference, and ``noise_floor_64k``
   both differences of vLLM's connector against itself (one run). Prompt
   lengths are drawn, so a decode step fills about 16 blocks at both lengths,
