@@ -240,8 +240,10 @@ def make_scheduler(ours: bool, spec: StepSpec, policy_file: str | None = None, *
 
 def make_requests(spec: StepSpec, seed: int = 0, n: int | None = None,
                   max_tokens: int = 1 << 20) -> list[Request]:
-    """``n`` requests (``spec.running``); ``seed`` tells sets apart (their
-    prompts, request and session ids differ)."""
+    """``n`` requests (``spec.running``). Seed 0's and seed 1's sets differ
+    in prompts, request and session ids, whatever seed 1's ``n`` (its
+    prompts start after seed 0's ``spec.running``): the warm requests are
+    seed 1's."""
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
     rng = random.Random(seed)
