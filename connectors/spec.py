@@ -87,13 +87,7 @@ class SessionTierSpec(TieringOffloadingSpec):
                                    max_tombstones=policy.sessions.max_tombstones)
         quarantine, g3_copies = Quarantine(), G3Copies()
         events = EventLog() if policy.trust.secret is not None else None
-        regions.reclaim()                   # those killed engines left (connectors/regions.py)
-        region = SharedOffloadRegion(
-            engine_id=self.config.engine_id, num_chunks=self.num_chunks, rank=None,
-            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
-            cpu_page_size=self.cpu_page_size_per_worker,
-        )
-        regions.hold(region.fd)
+        region = self._scheduler_region()
         primary = None
         secondary = []
         try:
@@ -125,6 +119,29 @@ class SessionTierSpec(TieringOffloadingSpec):
         self._session_manager = manager
         return manager
 
+    def _scheduler_region(self) -> SharedOffloadRegion:
+        """The scheduler's mapping of G2 (connectors/regions.py): regions
+        killed engines left are reclaimed first; this one is registered
+        before it is mapped. On a device the workers made it already and it
+        is joined, never created: a region made here would be a private copy
+        that no worker writes."""
+        regions.reclaim()
+        path = regions.region_path(self.config.engine_id)
+        regions.register(path)
+        made_by_workers = regions.expect_existing(path) if has_device_worker() else None
+        region = SharedOffloadRegion(
+            engine_id=self.config.engine_id, num_chunks=self.num_chunks, rank=None,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+        if made_by_workers is not None:
+            try:
+                regions.check_joined(path, region.fd, made_by_workers)
+            except RuntimeError:
+                region.cleanup()
+                raise
+        return region
+
     def _secondary_tier(self, tier_config: dict, view: memoryview, quarantine: Quarantine,
                         g3_copies: G3Copies):
         """One of vLLM's secondary tiers; a G3 tier also gets the G2
@@ -142,6 +159,9 @@ class SessionTierSpec(TieringOffloadingSpec):
         return SecondaryTierFactory.create_secondary_tier(tier_config, view, self)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        """vLLM's worker on a device, ours on the CPU platform; either way
+        this process registers the region before mapping it (regions.py)."""
+        regions.register(regions.region_path(self.config.engine_id))
         if has_device_worker():
             return super().get_worker(kv_caches)
         if self._cpu_worker is None:
@@ -164,7 +184,6 @@ class SessionTierSpec(TieringOffloadingSpec):
             kv_bytes_per_chunk=self.kv_bytes_per_chunk,
             cpu_page_size=self.cpu_page_size_per_worker,
         )
-        regions.hold(region.fd)
         try:
             return TorchCopyWorker(kv_caches, self.blocks_per_chunk, region)
         except Exception:

@@ -24,10 +24,14 @@ def offload_region_path(engine_id: str) -> str:
 
 
 def remove_offload_region(engine_id: str) -> None:
-    """Remove an engine's G2 region file. vLLM's tiering spec unlinks it only on
-    a clean worker shutdown; a terminated server leaves it in /dev/shm."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(offload_region_path(engine_id))
+    """Remove an engine's G2 region file and its registration
+    (``connectors/regions.py``). vLLM's tiering spec unlinks the region only
+    on a clean worker shutdown; a terminated server leaves it in /dev/shm."""
+    path = offload_region_path(engine_id)
+    head, name = os.path.split(path)
+    for p in (path, os.path.join(head, f"sessionkv.{name}.lock")):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
 
 
 def free_port() -> int:
