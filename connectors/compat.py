@@ -19,6 +19,10 @@ Differences (0.32 -> 0.33):
   ``build_connector_meta`` and around each other hook; on 0.32 nothing in
   vLLM does, and the connector takes it (``VLLM_LOCKS_HOOKS``,
   ``open_step``/``close_step``).
+- ``OffloadingManager.on_reset_flushed``: 0.33 calls it when the workers
+  finished every job a ``reset_cache`` flushed, and holds promotions until
+  then (``VLLM_FENCES_RESETS``); the Mover holds its loads into G2 too.
+  0.32 has no fence.
 - ``CachePolicy.insert(key, chunk)`` gained ``req_context`` (0.33 calls it
   with three arguments, 0.32 with two; ``insert`` below calls either).
 - ``OffloadingWorker.submit_load`` gained ``expedited`` (ignored by the CPU
@@ -71,11 +75,16 @@ from vllm.v1.kv_offload.tiering.manager import (
 )
 
 __all__ = [
-    "VLLM_LOCKS_HOOKS", "CascadeGate", "ParkedCascades", "QuarantinedSlots",
+    "VLLM_FENCES_RESETS", "VLLM_LOCKS_HOOKS", "CascadeGate", "ParkedCascades", "QuarantinedSlots",
     "after_vllm_step", "close_step", "cpu_policy", "insert", "manager_kwargs", "manager_lock",
     "open_step",
     "primary_kwargs", "replace_events_tracker",
 ]
+
+# 0.33: after reset_cache the connector scheduler calls the manager's
+# on_reset_flushed once the workers reported every job the reset flushed;
+# until then vLLM holds promotions (a late write may land in a freed slot).
+VLLM_FENCES_RESETS: bool = hasattr(OffloadingManager, "on_reset_flushed")
 
 # 0.33: OffloadingManager.lock exists and vLLM's connector scheduler holds it
 # in its hooks (both came in one release).

@@ -348,10 +348,15 @@ class SessionTierManager(OffloadingManager):
         # abandoned instead: their G2 slots stay in the quarantine until each
         # copy ends (G3Tier.move), so a reset never waits for a large Share.
         # The caller holds the lock (the connector's reset_cache).
+        # vLLM 0.33 then holds promotions until on_reset_flushed (a worker may
+        # still write a slot freed here for a job in flight); hint loads wait
+        # for it too. 0.32 has no such fence (connectors/moves.py, "Reset").
         self.apply_moves()
         if self.mover is not None:
             self.mover.abandon()
         self.vllm.reset_cache()
+        if self.mover is not None and compat.VLLM_FENCES_RESETS:
+            self.mover.fence()
 
     def expire_sessions(self, now: float, max_chunks: int | None = None) -> bool:
         """End the sessions idle past the policy's timeout, the oldest first,
@@ -434,6 +439,8 @@ class SessionTierManager(OffloadingManager):
 
     def on_reset_flushed(self) -> None:        # vLLM 0.33
         self.vllm.on_reset_flushed()
+        if self.mover is not None:
+            self.mover.lift_fence()             # held loads start in the next apply
 
     def config_info(self):                      # vLLM 0.33
         return self.vllm.config_info()

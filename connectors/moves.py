@@ -40,6 +40,19 @@ given their final outcome at once and forgotten; their G2 slots stay in the
 quarantine until the copy ends (``G3Tier.move`` holds them there), so no new
 KV is written to a slot a late copy still reads or writes.
 
+Reset fence (``fence``/``lift_fence``): a reset also frees G2 slots that a
+worker may still write for a G1 -> G2 job in flight at the reset (a late
+DMA). vLLM 0.33 holds its own promotions until ``on_reset_flushed`` says the
+workers finished those jobs; the manager fences the Mover over the same
+window, so no load wave (Prefetch, a Share's Prefetch, ``kv.fetch``)
+reserves G2 meanwhile: a load move that reaches a wave waits, held, and
+starts in the first ``apply`` after the fence lifts. Stores (Demote, Share,
+a Pin's G3 side) read only chunks stored after the reset and run. vLLM 0.32
+has no fence: its promotions are not held either; on the CPU platform the
+worker's copies end before their job is reported (``TorchCopyWorker``), so
+no late write exists there; on CUDA 0.32 a late DMA may land in a slot
+filled after the reset, by vLLM's promotions and hint loads alike.
+
 Threading: every method but the completion callback runs under the tier
 manager's lock.
 """
@@ -117,6 +130,8 @@ class Mover:
         self._paused: deque[Move] = deque()      # between waves: the budget was spent
         self._waiting: deque[Move] = deque()     # not started: max_moves run
         self._finished: deque[Move] = deque()    # appended by I/O threads
+        self._fenced = False                # a reset's flush is pending: loads wait
+        self._held: deque[Move] = deque()        # load moves waiting for the fence
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -189,6 +204,9 @@ class Mover:
         one runs or the move waits for the budget, else its final outcome
         (the move is then no longer running)."""
         while move.taken < len(move.target):
+            if move.is_load and self._fenced:
+                self._held.append(move)
+                return None
             room = self._budget - self._reserved
             if room <= 0:
                 self._paused.append(move)
@@ -254,6 +272,8 @@ class Mover:
             if move.abandoned:
                 continue
             self._guarded(move, self._end_wave)
+        while self._held and not self._fenced:
+            self._guarded(self._held.popleft(), self._next_wave)
         while self._paused and self._reserved < self._budget:
             self._guarded(self._paused.popleft(), self._next_wave)
         while self._waiting and len(self._running) < self._max:
@@ -339,6 +359,16 @@ class Mover:
             return self._outcome(move, Status.MISSING, "not readable from G3", done)
         return self._outcome(move, Status.REJECTED, "G3 store failed", done)
 
+    def fence(self) -> None:
+        """A reset freed G2 slots a worker may still write: hold load waves
+        until ``lift_fence`` (vLLM 0.33's ``on_reset_flushed``)."""
+        self._fenced = True
+
+    def lift_fence(self) -> None:
+        """The workers finished every job the reset flushed: held loads start
+        in the next ``apply``."""
+        self._fenced = False
+
     def abandon(self) -> None:
         """G2 is being reset: every copy gets its final outcome now and is
         forgotten (see the module docstring). The caller ``apply``s first,
@@ -351,6 +381,7 @@ class Mover:
                                via=Via.TRANSFER, session_id=move.session))
         self._running.clear()
         self._paused.clear()
+        self._held.clear()
         self._waiting.clear()
         self._reserved = 0
 

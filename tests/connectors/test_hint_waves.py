@@ -14,10 +14,11 @@ import pytest
 import redis
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import init_none_hash
-from vllm.v1.kv_offload.base import ReqContext
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from sessionkv.config import SessionKVConfig
+from sessionkv.connectors import compat
 from sessionkv.connectors.g2 import QuarantinedPrimaryTier
 from sessionkv.connectors.manager import G3Copies, SessionTierManager
 from sessionkv.devtools.engines import MODELS
@@ -209,3 +210,33 @@ def test_the_scheduler_finishes_copies_without_a_system_call(parts, monkeypatch)
     assert select.select([wake], [], [], 0)[0] == [wake]    # left for the control thread
     m.mover.drain_wake()
     assert select.select([wake], [], [], 0)[0] == []
+
+
+def test_no_hint_load_writes_g2_between_a_reset_and_the_flush(parts):
+    # Issue 52: after reset_cache, vLLM 0.33 holds its promotions until
+    # on_reset_flushed (a worker may still write a slot the reset freed, for a
+    # job in flight); a Prefetch reserved G2 and wrote G3 bytes into those
+    # slots meanwhile. Now the Mover holds its loads over the same window.
+    # vLLM 0.32 has no fence (connectors/moves.py, "Reset fence").
+    m, g3, seen = parts
+    keys = fill(m, 4)
+    (share,) = m.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
+    (done,), _ = final(m, share.hint_id)
+    assert done.status is Status.ACCEPTED and g3.listed(keys) == [True] * 4
+    with m.lock:
+        m.reset_cache()                 # vLLM's connector scheduler: jobs were in flight
+    seen.clear()
+    (first,) = m.control_hints([make_hint(Action.PREFETCH, "s")], "s", "r")
+    assert first.status is Status.DEFERRED, first
+    ctx = ReqContext(req_id="probe")
+    if compat.VLLM_FENCES_RESETS:
+        outs, _ = final(m, first.hint_id, timeout_s=0.5)
+        assert outs == [] and seen == [], "a hint load ran before the workers flushed"
+        with m.lock:
+            assert [m.primary_tier.lookup(k, ctx) for k in keys] == [LookupResult.MISS] * 4
+            m.on_reset_flushed()        # the workers reported every flushed job
+    (last,), (moved,) = final(m, first.hint_id)
+    assert last.status is Status.ACCEPTED, last
+    assert [load for load, _, _ in seen] == [True] and sorted(moved.keys) == sorted(keys)
+    with m.lock:
+        assert [m.primary_tier.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 4
