@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -93,6 +92,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from .fingerprint import fingerprint, plain
 from .g3_backend import SUM_SUFFIX, ObjectBackend, Seal, address_of, checksum
+from .g3_events import StorageEvents
 from .g3_io import BackendDown, Guard, Quarantine, Staging
 from .g3_layout import layout_for, pins_for
 from .g3_spec import spec_identity
@@ -110,7 +110,9 @@ logger = init_logger(__name__)
 Observer = Callable[[bool, list[OffloadKey], list[bool]], None]
 MISS_AFTER_FAILURE_S = 30.0
 MAX_FAILED = 65_536
-MAX_EVENTS = 65_536                 # store events waiting for vLLM's take_events
+# KV events: chunks announced stored at most, per G2 chunk (``StorageEvents``:
+# past it the oldest are reported removed; vLLM's tracker keeps a payload each).
+ANNOUNCED_PER_G2_CHUNK = 2
 ABANDONED_WAIT_S = 5.0              # shutdown waits this long for abandoned calls
 # A copy (a cascade job or a hint move's wave) goes to the backend in calls of
 # at most this many bytes of chunks (one chunk at least). It bounds what a
@@ -213,11 +215,13 @@ class G3Tier(SecondaryTierManager):
         # wait for them (``drain_jobs``): they hold their G2 slots instead.
         self._hint_work: set[Future] = set()
         self._done: list[JobResult] = []
-        # vLLM's KV events for this tier's stores (its cascades), when events
-        # are on: taken every step; at most MAX_EVENTS wait (the oldest go).
+        # vLLM's KV events, when on: the chunks this tier stored and the
+        # ones it learned are gone (``tiers/g3_events.py``), taken every step.
         events = getattr(offloading_spec, "kv_events_config", None)
-        self._events: deque[OffloadingEvent] | None = deque(maxlen=MAX_EVENTS) \
-            if events is not None and events.enable_kv_cache_events else None
+        self._events = StorageEvents(
+            ANNOUNCED_PER_G2_CHUNK * (len(self._region) // self._chunk),
+            getattr(backend, "lapse_s", None),
+        ) if events is not None and events.enable_kv_cache_events else None
         self._failed: dict[str, float] = {}     # name -> until when it is a miss
         self._lock = threading.Lock()
         self._lookups = _Lookups(self)
@@ -293,13 +297,13 @@ class G3Tier(SecondaryTierManager):
         return [r for r, _ in done]
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        """Stores of vLLM's jobs that succeeded (``BlockStored``, medium
-        STORAGE). No removals: the backend evicts without telling."""
+        """Chunks stored (vLLM's cascades and hint copies) and stored ones
+        learned gone (``tiers/g3_events.py``), medium STORAGE."""
         if self._events is None:
             return ()
-        with self._lock:
-            out, self._events = list(self._events), deque(maxlen=MAX_EVENTS)
-        return out
+        return [OffloadingEvent(keys=keys, medium=self.medium, removed=removed,
+                                locality=self.locality, removal_expected=True)
+                for keys, removed in self._events.take()]
 
     def has_pending_work(self) -> bool:
         """vLLM's jobs only (see ``_hint_work``)."""
@@ -355,9 +359,12 @@ class G3Tier(SecondaryTierManager):
         object) exists; False when the backend does not answer in time."""
         names = self._layout.asked([self.prefix + bytes(k).hex() for k in keys])
         try:
-            return self._layout.present(self.guard.call(self._backend.exists, names))
+            there = self._layout.present(self.guard.call(self._backend.exists, names))
         except BackendDown:
             return [False] * len(keys)
+        if self._events is not None and not all(there):
+            self._events.gone([k for k, t in zip(keys, there) if not t])
+        return there
 
     # ---- I/O threads ----------------------------------------------------------------
 
@@ -409,9 +416,8 @@ class G3Tier(SecondaryTierManager):
                            transfer_bytes=len(good) * self._chunk)
         with self._lock:
             self._done.append((result, failed_loads))
-            if self._events is not None and good and not load:
-                self._events.append(OffloadingEvent(keys=good, medium=self.medium,
-                                                    removed=False, locality=self.locality))
+        if self._events is not None and not load:
+            self._events.stored(good)
 
     def _copy(self, load: bool, what: str, keys: list[OffloadKey], names: list[str],
               offsets: list[int], ask: bool = True) -> list[bool]:
@@ -448,6 +454,8 @@ class G3Tier(SecondaryTierManager):
             ok = [False] * len(keys)
         if load and not down and not all(ok):
             self._remember_failed([n for n, o in zip(names, ok) if not o])
+            if self._events is not None:     # missing, or unlisted as unreadable
+                self._events.gone([k for k, o in zip(keys, ok) if not o])
         if self._observer is not None:
             self._observer(load, keys, ok)
         return ok, down
@@ -480,6 +488,8 @@ class G3Tier(SecondaryTierManager):
             except Exception:
                 logger.exception("sessionkv: G3 pin failed")
                 ok = [False] * len(keys)
+            if self._events is not None:
+                self._events.held([k for k, o in zip(keys, ok) if o], ttl_s)
             done(ok)
         self._hint_job(run, chunk_ids)
 
@@ -499,6 +509,8 @@ class G3Tier(SecondaryTierManager):
 
         def run():
             ok = self._copy(load, "move", keys, names, offsets) if keys else []
+            if self._events is not None and not load:       # Demote, Share: KV events
+                self._events.stored([k for k, o in zip(keys, ok) if o])
             done(ok + (self.listed(check) if check else []))
         self._hint_job(run, chunk_ids)
 
