@@ -126,10 +126,14 @@ class Region:
 
     def pin(self) -> None:
         """``cudaHostRegister`` of the whole region, flags 0 (vLLM's call)."""
-        cudart = self.torch.cuda.cudart()
-        t = time.perf_counter()
-        rc = cudart.cudaHostRegister(self.base.data_ptr(), self.size, 0)
-        self.pin_s = time.perf_counter() - t
+        try:
+            cudart = self.torch.cuda.cudart()
+            t = time.perf_counter()
+            rc = cudart.cudaHostRegister(self.base.data_ptr(), self.size, 0)
+            self.pin_s = time.perf_counter() - t
+        except Exception as e:                 # no binding in this PyTorch: copies run pageable
+            self.pin_error = f"cudaHostRegister not callable: {e!r}"
+            return
         if int(rc) == 0:
             self.pinned = True
         else:
