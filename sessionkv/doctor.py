@@ -174,7 +174,8 @@ def shm_findings(g2: int, engines: int = 1, directory: str = SHM) -> list[Findin
                                                      else "") + ")"
     if usage.total < need:
         return [Finding("error", directory, f"{directory} holds {_size(usage.total)} in all; "
-                        f"{what}: the engine refuses to start (vLLM: Insufficient space in {directory})",
+                        f"{what}: the engine refuses to start (vLLM: Insufficient space "
+                        f"in {directory})",
                         f"give {directory} more than {_size(need)}: docker run --shm-size "
                         "(or --ipc=host); Kubernetes: an emptyDir with medium: Memory and a "
                         f"sizeLimit mounted at {directory}; or lower cpu_bytes_to_use "
