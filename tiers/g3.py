@@ -62,7 +62,9 @@ need not wait for them.
 
 Memory: a copy goes to the backend in calls of at most ``BATCH_BYTES`` of
 chunks, so a backend that reads into buffers of its own holds at most that
-much per copy in flight.
+much per copy in flight. A pin goes in slices of bounded calls; one that
+rewrites objects (Mooncake) stages a slice at a time in a registered buffer
+of ``g3_layout.PIN_SLICE_BYTES``, allocated with the tier.
 
 Threading: vLLM's calls on the scheduler thread; vLLM's copies on the I/O
 threads, hint copies and pins on threads of their own (``io_threads`` each);
@@ -200,7 +202,7 @@ class G3Tier(SecondaryTierManager):
         backend.register(self._region)
         self._layout = layout_for(backend, self.guard, self._chunk, self._seal,
                                   self.quarantine)
-        self._pins = pins_for(backend, self.guard, self._layout, time.monotonic)
+        self._pins = pins_for(backend, self.guard, self._layout, time.monotonic, self._region)
         self._pool = ThreadPoolExecutor(max_workers=int(io_threads),
                                         thread_name_prefix=f"sessionkv-{tier_type}")
         # Hint copies have their own lane: a moved session's next turn waits
@@ -473,18 +475,18 @@ class G3Tier(SecondaryTierManager):
         for ``ttl_s``, on the I/O threads: by the backend's own mechanism
         (``ObjectBackend.pin``), ended by the backend or here when it lapses.
         ``chunk_ids``: the chunks' G2 slots, reserved by the caller, when
-        ``pin_needs_bytes``. ``done`` as for ``move``."""
+        ``pin_needs_bytes``. ``done`` as for ``move``: ok per key, some
+        pinned and some not where a slice failed. In slices of bounded
+        calls (``tiers/g3_layout.Pins``); a rewriting pin reads G2 a slice
+        at a time into a staging buffer of the tier's, so no pin copies the
+        session in memory."""
         keys = list(keys)
         names = [self.name(k) for k in keys]
-        chunks = (None if chunk_ids is None
-                  else self._chunks([int(c) * self._chunk for c in chunk_ids]))
+        slots = None if chunk_ids is None else [int(c) for c in chunk_ids]
 
         def run():
             try:
-                ok = self._pins.pin(names, chunks, ttl_s)
-            except BackendDown as e:
-                logger.debug("sessionkv: G3 pin: %s", e)
-                ok = [False] * len(keys)
+                ok = self._pins.pin(names, slots, ttl_s)
             except Exception:
                 logger.exception("sessionkv: G3 pin failed")
                 ok = [False] * len(keys)

@@ -144,10 +144,13 @@ class ObjectBackend(ABC):
     pin_needs_bytes: ClassVar[bool] = False
     pin_lapses: ClassVar[bool] = True
 
-    def pin(self, names: Sequence[str], ttl_s: float, values: Sequence | None) -> list[bool]:
+    def pin(self, names: Sequence[str], ttl_s: float,
+            values: Sequence[memoryview] | None) -> list[bool]:
         """Keep objects from the backend's eviction for ``ttl_s``; True where
-        an object is now pinned. ``values``: their bytes, when
-        ``pin_needs_bytes``. By default a backend cannot pin."""
+        an object is now pinned. ``values``, when ``pin_needs_bytes``: each
+        object whole (the chunk's bytes, then its seal), in a buffer given to
+        ``register``, which the call reads until it returns. By default a
+        backend cannot pin."""
         return [False] * len(names)
 
     def unpin(self, names: Sequence[str], left_s: Sequence[float]) -> None:

@@ -132,19 +132,24 @@ class MooncakeBackend(ObjectBackend):
 
     # Mooncake pins when an object is put or upserted (a soft pin with its own
     # TTL; the master must run with --allow_evict_soft_pinned_objects=false),
-    # so a pin rewrites each object whole: ``values`` are bytes and checksum.
-    # Never hard pins: they do not expire.
+    # so a pin rewrites each object whole: ``values`` are bytes and checksum,
+    # staged by the tier in a registered buffer and upserted from there
+    # (``batch_upsert_from``, zero-copy; ``upsert_batch`` copied every value
+    # into the client's local buffer, and failed the whole batch past its
+    # 16 MiB). Never hard pins: they do not expire.
     pin_needs_bytes = True
 
-    def pin(self, names: Sequence[str], ttl_s: float, values: Sequence | None) -> list[bool]:
+    def pin(self, names: Sequence[str], ttl_s: float,
+            values: Sequence[memoryview] | None) -> list[bool]:
         if not names:
             return []
         from mooncake.store import ReplicateConfig, SoftPinAction
         cfg = ReplicateConfig()
         cfg.soft_pin_action = SoftPinAction.ENABLE
         cfg.soft_pin_ttl_ms = max(1, int(ttl_s * 1000))
-        ok = self._store.upsert_batch(list(names), [bytes(v) for v in values], cfg) == 0
-        return [ok] * len(names)
+        rcs = self._store.batch_upsert_from(list(names), [address_of(v) for v in values],
+                                            [len(v) for v in values], cfg)
+        return [rc == 0 for rc in rcs]
 
     def close(self) -> None:
         self._store.close()

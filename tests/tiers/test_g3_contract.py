@@ -21,8 +21,9 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from sessionkv.keys import G3_MAC, derive
-from sessionkv.tiers import g3
+from sessionkv.tiers import g3, g3_layout
 from sessionkv.tiers.g3 import SUM_SUFFIX, checksum
+from sessionkv.tiers.g3_backend import SUM
 from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.engines import MODELS
 from sessionkv.devtools.keys import block_key
@@ -370,6 +371,98 @@ def test_pins_hold_the_objects_and_leave_them_readable(make):
     fill(region, range(8, 11), seed=96)
     assert run(tier, KEYS[:3], range(8, 11), True).success
     assert np.array_equal(region[8:11], region[0:3])
+
+
+def pin_calls(tier):
+    """Spy (no fake): the number of chunks in each of the tier's real
+    ``backend.pin`` calls, and a hook run after each call returns."""
+    calls, after = [], []
+    per = len(tier.objects(KEYS[0]))            # objects per chunk
+
+    def spy(names, ttl_s, values, _pin=tier._backend.pin):
+        got = _pin(names, ttl_s, values)
+        calls.append(len(names) // per)
+        for hook in after:
+            hook()
+        return got
+    tier._backend.pin = spy
+    return calls, after
+
+
+def test_a_pin_goes_in_bounded_slices_and_copies_no_session(make, monkeypatch):
+    # A Mooncake Pin built bytes(chunk) + seal for every chunk at once (tens of
+    # GB in the engine for a long session on a big model) and upserted them in
+    # one call through the client's 16 MiB local buffer: past it, the whole
+    # Pin failed. Here 12 chunks of 2 MiB (24 MiB), slices of 3 chunks.
+    mib, n = 1 << 20, 12
+    chunk = 2 * mib
+    monkeypatch.setattr(g3_layout, "PIN_SLICE_CHUNKS", 3)
+    monkeypatch.setattr(g3_layout, "PIN_SLICE_BYTES", 3 * (chunk + SUM.size))
+    tier, region = make(chunk=chunk, seal_key=MAC_KEY)
+    keys = KEYS[:8] + [block_key(i) for i in range(30, 30 + n - 8)]
+    region[:n] = np.random.default_rng(23).integers(0, 256, (n, chunk), dtype=np.uint8)
+    assert run(tier, keys, range(n), False).success
+    calls, _ = pin_calls(tier)
+    done = []
+    tracemalloc.start()
+    try:
+        tier.pin(keys, 60.0, list(range(n)) if tier.pin_needs_bytes else None, done.append)
+        tier.drain_hints()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert done == [[True] * n]
+    assert calls == [3] * 4                                  # bounded calls
+    assert peak < chunk, f"{peak / mib:.1f} MiB held to pin {n} chunks of {chunk // mib} MiB"
+    assert tier.quarantine.held == set()
+    # The rewritten objects: another engine with the key loads every chunk,
+    # verified (data and seal, a MAC over name and bytes, exactly as stored).
+    other, oregion = make(chunk=chunk, seal_key=MAC_KEY)
+    oregion[:n] = 0xAA                                       # poison the destination
+    assert [look(other, k) for k in keys] == [LookupResult.HIT] * n
+    assert run(other, keys, range(n), True).success
+    assert np.array_equal(oregion[:n], region[:n])
+
+
+def test_a_pin_cut_short_by_an_outage_keeps_what_it_pinned(faulty):
+    # The backend stops after the first slice: the rest of the Pin fails
+    # within one deadline (the breaker), its first slice is pinned and
+    # reported so, and the tier pins and loads again once the backend is back.
+    import signal
+    tier, service = faulty
+    tier._pins.slice = 2
+    region = np.frombuffer(tier._region, np.uint8).reshape(N_CHUNKS, CHUNK)
+    fill(region, range(6), seed=24)
+    assert run(tier, KEYS[:6], range(6), False).success
+    slots = list(range(6)) if tier.pin_needs_bytes else None
+    calls, after = pin_calls(tier)
+    after.append(lambda: service.signal(signal.SIGSTOP))
+    done = []
+    try:
+        t0 = time.monotonic()
+        tier.pin(KEYS[:6], 60.0, slots, done.append)
+        tier.drain_hints()
+        assert time.monotonic() - t0 < 3.0 and tier.guard.trips >= 1
+        assert calls == [2]                     # the second slice's call has not returned
+    finally:
+        after.clear()
+        service.signal(signal.SIGCONT)
+    assert done == [[True, True] + [False] * 4]
+    deadline = time.monotonic() + 20
+    while True:                                              # the breaker lets calls by again
+        tier.pin(KEYS[:6], 60.0, slots, done.append)
+        tier.drain_hints()
+        if done[-1] == [True] * 6:
+            break
+        assert time.monotonic() < deadline, done[-1]
+        time.sleep(0.3)
+    fill(region, range(8, 14), seed=95)                      # poison the destination
+    assert run(tier, KEYS[:6], range(8, 14), True).success
+    assert np.array_equal(region[8:14], region[:6])
+    staging = getattr(tier._pins, "_staging", None)          # a rewriting pin's buffer
+    while tier.quarantine.held or (staging and staging.free < staging.slots):
+        assert time.monotonic() < deadline                   # the late call ended
+        time.sleep(0.1)
 
 
 def test_redis_pins_persist_then_the_ttl_comes_back(request):

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import redis
 
-from test_g3_contract import CHUNK, KEYS, N_CHUNKS, SUM_SUFFIX, Redis, fill, run, spec
+from test_g3_contract import (CHUNK, KEYS, N_CHUNKS, SUM_SUFFIX, Redis, fill, pin_calls, run,
+                               spec)
 
 
 @pytest.fixture
@@ -115,3 +116,35 @@ def test_after_a_crash_the_next_engine_ends_the_lapsed_pins(tiers, tmp_path):
     assert [r.ttl(n) for n in names] == [-1, -1]
     build()                                             # the next engine on this server
     assert all(0 < r.ttl(n) <= 60 for n in names)
+
+
+def test_a_pin_cut_short_still_ends_the_pins_it_made(tmp_path):
+    """A Pin goes to Redis in slices. When the server stops after the first,
+    the rest fails within a deadline, and the first slice's objects, made
+    persistent under their lease, get their TTL back at the pin's expiry:
+    each slice's pins are handed to the lapses as it ends."""
+    from sessionkv.devtools.services import start_redis
+    url, server = start_redis(tmp_path)
+    region = np.zeros((N_CHUNKS, CHUNK), np.uint8)
+    tier = Redis.tier(url, spec(), memoryview(region), f"cut-{uuid.uuid4().hex[:8]}", ttl_s=60,
+                      timeout_s=0.5, retry_s=0.3)
+    try:
+        tier._pins.slice = 2
+        fill(region, range(4), seed=34)
+        assert run(tier, KEYS[:4], range(4), False).success
+        _, after = pin_calls(tier)
+        after.append(lambda: server.signal(signal.SIGSTOP))
+        done = []
+        try:
+            tier.pin(KEYS[:4], 3.0, None, done.append)
+            tier.drain_hints()
+        finally:
+            after.clear()
+            server.signal(signal.SIGCONT)
+        assert done == [[True, True, False, False]]
+        r, names = redis.Redis.from_url(url), objects(tier, KEYS[:2])
+        assert [r.ttl(n) for n in names] == [-1] * 4        # pinned: not evictable
+        wait_for(lambda: all(0 < r.ttl(n) <= 60 for n in names))
+    finally:
+        tier.shutdown()
+        server.stop()
