@@ -72,7 +72,7 @@ from sessionkv.types import Tier
 from . import compat
 from .fetch import Fetcher
 from .g2 import SessionPrimaryTier
-from .hint_executor import HintExecutor
+from .hint_executor import HintExecutor, Turn
 from .metrics import SessionStats
 from .moves import Mover
 
@@ -185,7 +185,10 @@ class SessionTierManager(OffloadingManager):
                         if self.mover is not None and secret is not None else None)
         self.executor = HintExecutor(
             index, config.policy.limits, primary_tier.policy, primary_tier.num_chunks,
-            primary_tier.blocks_per_chunk, mover=self.mover, fetcher=self.fetcher)
+            primary_tier.blocks_per_chunk, mover=self.mover, fetcher=self.fetcher,
+            emit=lambda o, via, s: self.emit(Outcome(outcome=o, via=via, session_id=s)),
+            g3_cascades=config.policy.g3.write_through)
+        self._finished_req: str | None = None    # the last on_request_finished's
 
     @property
     def lock(self) -> threading.Lock:
@@ -258,6 +261,8 @@ class SessionTierManager(OffloadingManager):
                       client: str) -> list[HintOutcome]:
         """Execute hints from the control channel now, under the lock."""
         with self.lock:
+            if self.mover is not None:
+                self.mover.begin_hold()
             outcomes = self.executor.execute_all(items, session, client=client)
             self.emit_outcomes(outcomes, Via.CONTROL, session, client)
             return outcomes
@@ -287,6 +292,7 @@ class SessionTierManager(OffloadingManager):
     def _fetched(self, hint: KvHint, keys: list[bytes], asked: int) -> None:
         """A kv.fetch's source published ``keys``: prefetch them here."""
         with self.lock:
+            self.mover.begin_hold()
             first = self.mover.start(Action.PREFETCH, hint.hint_id, keys, asked, None,
                                      name=hint.action.action_type)
             if first.status is not Status.DEFERRED:
@@ -352,6 +358,7 @@ class SessionTierManager(OffloadingManager):
         # still write a slot freed here for a job in flight); hint loads wait
         # for it too. 0.32 has no such fence (connectors/moves.py, "Reset").
         self.apply_moves()
+        self.executor.drop_waiting("G2 was reset")
         if self.mover is not None:
             self.mover.abandon()
         self.vllm.reset_cache()
@@ -382,6 +389,13 @@ class SessionTierManager(OffloadingManager):
         """Index the G3 copies the tiers reported and finish the hint copies
         that ended (``Mover.apply``). The caller holds the lock: the scheduler
         at the start of each pass, the control channel when the mover wakes it."""
+        self._index_g3_copies()
+        if self.mover is not None:
+            self.mover.apply()
+
+    def _index_g3_copies(self) -> None:
+        """Index the G3 copies the tiers reported (``G3Copies``); a turn's
+        chunks a Pin waits for in G3 arrive here (``HintExecutor.g3_stored``)."""
         for copy in self._g3_copies.drain():
             src, dst = (Tier.G3, Tier.G2) if copy.load else (Tier.G2, Tier.G3)
             self.stats.moved(src.name, dst.name, sum(copy.ok))
@@ -390,8 +404,8 @@ class SessionTierManager(OffloadingManager):
             if copy.load:     # a load that failed: the object is not there for us
                 self.primary_tier.set_copies(
                     Tier.G3, [k for k, o in zip(copy.keys, copy.ok) if not o], 0)
-        if self.mover is not None:
-            self.mover.apply()
+            elif self.executor.waiting:     # a turn's chunks a Pin waits for in G3
+                self.executor.g3_stored(copy.keys, copy.ok)
 
     # vLLM's manager interface: ``vllm`` does the work; G1 <-> G2 copies that
     # end are counted here too.
@@ -415,18 +429,28 @@ class SessionTierManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext
                       ) -> PrepareStoreOutput | None:
-        return self.vllm.prepare_store(keys, req_context)
+        out = self.vllm.prepare_store(keys, req_context)
+        if out is not None and out.evicted_keys and self.executor.waiting:
+            self._index_g3_copies()     # copies that ended before vLLM freed their chunks
+            self.executor.evicted(out.evicted_keys)
+        return out
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
         self.vllm.complete_store(keys, req_context, success)
         self._transferred(_G1, _G2, keys, success, req_context)
+        if self.executor.waiting:           # a turn's last chunks hints wait for
+            self.executor.stored(keys, success)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return self.vllm.on_new_request(req_context)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        # vLLM prepared the request's last stores (or it had none).
         self.vllm.on_request_finished(req_context)
+        self._finished_req = req_context.req_id
+        if self.executor.waiting:
+            self.executor.request_done(req_context.req_id)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         return self.vllm.take_events()
@@ -458,17 +482,21 @@ class SessionTierManager(OffloadingManager):
             self._copied[pair] = self._copied.get(pair, 0) + len(keys)
 
     def execute_request_hints(self, hints: tuple[KvHint | HintOutcome, ...],
-                              session: str | None) -> tuple[HintOutcome, ...]:
+                              session: str | None, turn: Turn | None = None
+                              ) -> tuple[HintOutcome, ...]:
         """Execute a finished request's hints (parsed when it arrived, the
-        outcomes of unparsable ones included): one outcome each."""
+        outcomes of unparsable ones included): one outcome each. ``turn``: its
+        chunks, whose last ones the hints wait for (``connectors/hint_executor.py``)."""
         if not hints:
             return ()
         try:
-            outcomes = tuple(self.executor.execute_all(list(hints), session))
+            outcomes = tuple(self.executor.execute_all(list(hints), session, turn=turn))
         except Exception:           # an executor bug must cost the hints, never the engine
             logger.exception("sessionkv: hints of a request of session %r failed", session)
             outcomes = tuple(i if isinstance(i, HintOutcome) else HintOutcome(
                 i.hint_id, i.action.action_type, Status.REJECTED, reason="internal error")
                 for i in hints)
         self.emit_outcomes(outcomes, Via.REQUEST, session)
+        if turn is not None and turn.req_id == self._finished_req:
+            self.executor.request_done(turn.req_id)     # vLLM had nothing more to store
         return outcomes

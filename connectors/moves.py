@@ -21,6 +21,14 @@ a time (``limits.move_fraction`` of G2), so vLLM's own stores and promotions
 still find chunks to evict or fill while a large Share or Prefetch runs. A
 copy that finds the budget spent waits between its waves.
 
+Slices: one hold of the lock looks up and reserves at most ``SLICE_CHUNKS``
+chunks for hint copies, whatever the copies' size (``apply`` opens a hold's
+slice, ``begin_hold`` another hold's that starts hints out of band). A copy that
+finds the slice spent waits, paused, and the Mover wakes its own reader
+(``wake_fd``) so the next hold goes on: a 16,384-chunk Prefetch or Share
+reserved 25 % of G2 in one ``prepare_write`` under the step lock, 92 ms.
+A Pin's G3 side runs in waves too (``G3Tier.pin`` per slice).
+
 Actions:
 
 - **Demote**: copy the target's G2 chunks to G3 (objects already there are
@@ -75,6 +83,9 @@ from sessionkv.types import Tier
 
 logger = init_logger(__name__)
 MAX_MOVES = 4
+# The most chunks one hold of the lock looks up and reserves for hint copies
+# (prepare_write is about 8 us a chunk here: 256 chunks about 2 ms).
+SLICE_CHUNKS = 256
 
 
 @dataclass
@@ -131,6 +142,7 @@ class Mover:
         self._waiting: deque[Move] = deque()     # not started: max_moves run
         self._finished: deque[Move] = deque()    # appended by I/O threads
         self._fenced = False                # a reset's flush is pending: loads wait
+        self._slice = SLICE_CHUNKS          # chunks this hold of the lock may still take
         self._held: deque[Move] = deque()        # load moves waiting for the fence
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -170,34 +182,17 @@ class Mover:
         return self._begin(move)
 
     def _begin(self, move: Move) -> HintOutcome:
-        if move.action is Action.PIN:
-            return self._begin_pin(move)
         self._running.append(move)
         final = self._next_wave(move)
         if final is not None:
             return final
         n = len(move.target)
+        if move.action is Action.PIN:
+            return self._outcome(move, Status.DEFERRED, f"pinning {n} chunks in G3",
+                                 move.g2_blocks)
         waves = f" in waves of at most {self._budget}" if n > self._budget else ""
         return self._outcome(move, Status.DEFERRED,
                              f"copying {n} chunks {'from' if move.is_load else 'to'} G3{waves}")
-
-    def _begin_pin(self, move: Move) -> HintOutcome:
-        """A Pin's G3 side: one call (its chunks are bounded by the pin quotas)."""
-        move.keys = move.target
-        chunk_ids = None
-        if self._tier.pin_needs_bytes:       # rewritten from G2: only chunks there
-            ready = [k for k in move.keys if self._primary.lookup(k, move.ctx)
-                     is LookupResult.HIT]
-            move.lost, move.keys = len(move.keys) - len(ready), ready
-            if not ready:
-                return self._pin_outcome(move, [])
-            chunk_ids = self._primary.prepare_read(ready, move.ctx).chunk_ids
-            move.reserved = True
-        self._running.append(move)
-        self._tier.pin(move.keys, move.ttl_s, chunk_ids,
-                       lambda ok, m=move: self._copied(m, ok))
-        return self._outcome(move, Status.DEFERRED, f"pinning {len(move.keys)} chunks in G3",
-                             move.g2_blocks)
 
     def _next_wave(self, move: Move) -> HintOutcome | None:
         """Start the move's next wave that has something to copy; None when
@@ -207,12 +202,15 @@ class Mover:
             if move.is_load and self._fenced:
                 self._held.append(move)
                 return None
-            room = self._budget - self._reserved
+            room = min(self._budget - self._reserved, self._slice)
             if room <= 0:
                 self._paused.append(move)
+                if self._slice <= 0:
+                    self._wake()            # the next hold goes on (module docstring)
                 return None
             wave = move.target[move.taken:move.taken + room]
             move.taken += len(wave)
+            self._slice -= len(wave)
             if self._start_wave(move, wave):
                 return None
         self._running.remove(move)
@@ -221,6 +219,8 @@ class Mover:
     def _start_wave(self, move: Move, wave: list[OffloadKey]) -> bool:
         """Reserve ``wave``'s chunks that need a copy and start it; whether
         it started (False: nothing in it to copy)."""
+        if move.action is Action.PIN:
+            return self._start_pin_wave(move, wave)
         resident = [self._primary.lookup(k, move.ctx) for k in wave]
         if move.is_load:
             want = [k for k, r in zip(wave, resident) if r is LookupResult.MISS]
@@ -252,6 +252,25 @@ class Mover:
                         lambda ok, m=move: self._copied(m, ok), check=move.check)
         return True
 
+    def _start_pin_wave(self, move: Move, wave: list[OffloadKey]) -> bool:
+        """A Pin's G3 side for ``wave``: pinned from its G2 bytes when the
+        tier rewrites objects to pin them (only chunks in G2 can be)."""
+        chunk_ids = None
+        move.keys = wave
+        if self._tier.pin_needs_bytes:
+            move.keys = [k for k in wave if self._primary.lookup(k, move.ctx)
+                         is LookupResult.HIT]
+            move.lost += len(wave) - len(move.keys)
+            if not move.keys:
+                return False
+            chunk_ids = self._primary.prepare_read(move.keys, move.ctx).chunk_ids
+        move.reserved = chunk_ids is not None
+        self._reserved += len(move.keys)
+        move.ok = None
+        self._tier.pin(move.keys, move.ttl_s, chunk_ids,
+                       lambda ok, m=move: self._copied(m, ok))
+        return True
+
     def drain_wake(self) -> None:
         """Empty ``wake_fd`` (its reader, the control thread, before ``apply``)."""
         try:
@@ -266,15 +285,17 @@ class Mover:
         short GIL releases starves the threads that wait to take it back (an
         idle engine stepping while a request waits for its G3 load kept the
         disk tier's reads from their GIL for 5-10 s a load, past the 10 s
-        deadline on CI)."""
+        deadline on CI); only a spent slice writes ``wake_fd``. Opens this
+        hold's slice."""
+        self.begin_hold()
         while self._finished:
             move = self._finished.popleft()
             if move.abandoned:
                 continue
             self._guarded(move, self._end_wave)
-        while self._held and not self._fenced:
+        while self._held and not self._fenced and self._slice > 0:
             self._guarded(self._held.popleft(), self._next_wave)
-        while self._paused and self._reserved < self._budget:
+        while self._paused and self._reserved < self._budget and self._slice > 0:
             self._guarded(self._paused.popleft(), self._next_wave)
         while self._waiting and len(self._running) < self._max:
             self._guarded(self._waiting.popleft(), self._begin)
@@ -304,13 +325,9 @@ class Mover:
             move.check = []
         good = [k for k, o in zip(move.keys, ok) if o]
         bad = [k for k, o in zip(move.keys, ok) if not o]
-        if move.action is not Action.PIN:
-            self._reserved -= len(move.keys)
+        self._reserved -= len(move.keys)
         if move.reserved:
             self._primary.complete_read(move.keys, move.ctx)
-        if move.action is Action.PIN:
-            self._running.remove(move)
-            return self._pin_outcome(move, good)
         if move.is_load:
             if good:
                 self._primary.complete_write(good, move.ctx, True)
@@ -331,7 +348,10 @@ class Mover:
     def _final(self, move: Move) -> HintOutcome:
         """The outcome of a copy whose waves all ended, after its one
         transfer event (none when it moved nothing, but for a store that
-        found everything in G3: a Share's receiver needs the keys)."""
+        found everything in G3: a Share's receiver needs the keys); a Pin's
+        from ``_pin_outcome``, with no transfer event."""
+        if move.action is Action.PIN:
+            return self._pin_outcome(move)
         good, bad = len(move.good), move.bad + move.no_room
         done = self._blocks(good + move.present)
         if good or move.bad or (move.present and not move.is_load):
@@ -359,6 +379,10 @@ class Mover:
             return self._outcome(move, Status.MISSING, "not readable from G3", done)
         return self._outcome(move, Status.REJECTED, "G3 store failed", done)
 
+    def begin_hold(self) -> None:
+        """A new hold of the lock: its slice of ``SLICE_CHUNKS`` opens."""
+        self._slice = SLICE_CHUNKS
+
     def fence(self) -> None:
         """A reset freed G2 slots a worker may still write: hold load waves
         until ``lift_fence`` (vLLM 0.33's ``on_reset_flushed``)."""
@@ -385,18 +409,19 @@ class Mover:
         self._waiting.clear()
         self._reserved = 0
 
-    def _pin_outcome(self, move: Move, pinned: list[OffloadKey]) -> HintOutcome:
-        """A Pin's outcome once its G3 side is known."""
-        missed = len(move.keys) - len(pinned) + move.lost
-        affected = max(move.g2_blocks, self._blocks(len(pinned)))
+    def _pin_outcome(self, move: Move) -> HintOutcome:
+        """A Pin's outcome once its G3 side is known (every wave ended)."""
+        tried = len(move.good) + move.bad
+        missed = move.bad + move.lost
+        affected = max(move.g2_blocks, self._blocks(len(move.good)))
         if not missed:
             return self._outcome(move, Status.ACCEPTED, "", affected)
-        why = f"{missed} of {len(move.keys) + move.lost} chunks not pinned in G3"
+        why = f"{missed} of {tried + move.lost} chunks not pinned in G3"
         if move.lost:
             why += f" ({move.lost} only in G3: pinning there rewrites them from G2)"
         if affected:
             return self._outcome(move, Status.CLIPPED, why, affected)
-        return self._outcome(move, Status.REJECTED if move.keys else Status.MISSING, why)
+        return self._outcome(move, Status.REJECTED if tried else Status.MISSING, why)
 
     def _blocks(self, chunks: int) -> int:
         return chunks * self._primary.blocks_per_chunk
@@ -413,6 +438,9 @@ class Mover:
     def _copied(self, move: Move, ok: list[bool]) -> None:
         move.ok = ok
         self._finished.append(move)
+        self._wake()
+
+    def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"\0")
         except BlockingIOError:          # the pipe is full: a wake-up is pending anyway

@@ -240,3 +240,24 @@ def test_no_hint_load_writes_g2_between_a_reset_and_the_flush(parts):
     assert [load for load, _, _ in seen] == [True] and sorted(moved.keys) == sorted(keys)
     with m.lock:
         assert [m.primary_tier.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 4
+
+
+def test_one_hold_of_the_lock_reserves_at_most_a_slice(parts, monkeypatch):
+    # Issue 52: one wave reserved up to 25 % of G2 in one prepare_write under
+    # the step lock (92 ms for 16,384 chunks). Now each hold takes at most
+    # SLICE_CHUNKS, and the Mover wakes its reader to go on while idle.
+    from sessionkv.connectors import moves
+    m, g3, seen = parts
+    monkeypatch.setattr(moves, "SLICE_CHUNKS", 3)
+    keys = fill(m, CHUNKS)
+    (first,) = m.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
+    assert first.status is Status.DEFERRED
+    assert [len(ks) for _, ks, _ in seen] in ([], [3])       # the first hold's one slice
+    (last,), (moved,) = final(m, first.hint_id)
+    assert last.status is Status.ACCEPTED and sorted(moved.keys) == sorted(keys)
+    assert [len(ks) for _, ks, _ in seen] == [3, 3, 3, 3, 3, 1]
+    seen.clear()
+    (pin,) = m.control_hints([make_hint(Action.PIN, "s", ttl_s=60)], "s", "r")
+    (done,), _ = final(m, pin.hint_id)
+    # G2's pin quota (a quarter of G2) clips the G2 side; G3 pins all, a slice a hold
+    assert done.blocks_affected == CHUNKS, done
