@@ -12,14 +12,40 @@ the event stream). A Prefetch naming exact keys fetches them from G3 even when
 this engine never saw them (the receiving side of a Share). Pins the policy
 later clips under pressure come back from ``collect_clipped`` as ``clipped``.
 
-Request-borne hints act when their request finishes (the turn's blocks are all
-in the index by then); the outcomes go back in that response. Control-channel
-hints (authenticated by the channel, so treated as signed) act at once.
+Request-borne hints act when their request finishes, on the whole turn
+(``Turn``): vLLM stores a request's last chunks on a later step (it builds
+their store jobs on the step after the request finished, and with async
+scheduling, vLLM's default on GPUs, the block a turn's last tokens fill is
+hashed only then), and G3's write-through copy of each chunk follows its G2
+store. So the turn's trailing chunks that are not in G2 yet (and, for a Pin's
+G3 side with write-through, not in G3 yet) are *waiting*: the hint acts on
+them when they arrive. Outcomes stay truthful:
+
+- Pin and Retain act at once on what G2 holds, and on each waiting chunk when
+  its store ends; the response counts the waiting chunks in
+  ``blocks_affected`` (``accepted``). Waiting chunks that never arrive, or that
+  the pin quota refuses on arrival, come back later as one ``clipped``
+  outcome (``Via.POLICY``, as pins clipped under pressure), naming how many.
+- Demote and Share (and a Pin's G3 side) start their copy once every waiting
+  chunk arrived or was dropped: the response says ``deferred`` and the copy's
+  final outcome follows on the event stream, as for every copy; chunks that
+  never arrived make it ``clipped``.
+
+A waiting chunk is dropped (and counted lost) when its store fails, when vLLM
+prepared the request's last stores without it (``request_done``), when its G2
+copy is gone before reaching G3, at a reset (``drop_waiting``), and
+``WAIT_S`` after its request finished. At most ``MAX_WAITING_CHUNKS`` chunks
+and ``MAX_WAITS`` hint parts wait at once; what does not fit acts as before
+(on what is resident) and the outcome says so.
+Control-channel hints (authenticated by the channel, so treated as signed)
+act at once on what is resident.
 ``release(session)`` drops what an ended session pinned and retained.
 
 Cost: the pin book (``PinBook``) is indexed by owner and counted per pool, and
 lapses come from the policy (``take_unpinned``): a hint costs its own chunks
-and a session's end its own pins, never a pass over every live pin.
+and a session's end its own pins, never a pass over every live pin. Waiting
+chunks cost a dict lookup per chunk stored while any waits (``waiting``), and
+a turn's tail is found from its end (``Turn.tail``).
 
 Threading: callers hold the tier manager's lock (the scheduler thread during
 its pass, or any other thread); it only changes metadata.
@@ -29,10 +55,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgspec
+from vllm.logger import init_logger
 
 from sessionkv.config import Limits
 from sessionkv.hints import (
@@ -51,17 +80,30 @@ from sessionkv.hints import (
     parse_kvcr_fetch,
     verify,
 )
+from sessionkv.events import Via
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers.g2_policy import SessionCachePolicy
+from sessionkv.types import Tier
 
 from .fetch import Fetcher
 from .moves import Mover
+
+logger = init_logger(__name__)
 
 KVCR_SIG_PARAM = "kv_hint_sig"
 MAX_CLIPPED_HINTS = 4096   # clipped outcomes waiting for collect_clipped (one per hint)
 # A Retain up to a boundary the index no longer holds took the session's
 # deepest branch: clipped, since what was evicted is not held.
 BOUNDARY_GONE = "boundary evicted: the session's deepest branch"
+# Chunks of finished turns that hints wait for (module docstring), all hints
+# together, and the hint parts waiting; a turn's tail is a few chunks (its
+# stores and G3 copies in flight), so these bind only a runaway.
+MAX_WAITING_CHUNKS = 16_384
+MAX_WAITS = 4096
+# How long a waiting chunk may take to reach G2 and G3 after its request
+# finished: vLLM stores it within a few steps, and every G3 store has its own
+# deadline (tiers/g3_io.Guard); the bound only ends a wait nothing will end.
+WAIT_S = 30.0
 
 
 class TokenBuckets:
@@ -129,6 +171,10 @@ def read_request_hints(params: Mapping[str, Any] | None, envelope: Any, session_
     return read_request(params, envelope, session_id, secret).hints
 
 
+def _never(_key: bytes) -> bool:
+    return False
+
+
 def _mark(h: KvHint, signed: bool) -> KvHint:
     return msgspec.structs.replace(h, signed=signed)
 
@@ -178,12 +224,63 @@ class PinBook:
         return mine
 
 
+class Turn:
+    """A finished request's chunks (G2/G3 keys), root first, for the hints it
+    carried (module docstring): those at its end not in G2 or G3 yet may still
+    be on their way. ``tail`` answers each question once per turn."""
+
+    __slots__ = ("req_id", "chunks", "_tails")
+
+    def __init__(self, req_id: str, chunks: Sequence[bytes]):
+        self.req_id = req_id
+        self.chunks = chunks
+        self._tails: dict[str, set[bytes]] = {}
+
+    def tail(self, name: str, pending: Callable[[bytes], bool], most: int) -> set[bytes]:
+        """The chunks after the last one of which ``pending`` is false (vLLM
+        stores a request's chunks in order, so an earlier one missing was
+        dropped, not delayed); at most ``most`` + 1 are looked at."""
+        got = self._tails.get(name)
+        if got is None:
+            got = set()
+            for k in reversed(self.chunks):
+                if len(got) > most or not pending(k):
+                    break
+                got.add(k)
+            self._tails[name] = got
+        return got
+
+
+@dataclass(eq=False)
+class _Wait:
+    """One request hint's part that waits for its turn's chunks to arrive in
+    ``tier`` (G2: their stores; G3: their write-through copies). ``take``
+    acts on chunks as they arrive (Pin, Retain), or ``then`` once none is
+    left to wait for (a copy, a Pin's G3 side), with the chunks arrived."""
+
+    hint: KvHint
+    session: str | None              # the request's (outcome events)
+    owner: str
+    tier: Tier
+    keys: set[bytes]                 # not arrived yet
+    deadline: float
+    ttl: float | None = None
+    then: Callable[["_Wait"], HintOutcome] | None = None
+    arrived: list[bytes] = field(default_factory=list)
+    lost: int = 0
+    why: str = ""                    # why the last lost chunk was lost
+    done: bool = False
+
+
 class HintExecutor:
     """Gives every hint one outcome (see the module docstring).
 
     ``mover``: the G2 <-> G3 copies (None without a G3 tier: Demote, Prefetch
     and Share are rejected); ``fetcher``: kv.fetch (None without a G3 tier
-    and a control secret)."""
+    and a control secret); ``emit(outcome, via, session)``: the outcomes of
+    hints that waited for their turn's chunks (module docstring);
+    ``g3_cascades``: G2 stores are copied on to G3 (``g3.write_through``), so
+    a Pin's G3 side waits for its turn's last chunks to get there."""
 
     def __init__(
         self,
@@ -195,6 +292,8 @@ class HintExecutor:
         clock: Callable[[], float] = time.monotonic,
         mover: Mover | None = None,
         fetcher: Fetcher | None = None,
+        emit: Callable[[HintOutcome, Via, str | None], None] | None = None,
+        g3_cascades: bool = False,
     ):
         self._index = index
         self._limits = limits
@@ -209,19 +308,30 @@ class HintExecutor:
         self._clipped: dict[str, int] = {}      # hint id -> its chunks clipped, not yet told
         self._mover = mover
         self._fetcher = fetcher
+        self._clock = clock
+        # Waiting chunks (module docstring). G2's chunk status (any policy).
+        self._chunk = getattr(policy, "get", None)
+        self._emit = emit or (lambda outcome, via, session: None)
+        self._cascades = g3_cascades and mover is not None
+        self._waits: dict[Tier, dict[bytes, list[_Wait]]] = {Tier.G2: {}, Tier.G3: {}}
+        self._waits_of: dict[str, list[_Wait]] = {}    # request id -> its, until request_done
+        self._order: deque[_Wait] = deque()            # as registered: by deadline
+        self._live = 0                                 # waits not settled
+        self._n_waiting = 0                            # chunks waited for
 
     def execute_all(
         self, items: list[KvHint | HintOutcome], session_id: str | None,
-        client: str | None = None,
+        client: str | None = None, turn: Turn | None = None,
     ) -> list[HintOutcome]:
-        return [i if isinstance(i, HintOutcome) else self.execute(i, session_id, client)
+        return [i if isinstance(i, HintOutcome) else self.execute(i, session_id, client, turn)
                 for i in items]
 
     def execute(self, hint: KvHint, session_id: str | None,
-                client: str | None = None) -> HintOutcome:
+                client: str | None = None, turn: Turn | None = None) -> HintOutcome:
         """One hint's outcome. ``session_id`` is the request's (or the control
         request's) session; ``client`` names the rate-limit bucket (default:
-        the session)."""
+        the session); ``turn``: the finished request's chunks, for a request's
+        hints (module docstring)."""
         name = hint.action.action_type
 
         def outcome(status: Status, reason: str, asked: int = 0, affected: int = 0):
@@ -256,38 +366,74 @@ class HintExecutor:
         if ttl is not None and ttl > self._limits.max_ttl_s:
             clipped.append(f"ttl clipped to {self._limits.max_ttl_s:g} s")
             ttl = self._limits.max_ttl_s
+        owner = self._owner(hint, session_id)
         if hint.action in (Action.DEMOTE, Action.PREFETCH, Action.SHARE):
             if self._mover is None:
                 return outcome(Status.REJECTED, "Demote, Prefetch and Share need a G3 tier",
                                asked)
             if not isinstance(hint.target, KeysTarget) or hint.action is not Action.PREFETCH:
                 keys = self._index.chunk_keys(keys, self._bpc)
-            return self._mover.start(hint.action, hint.hint_id, keys, asked,
-                                    self._owner(hint, session_id), "; ".join(clipped))
+            if hint.action is not Action.PREFETCH:
+                # The copy starts once the turn's last chunks are in G2.
+                later = self._fit(self._later(turn, "unready", keys, self._unready))
+                if later:
+                    self._wait(hint, session_id, owner, Tier.G2, later, turn,
+                               then=lambda w: self._mover.start(
+                                   hint.action, hint.hint_id, keys, asked, owner,
+                                   self._reasons(clipped, w)))
+                    return outcome(Status.DEFERRED, self._reasons(clipped, None, (
+                        f"copying {len(keys)} chunks to G3 once the turn's last "
+                        f"{len(later)} are stored")), asked)
+            return self._mover.start(hint.action, hint.hint_id, keys, asked, owner,
+                                     "; ".join(clipped))
         if hint.action not in (Action.PIN, Action.RETAIN):
             return outcome(Status.REJECTED, "not implemented", asked)
         if self._policy is None:
             return outcome(Status.REJECTED, "Pin and Retain need g2.eviction: session", asked)
         chunks = [k for k in keys if self._policy.get(k) is not None]
-        # A Pin also holds the target's objects in G3 (the backend's own pins).
-        g3 = (self._mover.in_g3(self._index.chunk_keys(keys, self._bpc))
-              if hint.action is Action.PIN and self._mover is not None else [])
-        if not chunks and not g3:
+        pin_g3 = hint.action is Action.PIN and self._mover is not None
+        targets = (self._index.chunk_keys(keys, self._bpc)
+                   if turn is not None or pin_g3 else [])
+        # The turn's chunks not in G2 yet: held when they arrive.
+        later = self._later(turn, "absent", targets, self._absent)
+        # A Pin also holds the target's objects in G3 (the backend's own
+        # pins), those of the turn once its write-through copies are there.
+        g3 = self._mover.in_g3(targets) if pin_g3 else []
+        g3_later = (self._later(turn, "g3", targets, self._not_in_g3)
+                    if pin_g3 and self._cascades else [])
+        if not chunks and not g3 and not later and not g3_later:
             return outcome(Status.MISSING, "none of the target is in G2", asked)
         if hint.action is Action.PIN and ttl is None:
             ttl = self._limits.max_ttl_s
         if hint.action is Action.RETAIN:
-            self._policy.retain(chunks, hint.bounds.priority, ttl, self._owner(hint, session_id))
+            self._policy.retain(chunks, hint.bounds.priority, ttl, owner)
             done = chunks
         else:
-            done, why = self._pin(hint, session_id, chunks, ttl)
+            done, room, why = self._pin(hint, session_id, chunks, ttl, len(later))
+            later = later[:room]
             if why:
                 clipped.append(why)
-        affected = self._blocks_in(done, keys)
+        held = self._fit(later)
+        if len(held) < len(later):
+            clipped.append(f"{len(later) - len(held)} of the turn's last chunks not held: "
+                           "too many chunks waiting")
+        if held:
+            self._wait(hint, session_id, owner, Tier.G2, held, turn, ttl=ttl)
+        affected = self._blocks_in(done + held, keys)
+        g3_held = self._fit(g3_later)
+        if len(g3_held) < len(g3_later):
+            clipped.append(f"{len(g3_later) - len(g3_held)} of the turn's last chunks not "
+                           "pinned in G3: too many chunks waiting")
+        if g3_held:
+            self._wait(hint, session_id, owner, Tier.G3, g3_held, turn, ttl=ttl,
+                       then=lambda w: self._pin_g3(hint, owner, g3 + w.arrived, asked,
+                                                   clipped, ttl, affected, w))
+            return outcome(Status.DEFERRED, self._reasons(clipped, None, (
+                f"pinning {len(g3) + len(g3_held)} chunks in G3, the turn's last "
+                f"{len(g3_held)} once they are there")), asked, affected)
         if g3:
-            return self._mover.start(Action.PIN, hint.hint_id, g3, asked,
-                                    self._owner(hint, session_id), "; ".join(clipped),
-                                    ttl_s=ttl, g2_blocks=affected)
+            return self._mover.start(Action.PIN, hint.hint_id, g3, asked, owner,
+                                     "; ".join(clipped), ttl_s=ttl, g2_blocks=affected)
         status = Status.CLIPPED if clipped else Status.ACCEPTED
         return outcome(status, "; ".join(clipped), asked, affected)
 
@@ -299,8 +445,9 @@ class HintExecutor:
         return sum(len(wanted.intersection(self._index.chain_to(c, self._bpc))) for c in chunks)
 
     def _pin(self, hint: KvHint, session_id: str | None, chunks: list[bytes],
-             ttl: float) -> tuple[list[bytes], str]:
-        """Pin within the quotas: (chunks pinned, clip reason or "")."""
+             ttl: float, later: int = 0) -> tuple[list[bytes], int, str]:
+        """Pin within the quotas: (chunks pinned, how many of ``later`` chunks
+        still to arrive the quotas leave room for, clip reason or "")."""
         owner = self._owner(hint, session_id)
         self._forget_lapsed()
         mine = self._pins.of(owner)
@@ -311,6 +458,7 @@ class HintExecutor:
             room = self._cap_unsigned - pool
         new = [k for k in chunks if k not in self._pins]
         take = new[:max(room, 0)]
+        fits = min(later, max(room - len(take), 0))
         again = [k for k in chunks if k in mine]      # re-pinning extends the TTL
         self._policy.pin(again + take, ttl)
         # Only what the policy pinned (a chunk gone from G2 meanwhile is not):
@@ -318,8 +466,8 @@ class HintExecutor:
         take = [k for k in take if self._policy.pin_expiry(k) is not None]
         for k in take:
             self._pins.add(k, owner, hint.hint_id, hint.signed)
-        lost = len(new) - len(take)
-        return again + take, (f"pin quota: {lost} chunks not pinned" if lost else "")
+        lost = len(new) - len(take) + later - fits
+        return again + take, fits, (f"pin quota: {lost} chunks not pinned" if lost else "")
 
     @staticmethod
     def _owner(hint: KvHint, session_id: str | None) -> str:
@@ -374,7 +522,9 @@ class HintExecutor:
     def collect_clipped(self) -> list[HintOutcome]:
         """Pins the policy clipped under G2 pressure since the last call, one
         ``clipped`` outcome per hint; the owner calls this every step, so the
-        policy's sets stay small."""
+        policy's sets stay small. Waits past their deadline end here too."""
+        if self._order:
+            self._expire(self._clock())
         if self._policy is None or not (self._pins or self._clipped):
             return []       # the policy reports only pins booked here (most steps: none)
         self._forget_lapsed()
@@ -382,6 +532,212 @@ class HintExecutor:
         return [HintOutcome(hint_id, Action.PIN.action_type, Status.CLIPPED, 0, n,
                             f"{n} pinned chunks evicted: G2 had nothing else left")
                 for hint_id, n in lost.items()]
+
+    # ---- waiting chunks (module docstring) -------------------------------------
+
+    @property
+    def waiting(self) -> bool:
+        """Whether any hint waits for a turn's chunks (``stored``,
+        ``g3_stored``, ``evicted`` and ``request_done`` have work)."""
+        return self._n_waiting > 0 or bool(self._waits_of)
+
+    def stored(self, keys: Iterable[bytes], ok: bool) -> None:
+        """vLLM's G2 stores of ``keys`` ended (``complete_store``)."""
+        self._arrive(Tier.G2, keys, self._ready if ok else _never, "not stored in G2")
+        if not ok:
+            self._arrive(Tier.G3, keys, _never, "not stored in G2")
+
+    def g3_stored(self, keys: Sequence[bytes], ok: Sequence[bool]) -> None:
+        """G3 copies of ``keys`` ended (the tiers' write-through stores)."""
+        if self._waits[Tier.G3]:
+            done = dict(zip(keys, ok))
+            self._arrive(Tier.G3, keys, done.__getitem__, "not copied to G3")
+
+    def evicted(self, keys: Iterable[bytes]) -> None:
+        """G2 evicted ``keys``: none of them reaches G3 any more."""
+        if self._waits[Tier.G3]:
+            self._arrive(Tier.G3, keys, _never, "evicted from G2 before reaching G3")
+
+    def request_done(self, req_id: str) -> None:
+        """vLLM prepared the last stores of request ``req_id``: its turn's
+        chunks that G2 does not hold now never arrive; those it holds ready
+        arrived."""
+        for w in self._waits_of.pop(req_id, ()):
+            if w.done:
+                continue
+            ready = []
+            for k in list(w.keys):
+                chunk = self._chunk(k)
+                if chunk is None:
+                    self._unwait(w, k)
+                    w.lost, w.why = w.lost + 1, "not stored in G2"
+                elif w.tier is Tier.G2 and chunk.is_ready:
+                    self._unwait(w, k)
+                    ready.append(k)
+            if ready:
+                self._take(w, ready)
+            if not w.keys:
+                self._settle(w)
+
+    def drop_waiting(self, why: str) -> None:
+        """G2 is being reset: every wait ends now (Pin and Retain report the
+        chunks they did not hold; waiting copies are rejected, not started)."""
+        for w in self._order:
+            if not w.done:
+                self._settle(w, why, run=False)
+        self._order.clear()
+        self._waits_of.clear()
+
+    def _absent(self, k: bytes) -> bool:
+        return self._chunk(k) is None
+
+    def _ready(self, k: bytes) -> bool:
+        chunk = self._chunk(k)
+        return chunk is not None and chunk.is_ready
+
+    def _unready(self, k: bytes) -> bool:
+        return not self._ready(k)
+
+    def _not_in_g3(self, k: bytes) -> bool:
+        return not (self._index.copies(k) or {}).get(Tier.G3, 0)
+
+    def _later(self, turn: Turn | None, name: str, targets: list[bytes],
+               pending: Callable[[bytes], bool]) -> list[bytes]:
+        """The ``targets`` at the end of ``turn`` that are still ``pending``."""
+        if turn is None or self._chunk is None or not targets:
+            return []
+        tail = turn.tail(name, pending, MAX_WAITING_CHUNKS - self._n_waiting)
+        return [k for k in targets if k in tail] if tail else []
+
+    def _fit(self, keys: list[bytes]) -> list[bytes]:
+        """The first of ``keys`` that can wait (``MAX_WAITING_CHUNKS``, ``MAX_WAITS``)."""
+        if not keys or self._live >= MAX_WAITS:
+            return []
+        return keys[:max(MAX_WAITING_CHUNKS - self._n_waiting, 0)]
+
+    def _wait(self, hint: KvHint, session: str | None, owner: str, tier: Tier,
+              keys: list[bytes], turn: Turn, ttl: float | None = None,
+              then: Callable[[_Wait], HintOutcome] | None = None) -> None:
+        w = _Wait(hint, session, owner, tier, set(keys), self._clock() + WAIT_S, ttl, then)
+        table = self._waits[tier]
+        for k in w.keys:
+            table.setdefault(k, []).append(w)
+        self._n_waiting += len(w.keys)
+        self._live += 1
+        self._order.append(w)
+        if len(self._order) > 2 * MAX_WAITS:        # settled ones in the middle
+            self._order = deque(x for x in self._order if not x.done)
+        self._waits_of.setdefault(turn.req_id, []).append(w)
+        while len(self._waits_of) > MAX_WAITS:      # a request vLLM never reported done
+            del self._waits_of[next(iter(self._waits_of))]
+
+    def _unwait(self, w: _Wait, k: bytes) -> None:
+        """``w`` no longer waits for ``k``."""
+        w.keys.discard(k)
+        self._n_waiting -= 1
+        table = self._waits[w.tier]
+        ws = table.get(k)
+        if ws is not None:
+            ws.remove(w)
+            if not ws:
+                del table[k]
+
+    def _arrive(self, tier: Tier, keys: Iterable[bytes], ok: Callable[[bytes], bool],
+                why: str) -> None:
+        """``keys`` arrived in ``tier`` (or, where ``ok`` is false, never will)."""
+        table = self._waits[tier]
+        got: dict[_Wait, list[bytes]] = {}
+        for k in keys:
+            ws = table.pop(k, None)
+            if ws is None:
+                continue
+            good = ok(k)
+            for w in ws:
+                w.keys.discard(k)
+                self._n_waiting -= 1
+                mine = got.setdefault(w, [])
+                if good:
+                    mine.append(k)
+                else:
+                    w.lost, w.why = w.lost + 1, why
+        for w, arrived in got.items():
+            if arrived:
+                self._take(w, arrived)
+            if not w.keys:
+                self._settle(w)
+
+    def _take(self, w: _Wait, keys: list[bytes]) -> None:
+        """Chunks ``w`` waited for are there: pinned or retained now, or kept
+        for its ``then``."""
+        if w.then is not None:
+            w.arrived += keys
+            return
+        if w.owner and not self._index.has_session(w.owner):
+            w.lost, w.why = w.lost + len(keys), "the session ended"
+        elif w.hint.action is Action.RETAIN:
+            n = self._policy.retain(keys, w.hint.bounds.priority, w.ttl, w.owner)
+            if n < len(keys):
+                w.lost, w.why = w.lost + len(keys) - n, "not in G2"
+        else:
+            done, _, why = self._pin(w.hint, w.session, keys, w.ttl)
+            if len(done) < len(keys):
+                w.lost, w.why = w.lost + len(keys) - len(done), "pin quota" if why else "not in G2"
+
+    def _settle(self, w: _Wait, why: str = "", run: bool = True) -> None:
+        """``w`` waits for nothing more (``why`` the rest is lost): its final
+        outcome, or its copy started (``then``; not when ``run`` is false)."""
+        w.done = True
+        self._live -= 1
+        if w.keys:
+            for k in list(w.keys):
+                self._unwait(w, k)
+                w.lost += 1
+            w.why = why
+        hint, name = w.hint, w.hint.action.action_type
+        if w.then is None:
+            if w.lost:
+                self._emit(HintOutcome(
+                    hint.hint_id, name, Status.CLIPPED, 0, w.lost * self._bpc,
+                    f"{w.lost} of the turn's last chunks not "
+                    f"{'retained' if hint.action is Action.RETAIN else 'pinned'}: {w.why}"),
+                    Via.POLICY, w.session)
+            return
+        if not run:
+            out = HintOutcome(hint.hint_id, name, Status.REJECTED, reason=f"{why} before "
+                              "the turn's last chunks were stored")
+        else:
+            try:
+                out = w.then(w)
+            except Exception:       # a bug must cost this hint, never the engine
+                logger.exception("sessionkv: %s %s failed", name, hint.hint_id)
+                out = HintOutcome(hint.hint_id, name, Status.REJECTED, reason="internal error")
+        if out.status is not Status.DEFERRED:
+            self._emit(out, Via.TRANSFER, w.session)
+
+    def _expire(self, now: float) -> None:
+        """End the waits past their deadline (``WAIT_S``), the oldest first."""
+        while self._order and (self._order[0].done or self._order[0].deadline <= now):
+            w = self._order.popleft()
+            if not w.done:
+                self._settle(w, f"not there {WAIT_S:g} s after the request finished")
+
+    def _pin_g3(self, hint: KvHint, owner: str, keys: list[bytes], asked: int,
+                clipped: list[str], ttl: float, g2_blocks: int, w: _Wait) -> HintOutcome:
+        """A Pin's G3 side once the turn's last chunks reached G3 (or never will)."""
+        why = self._reasons(clipped, w)
+        if keys:
+            return self._mover.start(Action.PIN, hint.hint_id, keys, asked, owner, why,
+                                     ttl_s=ttl, g2_blocks=g2_blocks)
+        return HintOutcome(hint.hint_id, hint.action.action_type,
+                           Status.CLIPPED if g2_blocks else Status.REJECTED, asked, g2_blocks,
+                           why)
+
+    @staticmethod
+    def _reasons(clipped: list[str], w: _Wait | None, *more: str) -> str:
+        """The clip reasons, a wait's lost chunks and ``more``, joined."""
+        lost = [f"{w.lost} of the turn's last chunks {w.why}"] if w is not None and w.lost \
+            else []
+        return "; ".join([*clipped, *lost, *more])
 
     def _unsigned_ok(self, hint: KvHint, session_id: str | None) -> bool:
         """Unsigned Pins of the request's own session, when the operator

@@ -12,7 +12,10 @@ primary tier, G3 = secondary tiers), plus:
 - each request's session (``Request.session_id``, else
   ``kv_transfer_params["session_id"]``) and hints, read once when it arrives
   and kept with everything else the connector follows of it (``_Tracked``);
-  the hints act when it finishes (``SessionTierManager.execute_request_hints``);
+  the hints act when it finishes (``SessionTierManager.execute_request_hints``),
+  on the whole turn: the blocks its last tokens filled join the index then,
+  and the chunks vLLM stores after it finished get the hints when they arrive
+  (``connectors/hint_executor.py``, ``Turn``);
 - generated tokens offloaded too (agentic turns reuse them), unless the user
   sets vLLM's ``offload_prompt_only``;
 - a per-request report (``sessionkv.report.RequestReport``) returned from
@@ -66,7 +69,7 @@ from sessionkv.types import Tier
 from . import compat
 from .control import ControlChannel
 from .fills import FillWatch
-from .hint_executor import read_request
+from .hint_executor import Turn, read_request
 from .kv_events import SessionEventsTracker
 from .manager import SessionTierManager
 from .probe import Probe, make_probe
@@ -477,14 +480,33 @@ class SessionTierConnector(OffloadingConnector):
             events.append(Association(session_id=tr.session, op=Op.EXTEND, tier=tier.name,
                                       blocks=n_blocks, frontier=tr.keys[n_blocks - 1]))
 
+    def _turn(self, tr: _Tracked, request: "Request") -> Turn | None:
+        """A finished request's full blocks up to vLLM's last store of it (its
+        last computed token; with async scheduling the block its last tokens
+        filled is hashed only when it finished) join the index; its chunks,
+        which its hints cover to the end, when it has hints."""
+        bs = self._block_size
+        end = min(request.num_computed_tokens,
+                  max(request.num_prompt_tokens, request.num_tokens - 1))
+        full = min(len(request.block_hashes), end // bs)
+        if full > tr.admitted:
+            self._admit_filled([(tr, tr.admitted, full)], time.monotonic())
+            tr.admit_upto(full, bs)
+        if not tr.hints:
+            return None
+        bpc = self.manager.primary_tier.blocks_per_chunk
+        return Turn(request.request_id, tr.keys_upto(full)[bpc - 1::bpc])
+
     def _report(self, request: "Request") -> RequestReport:
         tr = self._tracked.pop(request.request_id, None)
         self._fills.forget(request.request_id)
         g1, sources = (tr.g1_tokens, tr.sources) if tr else (0, {})
         g2 = sources.get(CacheHitSource.HOST, 0)
         g3 = sum(sources.values()) - g2
+        turn = self._turn(tr, request) if tr else None
         report = RequestReport.build(
-            hints=self.manager.execute_request_hints(tr.hints, tr.session) if tr else (),
+            hints=self.manager.execute_request_hints(tr.hints, tr.session, turn)
+            if tr else (),
             session_id=tr.session if tr else None,
             block_size=self._block_size,
             prompt_tokens=request.num_prompt_tokens,
