@@ -261,6 +261,8 @@ class SessionTierManager(OffloadingManager):
                       client: str) -> list[HintOutcome]:
         """Execute hints from the control channel now, under the lock."""
         with self.lock:
+            if self.mover is not None:
+                self.mover.begin_hold()
             outcomes = self.executor.execute_all(items, session, client=client)
             self.emit_outcomes(outcomes, Via.CONTROL, session, client)
             return outcomes
@@ -290,6 +292,7 @@ class SessionTierManager(OffloadingManager):
     def _fetched(self, hint: KvHint, keys: list[bytes], asked: int) -> None:
         """A kv.fetch's source published ``keys``: prefetch them here."""
         with self.lock:
+            self.mover.begin_hold()
             first = self.mover.start(Action.PREFETCH, hint.hint_id, keys, asked, None,
                                      name=hint.action.action_type)
             if first.status is not Status.DEFERRED:
