@@ -2,19 +2,25 @@
 
 vLLM's KV event publisher (``--kv-events-config``, what llm-d's indexer and
 Dynamo's router consume) tags device blocks' ``BlockStored`` with the
-request's ``session_id``; the ``BlockStored`` events its offloading
-connector sends for G2 (``medium`` "CPU") and the secondary tiers carry
-none. ``SessionEventsTracker`` is vLLM's ``OffloadingEventsTracker`` that
-also remembers, per chunk, the session of the request that stored it (or
-first reused it from G2) and sets ``session_id`` on every ``BlockStored``
-of that chunk: the G2 store, and the G3 cascades, which run with no
-request. ``BlockRemoved`` has no ``session_id`` field: removals go out as
-vLLM makes them.
+request's ``session_id``, on every store and every prefix-cache reuse; the
+``BlockStored`` events its offloading connector sends for G2 (``medium``
+"CPU") and the secondary tiers carry none, and are not repeated on reuse.
+``SessionEventsTracker`` is vLLM's ``OffloadingEventsTracker`` that also
+remembers, per chunk, which requests stored it or reused it from the
+offloaded tiers, and sets ``session_id`` on a ``BlockStored`` of the chunk
+(the G2 store, the G3 cascades and hint copies, which run with no request)
+only when it is one session's alone: every request seen with the chunk
+belongs to that session. A chunk seen with two sessions, or with a request
+without a session, is shared and goes untagged: no session is named the
+owner of what several use (reuse from the device prefix cache alone is not
+seen here; vLLM's device events report it, tagged with the reusing
+session). ``BlockRemoved`` has no ``session_id`` field: removals go out as
+vLLM makes them (G3's: ``tiers/g3_events.py``).
 
 Invariants: events are vLLM's own, in vLLM's order, with only
 ``session_id`` set; a chunk no session stored is left untagged.
-Memory: at most ``cap`` chunks' sessions (the least recently stored go
-first: a G3 cascade follows its G2 store within a few steps).
+Memory: at most ``cap`` chunks' users (the least recently seen go first: a
+G3 cascade follows its G2 store within a few steps).
 Threading: the scheduler thread, as vLLM's tracker.
 Installed only when KV events are on (``enable_kv_cache_events``).
 """
@@ -31,9 +37,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
 )
 from vllm.v1.kv_offload.base import OffloadingEvent
 
+# A chunk's users: a session id, None (requests without one), or this.
+_SHARED = object()
 
 class SessionEventsTracker(OffloadingEventsTracker):
-    """vLLM's tracker, plus each chunk's storing session (module docstring)."""
+    """vLLM's tracker, plus each chunk's sole session (module docstring)."""
 
     _sessions: OrderedDict
     _cap: int
@@ -51,11 +59,17 @@ class SessionEventsTracker(OffloadingEventsTracker):
 
     def _remember(self, req, key) -> None:
         session = getattr(req, "session_id", None)
-        if not isinstance(session, str) or not session or key in self._sessions:
+        if not isinstance(session, str) or not session:
+            session = None
+        users = self._sessions
+        if key not in users:
+            users[key] = session
+            if len(users) > self._cap:
+                users.popitem(last=False)
             return
-        self._sessions[key] = session
-        if len(self._sessions) > self._cap:
-            self._sessions.popitem(last=False)
+        if users[key] != session:           # another session, or none: shared
+            users[key] = _SHARED
+        users.move_to_end(key)
 
     def record_store(self, req, group_config, chunk_idx, offload_key) -> None:
         self._remember(req, offload_key)
@@ -82,7 +96,7 @@ class SessionEventsTracker(OffloadingEventsTracker):
             return
         for key, out in zip(event.keys, outs):
             session = self._sessions.get(key)
-            if session is not None and isinstance(out, BlockStored):
+            if isinstance(session, str) and isinstance(out, BlockStored):
                 out = msgspec.structs.replace(out, session_id=session)
             yield out
 

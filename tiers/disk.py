@@ -67,7 +67,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from vllm.v1.kv_offload.base import Locality
@@ -89,7 +89,10 @@ class DiskBackend(ObjectBackend):
     inline_sums = True
     sum_objects = False     # objects appear whole (rename): lookups stat the object
 
-    def __init__(self, path: str, max_bytes: int):
+    def __init__(self, path: str, max_bytes: int,
+                 on_evict: Callable[[set[str]], None] | None = None):
+        """``on_evict``: told the paths (``path_of``) of the objects each of
+        this backend's evictions removed, on the evictor's thread."""
         if not isinstance(path, str) or not path:
             raise ValueError(f"DiskTier: path must be a directory path, got {path!r}")
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
@@ -113,6 +116,7 @@ class DiskBackend(ObjectBackend):
         self._count_lock = os.open(self._count_path, os.O_RDWR | os.O_CREAT, 0o644)
         self._lock = threading.Lock()           # flock does not exclude this process's threads
         self.evictions = 0                      # objects this backend's evictor removed
+        self._on_evict = on_evict
         self._wake = threading.Event()
         self._refused = False                   # a put was refused: evict even below HIGH_WATER
         self._closed = False
@@ -326,18 +330,20 @@ class DiskBackend(ObjectBackend):
             if not min(before, after) - slack <= total <= max(before, after) + slack:
                 self._recount()
             self._sweep_tmp(now)
-            removed = 0
+            removed: set[str] = set()
             if self.usage() > (target if start is None else start) * self.max_bytes:
                 entries.sort()
                 for _, path in entries:
                     if self.usage() <= target * self.max_bytes:
                         break
                     if self._claim(path):
-                        removed += 1
-            self.evictions += removed
-            return removed
+                        removed.add(path)
+            self.evictions += len(removed)
         finally:
             fcntl.flock(self._evict_lock, fcntl.LOCK_UN)
+        if removed and self._on_evict is not None:
+            self._on_evict(removed)
+        return len(removed)
 
     def _scan(self, now: float) -> tuple[list[tuple[float, str]], int]:
         """(mtime, path) of the unpinned objects, and the bytes of all."""
@@ -422,5 +428,16 @@ class DiskTier(G3Tier):
     backend_class = DiskBackend
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, on_evict=self._evicted, **kwargs)
         self.locality = Locality.LOCAL          # KV events: this host's storage
+
+    def _evicted(self, paths: set[str]) -> None:
+        """This backend's evictor removed ``paths``: the chunks announced in
+        KV events among them are reported removed. On the evictor's thread:
+        a name per announced chunk is hashed (``path_of``), as the scan that
+        chose them read every object. Evictions by other engines' evictors
+        on ``path`` are seen only by lookups here."""
+        events = self.__dict__.get("_events")       # None until built, or without events
+        if events is not None:
+            path_of, name = self._backend.path_of, self.name
+            events.gone([k for k in events.keys() if path_of(name(k)) in paths])

@@ -29,7 +29,8 @@ An announced chunk is reported removed when the tier learns it is gone:
 Never reported: a removal of a chunk not announced (most lookups miss
 chunks no engine stored), and a chunk gone that nothing here looks up again
 (another engine's eviction, Mooncake's or Redis' own) until the bound or its
-TTL retires it.
+TTL retires it; nor one evicted between its put and the end of the store
+call (the evictor takes the least recently used first) until a lookup.
 
 Threading: every method takes the instance's lock (I/O, lookup and evictor
 threads report; the scheduler thread takes). Memory: at most ``cap``

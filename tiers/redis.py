@@ -139,6 +139,12 @@ class RedisBackend(ObjectBackend):
         except Exception:
             pass
 
+    @property
+    def lapse_s(self) -> float:
+        """How long an object we wrote lasts unpinned: its TTL (the tier's KV
+        events report it removed then, ``tiers/g3_events.py``)."""
+        return float(self._ttl)
+
     def register(self, buf: memoryview) -> None:
         return              # no registration: the client sends from the buffer
 
