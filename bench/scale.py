@@ -44,6 +44,9 @@ Everything runs the product's classes in one process (no model):
   time it comes out the same on every run and machine, so a change of a few
   percent shows (times here move 20 % from run to run), and ``top`` says
   which functions the extra lines are in.
+- ``pin_memory`` (issue 52): peak engine-process memory (RSS and
+  ``tracemalloc``) of a G3 Pin of a 6,250-chunk session on the disk tier
+  against idle (``bench/pin_memory.py``, which runs alone, Mooncake too).
 - ``soak``: 24 simulated hours of 10,000 live sessions taking turns (200 a
   minute, 32 new blocks each) over the same production G2 with write-through:
   the index's nodes and the process RSS each hour; sessions end or idle out.
@@ -348,6 +351,15 @@ def soak(hours: float, turns_per_min: int, g2_chunks: int, live: int) -> dict:
             "blocks_admitted": next_key, "growth_from_hour_2": growth, "per_hour": samples}
 
 
+# ---- pin memory (issue 52) -----------------------------------------------------
+
+def pin_memory_figures(quick: bool) -> dict:
+    """``bench/pin_memory.py``'s figures for a Pin of a 6,250-chunk session
+    (625 with ``quick``) on the disk tier."""
+    import pin_memory
+    return pin_memory.measure("disk", 625 if quick else 6250)
+
+
 # ---- main -------------------------------------------------------------------
 
 def check(figure: float, target: float) -> dict:
@@ -377,6 +389,7 @@ def main() -> None:
                                       100 if q else 1000, 16)
     out["soak"] = soak(3 if q else 24, 50 if q else 200, 4096 if q else G2_CHUNKS,
                        500 if q else 10_000)
+    out["pin_memory"] = pin_memory_figures(q)
     dec_long = out["steps_64k"]["decode"]["extra"]["p99_ms"]
     dec_short = out["steps_4k"]["decode"]["extra"]["p99_ms"]
     out["targets"] = {
@@ -390,6 +403,8 @@ def main() -> None:
         "soak_rss_growth_hour_2_to_end": check(out["soak"]["growth_from_hour_2"]["rss_mib"], 0.05),
         "soak_index_nodes_over_resident_bound": check(
             round(out["soak"]["nodes_max"] / out["soak"]["nodes_bound"], 4), 1.0),
+        "pin_memory_over_idle_mib": check(out["pin_memory"]["worst_over_idle_mib"],
+                                          out["pin_memory"]["target_mib"]),
     }
     out["targets_met"] = all(t["met"] for t in out["targets"].values())
     out["wall_s"] = round(time.time() - t0, 1)
