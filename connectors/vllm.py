@@ -110,7 +110,10 @@ def check_supported(
     pipeline_parallel_size: int,
     device_worker: bool,
 ) -> None:
-    """Refuse, at start, configurations sessionkv would serve wrongly or untested."""
+    """Refuse, at start, configurations sessionkv would serve wrongly or untested.
+    Accepted on a device: tensor parallel of any size (every rank's slot of a
+    G2 row reaches G3 and comes back: tests/connectors/test_tp_layout.py, with
+    vLLM's own region code at TP 2, 4 and 8); refused: pipeline parallel."""
     if kv_role != "kv_both":
         raise ValueError(f"kv_role must be 'kv_both' for SessionTierConnector, got {kv_role!r}")
     if len(kv_cache_groups) != 1 or type(kv_cache_groups[0].kv_cache_spec) is not FullAttentionSpec:
@@ -119,6 +122,12 @@ def check_supported(
             "SessionTierConnector supports full-attention models with one KV cache "
             f"group; this model has {kinds}"
         )
+    if device_worker and pipeline_parallel_size != 1:
+        raise ValueError(
+            "SessionTierConnector supports pipeline_parallel_size=1 only, got "
+            f"{pipeline_parallel_size}: every worker lays out its slot of each G2 row "
+            "from one per-worker size, and pipeline stages with different layer counts "
+            "may map different region geometry; no test covers it yet")
     if not device_worker and (tensor_parallel_size != 1 or pipeline_parallel_size != 1):
         raise ValueError(
             "SessionTierConnector supports tensor_parallel_size=1 and "

@@ -14,7 +14,16 @@ SWA = KVCacheGroupSpec(["l1"], SlidingWindowSpec(block_size=32, num_kv_heads=2, 
 
 def test_full_attention_single_group_tp1_is_supported():
     check_supported("kv_both", [FULL], 1, 1, device_worker=False)
-    check_supported("kv_both", [FULL], 4, 1, device_worker=True)
+    # Tensor parallel on a device: test_tp_layout.py proves its G2 and G3 layout.
+    for tp in (1, 2, 4, 8):
+        check_supported("kv_both", [FULL], tp, 1, device_worker=True)
+
+
+def test_pipeline_parallel_on_a_device_is_refused_naming_the_setting_and_why():
+    for tp, pp in ((1, 2), (4, 2), (2, 4)):
+        with pytest.raises(ValueError, match=f"pipeline_parallel_size=1 only, got {pp}: "
+                                             r".*stages with different layer counts"):
+            check_supported("kv_both", [FULL], tp, pp, device_worker=True)
 
 
 @pytest.mark.parametrize(
