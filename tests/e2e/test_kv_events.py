@@ -3,8 +3,11 @@
 real engine (tiny model, G2 and G3 on the local disk): the ``BlockStored``
 events of G2 (``medium`` "CPU") and of the G3 cascade carry the storing
 request's ``session_id``, as vLLM tags device blocks; a request with no
-session stays untagged. (Without KV events vLLM's tracker is left as is:
-tests/connectors/test_tier_stack.py.)"""
+session stays untagged. G3's eviction is reported: a ``BlockRemoved``
+(medium "STORAGE") for each block the disk tier's evictor removed, and none
+for a block never reported stored. (Without KV events vLLM's tracker is left
+as is: tests/connectors/test_tier_stack.py; the other G3 removals, hint
+copies and shared chunks: tests/connectors/test_kv_events.py.)"""
 
 import threading
 import uuid
@@ -15,14 +18,14 @@ import pytest
 import zmq
 from vllm import LLM, SamplingParams
 from vllm.config import KVEventsConfig
-from vllm.distributed.kv_events import BlockStored, KVEventBatch
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from sessionkv.connectors.kv_events import SessionEventsTracker
 from sessionkv.devtools.engines import TINY, kv_transfer_config, new_engine_id, serve
 from sessionkv.devtools.server import free_port, remove_offload_region
 
 RNG = np.random.default_rng(41)
-P, Q = (RNG.integers(10, 4000, 200).tolist() for _ in range(2))    # 6 full blocks each
+P, Q, R = (RNG.integers(10, 4000, 200).tolist() for _ in range(3))    # 6 full blocks each
 PARAMS = SamplingParams(temperature=0, max_tokens=4)
 G2, G3 = "CPU", "STORAGE"           # BlockStored.medium of vLLM's CPU tier and of ours
 
@@ -118,3 +121,37 @@ def test_g2_and_g3_stores_carry_the_storing_session(engine):
               and e.medium == "GPU" and list(e.token_ids[:32]) == P[:32]}
     assert device == {"agent-7"}, device
 
+
+
+def stored_hashes(events, medium, prompt=None):
+    return {h for e in events if isinstance(e, BlockStored) and e.medium == medium
+            and (prompt is None or tuple(e.token_ids) in chunks(prompt)) for h in e.block_hashes}
+
+
+def removed_hashes(events, medium):
+    return {h for e in events if isinstance(e, BlockRemoved) and e.medium == medium
+            for h in e.block_hashes}
+
+
+def test_g3_blocks_the_disk_tier_evicts_are_reported_removed(engine):
+    # Issue 52: G3's BlockStored was never followed by a BlockRemoved, so an
+    # indexer kept every block ever cascaded as resident in G3 for ever.
+    import time
+    llm, sub = engine
+    tier = llm.llm_engine.engine_core.engine_core.scheduler.connector.manager.secondary_tiers[0]
+    serve(llm, R, PARAMS, session="agent-9")
+    deadline = time.monotonic() + 60
+    while len(stored_hashes(sub.events, G3, R)) < 6:
+        assert time.monotonic() < deadline, sorted({(type(e).__name__, e.medium)
+                                                    for e in sub.events}, key=str)
+        serve(llm, [5, 6, 7], SamplingParams(max_tokens=1))
+        time.sleep(0.2)
+    cascaded = stored_hashes(sub.events, G3, R)
+    assert not cascaded & removed_hashes(sub.events, G3)
+    assert tier._backend.evict(target=0.0, start=0.0) > 0      # its evictor, down to nothing
+    while not cascaded <= removed_hashes(sub.events, G3):
+        assert time.monotonic() < deadline, (cascaded, removed_hashes(sub.events, G3))
+        serve(llm, [5, 6, 7], SamplingParams(max_tokens=1))    # steps publish the events
+        time.sleep(0.2)
+    # Only what was announced stored is announced removed.
+    assert removed_hashes(sub.events, G3) <= stored_hashes(sub.events, G3)
