@@ -99,9 +99,14 @@ class StorageEvents:
     def gone(self, keys: Iterable[OffloadKey]) -> None:
         """These chunks' objects are not there: the announced ones are
         reported removed."""
+        # Most are lookups' misses of chunks never stored: sifted before the
+        # lock (a dict read under the GIL), so ``take`` does not wait on them.
+        known = [k for k in keys if k in self._announced]
+        if not known:
+            return
         with self._lock:
             pop = self._announced.pop
-            self._report([k for k in keys if pop(k, None) is not None], True)
+            self._report([k for k in known if pop(k, None) is not None], True)
 
     def held(self, keys: Iterable[OffloadKey], ttl_s: float) -> None:
         """Our Pin keeps these chunks for ``ttl_s`` (their TTL starts again
