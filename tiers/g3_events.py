@@ -23,7 +23,7 @@ An announced chunk is reported removed when the tier learns it is gone:
   found it);
 - the tier's own eviction (``gone`` from DiskTier's evictor);
 - the bound: at most ``cap`` chunks are announced; past it the one
-  announced longest ago is reported removed (the engine no longer vouches
+  stored least recently is reported removed (the engine no longer vouches
   for it: an indexer may then under-count G3, never over-count).
 
 Never reported: a removal of a chunk not announced (most lookups miss
@@ -33,8 +33,10 @@ TTL retires it; nor one evicted between its put and the end of the store
 call (the evictor takes the least recently used first) until a lookup.
 
 Threading: every method takes the instance's lock (I/O, lookup and evictor
-threads report; the scheduler thread takes). Memory: at most ``cap``
-announced chunks (a key and a float each), the lapse heap within
+threads report; the scheduler thread takes); ``gone`` only for the chunks
+announced. Cost, here: about 2 us a chunk stored, 0.2-0.4 us a chunk looked
+up missing, 4 us a ``take`` with nothing new. Memory: at most ``cap``
+announced chunks (about 170 bytes each, the key aside), the lapse heap within
 ``2 * cap + HEAP_SLACK`` entries, at most ``MAX_BATCHES`` reports waiting
 for ``take`` (vLLM takes them every step; past it the oldest go).
 """
