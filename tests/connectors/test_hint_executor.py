@@ -5,7 +5,8 @@ import hypothesis.strategies as st
 from hypothesis import given, settings
 
 from sessionkv.config import Limits
-from sessionkv.connectors.hint_executor import HintExecutor, read_request_hints
+from sessionkv.connectors import hint_executor
+from sessionkv.connectors.hint_executor import WAIT_S, HintExecutor, Turn, read_request_hints
 from sessionkv.devtools.hint_cases import expected_count
 from sessionkv.hints import SIG_PARAM, Status, sign
 from sessionkv.index.prefix_index import SessionPrefixIndex
@@ -259,3 +260,79 @@ def test_status_lists_the_pins_of_the_sessions_it_shows_at_their_cost():
         assert (p["session_id"], p["hint_id"], p["chunks"]) == ("me", "h0", 3)
         assert 50 < p["expires_in_s"][0] <= p["expires_in_s"][1] <= 60     # the policy's clock
     assert costs[0] == costs[1], costs
+
+
+def _turn_setup(g2_chunks=100):
+    """Session s1 of five blocks after a turn: G2 holds the first three, the
+    last two are still on their way (a real index and SessionCachePolicy;
+    the engine-level test is tests/connectors/test_turn_hints.py)."""
+    idx = SessionPrefixIndex(max_tombstones=4)
+    keys = [block_key(10 + i) for i in range(5)]
+    idx.admit("s1", keys, Tier.G1)
+    policy = SessionCachePolicy(g2_chunks)
+    for i, k in enumerate(keys[:3]):
+        chunk = ChunkStatus(i)
+        chunk.ref_cnt = 0
+        policy.insert(k, chunk)
+    clock, told = Clock(), []
+    ex = HintExecutor(idx, Limits(pin_fraction_session=1.0, pin_fraction_global=1.0), policy,
+                      g2_chunks, 1, clock, emit=lambda o, via, s: told.append((o, via, s)))
+    return ex, policy, keys, clock, told
+
+
+def _turn_pin(ex, keys, rid="r1"):
+    hints = read_request_hints({"kv_hints": env({"ttl_s": 60}),
+                                SIG_PARAM: sign(env({"ttl_s": 60}), "s1", SECRET)},
+                               None, "s1", SECRET)
+    (o,) = ex.execute_all(hints, "s1", turn=Turn(rid, keys))
+    return o
+
+
+def _stored(policy, k, slot):
+    chunk = ChunkStatus(slot)
+    chunk.ref_cnt = 0
+    policy.insert(k, chunk)
+
+
+def test_a_turns_pin_holds_its_last_chunks_as_they_arrive_and_reports_the_ones_lost():
+    from sessionkv.events import Via
+    ex, policy, keys, _, told = _turn_setup()
+    o = _turn_pin(ex, keys)
+    assert (o.status, o.blocks_affected) == (Status.ACCEPTED, 5)   # the two on their way count
+    assert ex.waiting
+    assert [policy.pin_expiry(k) is not None for k in keys] == [True] * 3 + [False] * 2
+    _stored(policy, keys[3], 3)
+    ex.stored([keys[3]], True)                   # vLLM's store of the fourth ended
+    assert policy.pin_expiry(keys[3]) is not None and ex.pinned_chunks == 4 and not told
+    ex.request_done("r1")                        # vLLM's last stores left out the fifth
+    assert not ex.waiting
+    ((late, via, session),) = told
+    assert (late.hint_id, late.status, late.blocks_affected, via, session) == (
+        "h0", Status.CLIPPED, 1, Via.POLICY, "s1")
+    assert late.reason == "1 of the turn's last chunks not pinned: not stored in G2"
+
+
+def test_a_turns_waits_end_on_failed_stores_and_at_their_deadline():
+    ex, policy, keys, clock, told = _turn_setup()
+    _turn_pin(ex, keys)
+    ex.stored([keys[3]], False)                  # a failed store: lost at once
+    clock.t = WAIT_S - 1
+    ex.collect_clipped()
+    assert ex.waiting and not told
+    clock.t = WAIT_S + 1                         # nothing came for the fifth
+    ex.collect_clipped()
+    ((late, _, _),) = told
+    assert late.reason == "2 of the turn's last chunks not pinned: " \
+        f"not there {WAIT_S:g} s after the request finished"
+    assert ex._n_waiting == 0
+
+
+def test_waiting_chunks_are_bounded(monkeypatch):
+    monkeypatch.setattr(hint_executor, "MAX_WAITING_CHUNKS", 1)
+    ex, policy, keys, _, told = _turn_setup()
+    o = _turn_pin(ex, keys)
+    assert (o.status, o.blocks_affected) == (Status.CLIPPED, 4)
+    assert "1 of the turn's last chunks not held: too many chunks waiting" in o.reason
+    o = _turn_pin(ex, keys, rid="r2")            # no room left: resident chunks only
+    assert (o.status, o.blocks_affected) == (Status.CLIPPED, 3)
+    assert ex._n_waiting == 1
