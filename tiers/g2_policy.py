@@ -3,8 +3,9 @@
 Eviction order, for ``evict(n, protected)``:
 
 1. chunks neither pinned nor retained (or retained at priority 0): plain LRU,
-   so un-hinted traffic evicts exactly as vLLM's ``LRUCachePolicy``; demoted
-   chunks (``demote``: a Demote hint copied them to G3) before all others;
+   so un-hinted traffic evicts exactly as the running vLLM's
+   ``LRUCachePolicy`` (below); demoted chunks (``demote``: a Demote hint
+   copied them to G3) before all others;
 2. retained chunks, lowest priority first, least recently used first within a
    priority;
 3. pinned chunks only when nothing else is left: the oldest pins first (least
@@ -12,6 +13,30 @@ Eviction order, for ``evict(n, protected)``:
    hint executor for its outcomes), so pins never stall a store.
 
 The evicted chunks come back least recent first, as LRU returns them.
+
+Recency ("least recently used") is a rank per chunk, the running release's:
+
+- vLLM 0.32: a store (``insert``) gives the chunk the next rank; ``touch``
+  and ``on_request_finished`` give each present key the next rank, the
+  request's head last. The least rank goes first.
+- vLLM 0.33 (found by feature: its ``CachePolicy`` has
+  ``on_request_access``; ``BY_POSITION``): the rank is the pair (request
+  rank, -position). A request draws its rank from the same counter at its
+  first ``on_request_access`` or its first store of a key with a position
+  (once per request and per cache generation: ``clear`` starts a new one).
+  A store of a key with an offload key position in the request's context
+  gets (that rank, -position), and ``on_request_access`` (vLLM's manager
+  reports each key a request loads or offers, once) lifts a present key to
+  it, never lowers one. So a running request's chunks, its reused prefix
+  included, go after every chunk last used before it began, tail first (its
+  head last: the head is what makes the rest reachable). A store without a
+  position, ``touch`` and ``on_request_finished`` give (next rank, 0), as
+  on 0.32. Equal pairs (two KV cache groups' keys at one position) go in key
+  order, as vLLM's heap breaks them.
+
+A rank is one int, ``rank << SHIFT | (LOW ^ position)`` (position 0 for a
+rank of its own), so that both releases compare plain ints; on 0.32 SHIFT is
+0 and a rank is the counter itself.
 
 Pins and retains carry an expiry; lapsed ones are dropped lazily. Every pin
 that ends other than by ``unpin`` or a clip (it lapsed, its chunk was removed
@@ -23,24 +48,35 @@ Data structure: the policy owns its ordering (it subclasses vLLM's abstract
 ``CachePolicy`` only, none of LRU's private fields). Every evictable chunk
 (ref_cnt 0) sits in one *level*: 0 for plain, the priority for retained, and
 ``PIN_LEVEL`` above all for pinned; each level is a lazy min-heap of
-(order, key), order the recency rank (for pins: when pinned, then rank).
-A chunk's valid entry is recorded in ``_at``; moving it (a hint, a touch, a
-lapse) pushes a new entry and the old one is dropped when popped. Level 0
-also has a run (``_run``, an ``OrderedDict``) that takes every plain chunk
-filed with a rank above all before it: every use of an evictable chunk (its
-new rank is the highest), and stores that end in the order they began. Its
-front is its least, and a chunk leaves it without a stale entry: uses never
-grow a heap, whose rebuild from all its entries was a 394 ms stall at
-262,144 chunks (tests/tiers/test_g2_policies.py). Chunks filed out of rank
-order (loads, demotes, a use's older ranks) go to the heap; the level's
-least is the smaller of the run's front and the heap's top.
+(order, key), order the rank (for pins: (when pinned, rank)). A chunk's
+valid entry is recorded in ``_at``; moving it (a hint, a touch, a lapse)
+pushes a new entry and the old one is dropped when popped. Level 0 also
+keeps two orderings that chunks filed in rank order join in O(1), with no
+entry left to go stale when they leave:
+
+- the run (``_run``, an ``OrderedDict``) takes every chunk with a rank of
+  its own (position 0: every chunk on 0.32) filed with a rank above all
+  before it: every use of an evictable chunk (its new rank is the highest),
+  and stores that end in the order they began. Uses never grow a heap,
+  whose rebuild from all its entries was a 394 ms stall at 262,144 chunks
+  (tests/tiers/test_g2_policies.py);
+- a group per request rank (``_groups``, each an ``OrderedDict`` in rank
+  order, found through a lazy heap of request ranks, ``_group_heap``) takes
+  a 0.33 request's chunks filed below its least one or above its greatest:
+  a request stores its chunks head to tail, each the new least of its
+  group, and accesses its reused prefix head to tail the same way.
+
+Chunks filed out of order (loads, demotes, a use's older ranks, a chunk
+landing inside its group) go to the heap; the level's least is the least
+of the run's front, the first group's front and the heap's top.
 
 Chunks that become evictable (a store or load ends) wait in ``_arriving``
-and are filed lowest rank first by the next ``insert`` or ``evict`` (or
-once ``ARRIVING_MAX`` wait); a hint or use that changes one meanwhile is
-seen when it is filed. vLLM ends a step's stores in the order its worker
-reports their jobs, not the order they began: filed as they ended, 981 of
-1,009 evictions in bench/scale.py's 4k decode steps came from the heap,
+and are filed by the next ``insert`` or ``evict`` (or once ``ARRIVING_MAX``
+wait), by rank and, within a request's rank, head first (each the new least
+of its group); a hint or use that changes one meanwhile is seen when it is
+filed. vLLM ends a step's stores in the order its worker reports their
+jobs, not the order they began: filed as they ended, 981 of 1,009
+evictions in bench/scale.py's 4k decode steps (0.32) came from the heap,
 each pop O(log n) with a cache miss per level at 262,144 chunks; filed
 sorted, 1,009 of 1,009 came from the run, O(1) each. Which chunks are
 evictable at an ``evict`` is the same either way, so the choices are the
@@ -48,9 +84,9 @@ same.
 
 Cost: ``evict(n)`` pops O(n + stale + protected) entries from the lowest
 levels, with no sort and no pass over the chunks, however many are pinned or
-retained; a hint or touch costs O(log n) per chunk (O(1) into the run);
-heaps are compacted when they hold twice their live entries. Memory:
-O(chunks + live hints).
+retained; a hint or touch costs O(log n) per chunk (O(1) into the run or a
+group); a request's first filed chunk O(log requests); heaps are compacted
+when they hold twice their live entries. Memory: O(chunks + live hints).
 
 vLLM builds policies as ``cls(cache_capacity=n)`` (``eviction_policy`` +
 ``cache_policy_module_path``); the limits live in the hint executor, which
@@ -67,6 +103,7 @@ import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
@@ -78,6 +115,24 @@ PIN_LEVEL = 1 << 62         # above every retain priority: pins go last
 # cannot leave one filing of up to all of G2 (262,144 at 1 us each) to a step.
 ARRIVING_MAX = 4096
 _INF = float("inf")
+# vLLM 0.33 ranks by request and position and reports accesses (module
+# docstring); 0.32's CachePolicy has no such hook. A public name, read by
+# feature: a later release of the same shape needs nothing here.
+BY_POSITION: bool = hasattr(CachePolicy, "on_request_access")
+SHIFT = 48 if BY_POSITION else 0          # positions (tokens) below 2**48
+LOW = (1 << SHIFT) - 1
+# where a level-0 least was found (``_least``)
+_HEAP, _RUN, _GROUP = 0, 1, 2
+
+
+@dataclass(slots=True)
+class _RequestRank:
+    """A request's rank in one policy, kept in its ``ReqContext`` (which
+    keys state by type: vLLM's LRU keeps its own beside it)."""
+
+    owner: object
+    generation: int
+    rank: int
 
 
 class SessionCachePolicy(CachePolicy):
@@ -90,6 +145,7 @@ class SessionCachePolicy(CachePolicy):
         self.chunks: dict[OffloadKey, ChunkStatus] = {}
         self._rank: dict[OffloadKey, int] = {}           # recency: higher is later
         self._next_rank = 0
+        self._generation = 0            # of the cache: ``clear`` starts a new one
         self._demoted = 0               # ranks of demoted chunks count down from here
         self._demoted_keys: set[OffloadKey] = set()
         self._pins: dict[OffloadKey, tuple[float, float]] = {}    # key -> (pinned_at, expiry)
@@ -103,12 +159,23 @@ class SessionCachePolicy(CachePolicy):
         self._heaps: dict[int, list[tuple[object, OffloadKey]]] = {}
         self._size: dict[int, int] = {}                  # level -> evictable keys in it
         self._levels: list[int] = []                     # sorted levels with a key
-        # level-0 keys filed in rank order, key -> rank (module docstring);
-        # the highest rank it took, which the next must pass to join it
+        # level-0 keys with a rank of their own filed in rank order, key ->
+        # rank (module docstring); the highest rank it took, which the next
+        # must pass to join it
         self._run: OrderedDict[OffloadKey, int] = OrderedDict()
         self._run_top = 0
+        # level-0 keys of a request's rank (0.33), per request rank, in rank
+        # order; a lazy min-heap of the request ranks (one valid entry or more
+        # per group, stale ones dropped when on top or by compaction)
+        self._groups: dict[int, OrderedDict[OffloadKey, int]] = {}
+        self._group_heap: list[int] = []
         # keys made evictable, not filed yet (``_settle``: the module docstring)
         self._arriving: dict[OffloadKey, None] = {}
+        rank = self._rank
+        # the filing order of arrived keys: by rank, and head first (position
+        # up) within a request's rank, so each joins its group at the front
+        self._filing_key: Callable[[OffloadKey], int] = (
+            (lambda k: rank[k] ^ LOW) if LOW else rank.__getitem__)
         # (expiry, key) of every pin and retain set, lazily invalidated: lapses
         # are found without a pass over all hints on every eviction.
         self._expiries: list[tuple[float, OffloadKey]] = []
@@ -131,7 +198,7 @@ class SessionCachePolicy(CachePolicy):
         if old == where:
             return
         if old is not None:
-            self._leave(k, old[0])
+            self._leave(k, old)
         self._at[k] = where
         level, order = where
         if level not in self._size:
@@ -139,14 +206,44 @@ class SessionCachePolicy(CachePolicy):
             self._heaps[level] = []
             bisect.insort(self._levels, level)
         self._size[level] += 1
-        if level == 0 and order > self._run_top:
-            self._run[k] = self._run_top = order
-            return
+        if level == 0:
+            if order & LOW == LOW:                       # a rank of its own
+                if order > self._run_top:
+                    self._run[k] = self._run_top = order
+                    return
+            elif self._join_group(k, order):
+                return
         heap = self._heaps[level]
         heapq.heappush(heap, (order, k))
         if len(heap) > 2 * self._size[level] + 64:       # drop entries that went stale
             heap[:] = [(o, q) for o, q in heap if self._at.get(q) == (level, o)]
             heapq.heapify(heap)
+
+    def _join_group(self, k: OffloadKey, order: int) -> bool:
+        """File level-0 ``k`` of a request's rank in that request's group,
+        when it is below the group's least or above its greatest (in (order,
+        key) order, as vLLM's heap compares); whether it joined."""
+        r = order >> SHIFT
+        group = self._groups.get(r)
+        if group is None:
+            self._groups[r] = OrderedDict(((k, order),))
+            heapq.heappush(self._group_heap, r)
+            if len(self._group_heap) > 2 * len(self._groups) + 64:
+                self._group_heap = list(self._groups)
+                heapq.heapify(self._group_heap)
+            return True
+        first = next(iter(group))
+        o = group[first]
+        if order < o or (order == o and k < first):
+            group[k] = order
+            group.move_to_end(k, last=False)
+            return True
+        last = next(reversed(group))
+        o = group[last]
+        if order > o or (order == o and k > last):
+            group[k] = order
+            return True
+        return False
 
     def _arrive(self, k: OffloadKey) -> None:
         """``k`` became evictable: filed by the next ``_settle``."""
@@ -155,9 +252,9 @@ class SessionCachePolicy(CachePolicy):
             self._settle()
 
     def _settle(self) -> None:
-        """File the arrived keys, lowest rank first (module docstring)."""
+        """File the arrived keys in filing order (module docstring)."""
         arriving, self._arriving = self._arriving, {}
-        for k in sorted(arriving, key=self._rank.__getitem__) if len(arriving) > 1 else arriving:
+        for k in sorted(arriving, key=self._filing_key) if len(arriving) > 1 else arriving:
             self._file(k)
 
     def _unfile(self, k: OffloadKey) -> None:
@@ -165,26 +262,50 @@ class SessionCachePolicy(CachePolicy):
             self._arriving.pop(k, None)
         old = self._at.pop(k, None)
         if old is not None:
-            self._leave(k, old[0])
+            self._leave(k, old)
 
-    def _leave(self, k: OffloadKey, level: int) -> None:
-        """``k`` leaves ``level`` (its heap entry goes stale, its run entry goes)."""
-        if level == 0:
-            self._run.pop(k, None)
+    def _leave(self, k: OffloadKey, where: tuple[int, object]) -> None:
+        """``k`` leaves its ``where`` (its heap entry goes stale, its run or
+        group entry goes)."""
+        level = where[0]
+        if level == 0 and self._run.pop(k, None) is None and self._groups:
+            self._ungroup(k, where[1] >> SHIFT)
         self._shrink(level)
 
-    def _least(self, level: int) -> tuple[object, OffloadKey, bool] | None:
-        """The least valid entry of ``level`` and whether it is the heap's top
-        (else the run's front), stale tops dropped on the way; None when empty."""
+    def _ungroup(self, k: OffloadKey, r: int) -> None:
+        group = self._groups.get(r)
+        if group is not None and group.pop(k, None) is not None and not group:
+            del self._groups[r]
+
+    def _least(self, level: int) -> tuple[object, OffloadKey, int] | None:
+        """The least valid entry of ``level`` in (order, key) order and where
+        it is (``_HEAP``, ``_RUN``, ``_GROUP``), stale heap tops dropped on
+        the way; None when empty."""
         heap, at = self._heaps[level], self._at
         while heap and at.get(heap[0][1]) != (level, heap[0][0]):
             heapq.heappop(heap)
-        if level == 0 and self._run:
-            k = next(iter(self._run))
-            rank = self._run[k]
-            if not heap or rank < heap[0][0]:
-                return rank, k, False
-        return (heap[0][0], heap[0][1], True) if heap else None
+        o = k = None
+        where = _HEAP
+        if heap:
+            o, k = heap[0]
+        if level == 0:
+            run = self._run
+            if run:
+                rk = next(iter(run))
+                ro = run[rk]
+                if k is None or ro < o or (ro == o and rk < k):
+                    o, k, where = ro, rk, _RUN
+            groups = self._groups
+            if groups:
+                gheap = self._group_heap
+                while gheap[0] not in groups:
+                    heapq.heappop(gheap)
+                group = groups[gheap[0]]
+                gk = next(iter(group))
+                go = group[gk]
+                if k is None or go < o or (go == o and gk < k):
+                    o, k, where = go, gk, _GROUP
+        return None if k is None else (o, k, where)
 
     def _shrink(self, level: int) -> None:
         self._size[level] -= 1
@@ -199,8 +320,18 @@ class SessionCachePolicy(CachePolicy):
 
     def _new_rank(self, k: OffloadKey) -> None:
         self._next_rank += 1
-        self._rank[k] = self._next_rank
+        self._rank[k] = self._next_rank << SHIFT | LOW
         self._refile(k)
+
+    def _request_rank(self, req_context: ReqContext) -> int:
+        """The rank of ``req_context``'s request, drawn on its first call in
+        this cache generation (vLLM 0.33's ``LRUCachePolicy`` alike)."""
+        state = req_context.get_state(_RequestRank)
+        if state is None or state.owner is not self or state.generation != self._generation:
+            self._next_rank += 1
+            state = _RequestRank(self, self._generation, self._next_rank)
+            req_context.set_state(state)
+        return state.rank
 
     # ------------------------------------------------------------------ hints
 
@@ -279,7 +410,7 @@ class SessionCachePolicy(CachePolicy):
             self._lose_pin(k)
             self._drop_retain(k)
             self._demoted -= 1                 # below every rank a use assigns
-            self._rank[k] = self._demoted
+            self._rank[k] = self._demoted << SHIFT | LOW
             self._refile(k)
             n += 1
         return n
@@ -336,12 +467,19 @@ class SessionCachePolicy(CachePolicy):
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus,
                req_context: ReqContext | None = None) -> None:
-        # vLLM 0.33 passes the storing request's context (connectors/compat.py); unused.
+        # vLLM 0.33 passes the storing request's context (connectors/compat.py),
+        # 0.32 none.
         if self._arriving:
             self._settle()
         self.chunks[key] = chunk
-        self._next_rank += 1
-        self._rank[key] = self._next_rank
+        position = None
+        if BY_POSITION and req_context is not None:
+            position = req_context.get_offload_key_position(key)
+        if position is None:
+            self._next_rank += 1
+            self._rank[key] = self._next_rank << SHIFT | LOW
+        else:
+            self._rank[key] = self._request_rank(req_context) << SHIFT | LOW ^ min(position, LOW)
         if chunk.ref_cnt == 0:
             self._arrive(key)
 
@@ -350,6 +488,28 @@ class SessionCachePolicy(CachePolicy):
         if self._demoted_keys:
             self._demoted_keys.difference_update(keys)
         self._use(reversed(keys))
+
+    def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """vLLM 0.33: a request's first access of ``keys`` (a load, or a store
+        offer of chunks present or not): each present key with a position
+        rises to (the request's rank, -position), never lower; a use, so a
+        demoted chunk is no longer first. Nothing on 0.32, whose LRU has no
+        such hook (vLLM 0.32 never calls it). O(keys), O(log n) each moved."""
+        if not BY_POSITION:
+            return
+        base = self._request_rank(req_context) << SHIFT | LOW
+        chunks, rank, demoted = self.chunks, self._rank, self._demoted_keys
+        for k in keys:
+            position = req_context.get_offload_key_position(k)
+            if position is None or k not in chunks:
+                continue
+            order = base ^ min(position, LOW)
+            if rank[k] >= order:
+                continue
+            rank[k] = order
+            if demoted:
+                demoted.discard(k)
+            self._refile(k)
 
     def _use(self, keys: Iterable[OffloadKey]) -> None:
         """Make present ``keys`` the most recent, the last of them last."""
@@ -380,9 +540,12 @@ class SessionCachePolicy(CachePolicy):
         self.chunks.clear()
         self._rank.clear()
         self._next_rank = 0
+        self._generation += 1           # requests draw new ranks (vLLM 0.33 alike)
         self._at.clear()
         self._run.clear()
         self._run_top = 0
+        self._groups.clear()
+        self._group_heap.clear()
         self._arriving.clear()
         self._heaps.clear()
         self._size.clear()
@@ -415,7 +578,7 @@ class SessionCachePolicy(CachePolicy):
             level = self._levels[0]
             least = self._least(level)
             if least is not None and least[1] not in protected:
-                if least[2]:
+                if least[2] == _HEAP:
                     heapq.heappop(self._heaps[level])
                 return [self._evicted(least[1])]
         chosen: list[tuple[int, tuple[object, OffloadKey]]] = []
@@ -426,11 +589,14 @@ class SessionCachePolicy(CachePolicy):
                 least = self._least(level)
                 if least is None:
                     break
-                order, k, in_heap = least
-                if in_heap:
+                order, k, where = least
+                # taken out; put back (if it is) as a heap entry, valid as well
+                if where == _HEAP:
                     heapq.heappop(self._heaps[level])
-                else:               # put back (if it is) as a heap entry, valid as well
+                elif where == _RUN:
                     del self._run[k]
+                else:
+                    self._ungroup(k, order >> SHIFT)
                 # a duplicate: a chunk that left a level and came back at the
                 # same order has two entries
                 if k in seen:

@@ -1,13 +1,15 @@
 """G2 cache policies: one contract every policy passes (vLLM's LRU and ARC, and
-ours), then SessionCachePolicy's own behaviour: LRU order when un-hinted,
-pins, retains, clipping and expiry."""
+ours), then SessionCachePolicy's own behaviour: the running vLLM's LRU order
+when un-hinted (0.33's by request and position, with the accesses its
+manager reports; 0.32's by last use), pins, retains, clipping and expiry."""
 
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
-from vllm.v1.kv_offload.base import ReqContext
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
-from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
+from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
 from sessionkv.connectors import compat
@@ -15,6 +17,8 @@ from sessionkv.tiers.g2_policy import SessionCachePolicy
 from sessionkv.devtools.keys import block_key
 
 CTX = ReqContext(req_id="r")
+# vLLM 0.33 ranks by request and position; 0.32 has no on_request_access
+BY_POSITION = hasattr(CachePolicy, "on_request_access")
 
 
 def ready(i: int) -> ChunkStatus:
@@ -66,17 +70,52 @@ class TestPolicyContract:
 
 # ---- SessionCachePolicy ------------------------------------------------------
 
+# A key's offload-key position (its end token): chained keys have one depth
+# whatever request sends them. Keys i and i + 7 share one, as two KV cache
+# groups' keys at one position do (vLLM breaks such ties by key).
+POSITION = {i: 16 * (i % 7 + 1) for i in range(16)}
+SLOTS = 3                      # requests running at once
+
+
+def request(positioned: bool = True) -> ReqContext:
+    """A request's context as vLLM's offloading scheduler builds it: the
+    position of every key it holds (``set_offload_key_position``); without
+    them, as a context that names none (a store without a position)."""
+    ctx = ReqContext(req_id="r")
+    if positioned:
+        for i, pos in POSITION.items():
+            ctx.set_offload_key_position(block_key(i), pos)
+    return ctx
+
+
+def access(p, keys, ctx) -> None:
+    """What vLLM's CPU manager reports of a request's first access of
+    ``keys``: ``on_request_access`` where the running vLLM has it (0.33; on
+    0.32 only ours defines it, and there it does nothing, as 0.32's LRU)."""
+    hook = getattr(p, "on_request_access", None)
+    if hook is not None:
+        hook(keys, ctx)
+
+
+K = st.integers(0, 15)
+SLOT = st.integers(0, SLOTS - 1)
+stores = st.one_of(
+    st.tuples(st.just("insert"), SLOT, K),
+    # a store that begins (pending), stores that end in any order
+    st.tuples(st.just("store"), SLOT, K),
+    st.tuples(st.just("complete"), st.lists(K, max_size=4)),
+)
 ops = st.lists(st.one_of(
-    st.tuples(st.just("insert"), st.integers(0, 30)),
-    st.tuples(st.just("touch"), st.lists(st.integers(0, 30), max_size=4)),
-    st.tuples(st.just("evict"), st.integers(0, 4), st.sets(st.integers(0, 30), max_size=3)),
-    st.tuples(st.just("remove"), st.integers(0, 30)),
-    st.tuples(st.just("finish"), st.lists(st.integers(0, 30), max_size=4)),
-    # a store that begins (pending), stores that end in any order, a load
-    st.tuples(st.just("store"), st.integers(0, 30)),
-    st.tuples(st.just("complete"), st.lists(st.integers(0, 30), max_size=4)),
-    st.tuples(st.just("load"), st.integers(0, 30)),
-), max_size=60)
+    stores, stores, stores,                              # a cache worth evicting from
+    st.tuples(st.just("begin"), SLOT, st.booleans()),    # a new request in the slot
+    st.tuples(st.just("access"), SLOT, st.lists(K, max_size=4)),
+    st.tuples(st.just("touch"), SLOT, st.lists(K, max_size=4)),
+    st.tuples(st.just("finish"), SLOT, st.lists(K, max_size=4)),
+    st.tuples(st.just("evict"), st.integers(0, 4), st.sets(K, max_size=3)),
+    st.tuples(st.just("remove"), K),
+    st.tuples(st.just("load"), K),                       # a load reads it, then ends
+    st.tuples(st.just("clear"), st.just(0)),
+), min_size=10, max_size=80)
 
 
 def _ref(p, i: int) -> int | None:
@@ -89,24 +128,33 @@ def _set_ref(p, i: int, ref: int) -> None:
     (p.mark_evictable if ref == 0 else p.mark_non_evictable)(block_key(i))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(ops)
 def test_unhinted_traffic_evicts_exactly_as_vllms_lru(script):
+    # Requests with positions (vLLM 0.33 ranks their chunks by request and
+    # position, and lifts what they access), running side by side; both
+    # policies see each request's one context, as every tier does.
     lru, ours = LRUCachePolicy(64), SessionCachePolicy(64)
+    ctx = [request() for _ in range(SLOTS)]
     for op in script:
+        if op[0] == "begin":
+            ctx[op[1]] = request(op[2])
+            continue
         results = []
         for p in (lru, ours):
-            if op[0] == "insert" and p.get(block_key(op[1])) is None:
-                compat.insert(p, block_key(op[1]), ready(op[1]))
+            if op[0] == "insert" and p.get(block_key(op[2])) is None:
+                compat.insert(p, block_key(op[2]), ready(op[2]), ctx[op[1]])
+            elif op[0] == "access":
+                access(p, [block_key(i) for i in op[2]], ctx[op[1]])
             elif op[0] == "touch":
-                p.touch([block_key(i) for i in op[1]], CTX)
+                p.touch([block_key(i) for i in op[2]], ctx[op[1]])
             elif op[0] == "finish":
-                p.on_request_finished([[block_key(i) for i in op[1]]], set(), set(), CTX)
+                p.on_request_finished([[block_key(i) for i in op[2]]], set(), set(), ctx[op[1]])
             elif op[0] == "remove" and _ref(p, op[1]) == 0:
                 p.remove(block_key(op[1]))
-            elif op[0] == "store" and p.get(block_key(op[1])) is None:
-                pending = ChunkStatus(op[1])            # ref_cnt -1 until the store ends
-                compat.insert(p, block_key(op[1]), pending)
+            elif op[0] == "store" and p.get(block_key(op[2])) is None:
+                pending = ChunkStatus(op[2])            # ref_cnt -1 until the store ends
+                compat.insert(p, block_key(op[2]), pending, ctx[op[1]])
             elif op[0] == "complete":
                 for i in op[1]:
                     if _ref(p, i) == -1:
@@ -114,11 +162,81 @@ def test_unhinted_traffic_evicts_exactly_as_vllms_lru(script):
             elif op[0] == "load" and _ref(p, op[1]) == 0:
                 _set_ref(p, op[1], 1)                   # a load reads it, then ends
                 _set_ref(p, op[1], 0)
+            elif op[0] == "clear":
+                p.clear()
             elif op[0] == "evict":
                 got = p.evict(op[1], {block_key(i) for i in op[2]})
                 results.append(None if got is None else [k for k, _ in got])
         if results:
             assert results[0] == results[1]
+
+
+def _managers(n: int):
+    """vLLM's CPU manager with its LRU, and one with ours, as vLLM builds them."""
+    return (CPUOffloadingManager(num_chunks=n, cache_policy="lru"),
+            CPUOffloadingManager(num_chunks=n, cache_policy="SessionCachePolicy",
+                                 cache_policy_module_path="sessionkv.tiers.g2_policy"))
+
+
+class Turn:
+    """One request on a manager, called as vLLM's offloading connector calls
+    it, with the positions its scheduler records (16 tokens a chunk)."""
+
+    def __init__(self, mgr, names: str):
+        self.mgr, self.ctx = mgr, ReqContext(req_id=names)
+        self.keys = [block_key(x) for x in names.split()]
+        for d, k in enumerate(self.keys):
+            self.ctx.set_offload_key_position(k, 16 * (d + 1))
+        mgr.on_new_request(self.ctx)
+
+    def load(self, names: str) -> None:
+        keys = [block_key(x) for x in names.split()]
+        assert all(self.mgr.lookup(k, self.ctx) is LookupResult.HIT for k in keys)
+        self.mgr.prepare_load(keys, self.ctx)
+        self.mgr.complete_load(keys, self.ctx)
+
+    def store(self, names: str) -> list[str]:
+        """Store these chunks; the names of the chunks that made room."""
+        keys = [block_key(x) for x in names.split()]
+        out = self.mgr.prepare_store(keys, self.ctx)
+        self.mgr.complete_store(out.keys_to_store, self.ctx)
+        return [k[:32].lstrip(b".").decode() for k in out.evicted_keys]
+
+    def finish(self) -> None:
+        self.mgr.on_request_finished(self.ctx)
+
+
+def test_a_running_request_keeps_its_reused_prefix_and_head_before_idle_chunks():
+    # vLLM 0.33's LRU ranks a running request's chunks by (request, -position)
+    # and lifts the prefix it reuses: idle chunks last used before it began go
+    # first, then its own tail first, its head last (without its head the
+    # rest of its prefix is unreachable). Ours ranked by insertion and had no
+    # on_request_access: it evicted the reused prefix, head and all, before
+    # the idle chunks. On 0.32 vLLM's own LRU does exactly that, and so do we.
+    got = []
+    for mgr in _managers(6):
+        evicted = []
+        t = Turn(mgr, "p1 p2 p3")
+        t.store("p1 p2 p3")
+        t.finish()
+        t = Turn(mgr, "x1 x2 x3")                  # idle chunks, newer than p's
+        t.store("x1 x2 x3")
+        t.finish()
+        b = Turn(mgr, "p1 p2 p3 b4 b5 b6")         # reuses p1 p2 p3
+        b.load("p1 p2 p3")
+        evicted.append(b.store("b4 b5"))
+        y = Turn(mgr, "y1")                        # begins and ends while b runs
+        evicted.append(y.store("y1"))
+        y.finish()
+        evicted.append(b.store("b6"))
+        got.append(evicted)
+    assert got[1] == got[0]                        # ours is vLLM's LRU, exactly
+    if BY_POSITION:
+        # x's (idle) first; then b's own tail: y1 was used after b began
+        assert got[1] == [["x3", "x2"], ["x1"], ["b5"]]
+    else:
+        # 0.32's LRU: b's reused prefix by its last use, tail first
+        assert got[1] == [["p3", "p2"], ["p1"], ["x3"]]
 
 
 class Clock:
@@ -207,26 +325,57 @@ def test_release_drops_only_what_the_owner_retains_last(policy):
 class SortingModel:
     """The documented order as a sort over every evictable chunk: plain
     (retained at 0 too) by recency, demoted first; retained by (priority,
-    recency); pinned by (pinned at, recency). Results least recent first."""
+    recency); pinned by (pinned at, recency); equals by key. Results least
+    recent first. Recency is the running vLLM's LRU rank: a pair (rank,
+    -position) as 0.33 ranks a request's chunks, (rank, 0) for a rank of
+    its own (every one on 0.32)."""
 
     def __init__(self, clock):
         self.clock, self.rank, self.next, self.low = clock, {}, 0, 0
         self.busy, self.pins, self.retains, self.demoted = set(), {}, {}, set()
+        self.requests = {}                  # slot -> its request's rank, once drawn
 
     def _lapse(self):
         now = self.clock()
         self.pins = {k: v for k, v in self.pins.items() if v[1] > now}
         self.retains = {k: v for k, v in self.retains.items() if v[1] > now}
 
+    def _fresh(self):
+        self.next += 1
+        return (self.next, 0)
+
+    def _request(self, slot):
+        if slot not in self.requests:
+            self.next += 1
+            self.requests[slot] = self.next
+        return self.requests[slot]
+
+    def begin(self, slot):
+        self.requests.pop(slot, None)
+
     def use(self, keys):
         for k in reversed(keys):
             if k in self.rank:
-                self.next += 1
-                self.rank[k] = self.next
+                self.rank[k] = self._fresh()
 
-    def insert(self, k):
-        self.next += 1
-        self.rank[k] = self.next
+    def finish(self, keys, reused, ordered):
+        """``on_request_finished`` of ``keys`` (``ordered``: head to tail): a
+        use, but a demoted chunk stays first unless the request reused it."""
+        self.use(ordered)
+        self.demoted -= set(reused)
+        self.demote([k for k in keys if k in self.demoted])
+
+    def insert(self, k, slot, position):
+        self.rank[k] = (self._request(slot), -position) if position is not None else self._fresh()
+
+    def access(self, keys, slot, position):
+        if not BY_POSITION:
+            return
+        r = self._request(slot)
+        for k in keys:
+            if k in self.rank and position(k) is not None and self.rank[k] < (r, -position(k)):
+                self.rank[k] = (r, -position(k))
+                self.demoted.discard(k)
 
     def forget(self, k):
         del self.rank[k]
@@ -255,16 +404,17 @@ class SortingModel:
             if k in self.rank:
                 self.pins.pop(k, None), self.retains.pop(k, None)
                 self.low -= 1
-                self.rank[k] = self.low
+                self.rank[k] = (self.low, 0)
+                self.demoted.add(k)
 
     def evict(self, n, protected):
         self._lapse()
 
         def order(k):
             if k in self.pins:
-                return (2, 0, self.pins[k][0], self.rank[k])
+                return (2, 0, self.pins[k][0], self.rank[k], k)
             prio = self.retains.get(k, (0,))[0]
-            return (1, prio, 0, self.rank[k]) if prio > 0 else (0, 0, 0, self.rank[k])
+            return (1, prio, 0, self.rank[k], k) if prio > 0 else (0, 0, 0, self.rank[k], k)
         free = sorted((k for k in self.rank if k not in self.busy and k not in protected), key=order)
         if len(free) < n:
             return None, []
@@ -277,9 +427,11 @@ class SortingModel:
 
 K = st.integers(0, 11)
 hinted_ops = st.lists(st.one_of(
-    st.tuples(st.just("insert"), K),
-    st.tuples(st.just("store"), K),             # pending until "idle": a store that ends
-    st.tuples(st.just("finish"), st.lists(K, max_size=4)),
+    st.tuples(st.just("insert"), K, SLOT),
+    st.tuples(st.just("store"), K, SLOT),       # pending until "idle": a store that ends
+    st.tuples(st.just("begin"), SLOT, st.booleans()),
+    st.tuples(st.just("access"), st.lists(K, max_size=4), SLOT),
+    st.tuples(st.just("finish"), st.lists(K, max_size=4), SLOT, st.lists(K, max_size=2)),
     st.tuples(st.just("evict"), st.integers(0, 5), st.sets(K, max_size=2)),
     st.tuples(st.just("remove"), K),
     st.tuples(st.just("busy"), K),
@@ -299,19 +451,32 @@ def test_eviction_order_under_hints_is_the_documented_sort(script):
     clock = Clock()
     ours, model = SessionCachePolicy(64), SortingModel(clock)
     ours.clock = clock
+    ctx = [request() for _ in range(SLOTS)]
+
+    def position(slot):
+        def of(k):
+            return ctx[slot].get_offload_key_position(k) if BY_POSITION else None
+        return of
     for op in script:
         key = block_key(op[1]) if isinstance(op[1], int) else None
         keys = [block_key(i) for i in op[1]] if isinstance(op[1], list) else []
-        if op[0] == "insert" and ours.get(key) is None:
-            ours.insert(key, ready(op[1]))
-            model.insert(key)
+        if op[0] == "begin":
+            ctx[op[1]] = request(op[2])
+            model.begin(op[1])
+        elif op[0] == "insert" and ours.get(key) is None:
+            ours.insert(key, ready(op[1]), ctx[op[2]])
+            model.insert(key, op[2], position(op[2])(key))
         elif op[0] == "store" and ours.get(key) is None:
-            ours.insert(key, ChunkStatus(op[1]))
-            model.insert(key)
+            ours.insert(key, ChunkStatus(op[1]), ctx[op[2]])
+            model.insert(key, op[2], position(op[2])(key))
             model.busy.add(key)
+        elif op[0] == "access":
+            access(ours, keys, ctx[op[2]])
+            model.access(keys, op[2], position(op[2]))
         elif op[0] == "finish":
-            ours.on_request_finished([keys], set(), set(), CTX)
-            model.use(keys)
+            reused = {block_key(i) for i in op[3]}
+            ours.on_request_finished([keys], set(), reused, ctx[op[2]])
+            model.finish(keys, reused, order_request_keys([keys], ctx[op[2]]))
         elif op[0] == "remove" and ours.get(key) is not None and key not in model.busy:
             ours.remove(key)
             model.forget(key)
