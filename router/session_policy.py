@@ -247,7 +247,7 @@ class SessionHints:
                 hits = {}
                 for n, sh in eng.shadows.items():
                     ks = sh.keys_of(keys)
-                    hits[n] = sh.request(ks + sh.keys_of(extra), len(ks))
+                    hits[n] = sh.request(ks + sh.keys_of(extra), len(ks), turn=session)
                 if eng.selector.record(len(keys), hits):
                     for other in self._live.values():
                         if other.worker == worker:
@@ -263,6 +263,9 @@ class SessionHints:
         if s is None:
             return []
         s.active, s.last_t = False, now
+        eng = self._engines.get(s.worker)
+        for sh in eng.shadows.values() if eng is not None else ():
+            sh.finish(session)
         self._retain_session(session, s, now)
         self._claim(s.keys[:s.head], now, force=True)
         return self._drain(now)
@@ -291,6 +294,7 @@ class SessionHints:
         eng = self._engines.get(s.worker)
         if eng is not None:
             for sh in eng.shadows.values():
+                sh.finish(session)
                 sh.release(sh.keys_of(s.keys), session)
             if head:
                 until = now + self.cfg.watch_s

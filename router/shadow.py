@@ -16,15 +16,30 @@ holds only the keys whose hash falls in a fixed fraction ``rate``, with
 et al., FAST'15): the cost per request and the memory stay bounded at any G2
 size.
 
-Recency is a rank per block, as in vLLM's LRU policy: a request makes its
-blocks the most recent (its head last); a Retain changes a block's priority,
-not its rank.
+Recency is a rank per block, as in vLLM 0.33's LRU policy (the CUDA
+release the engines run; ``tiers/g2_policy.py`` keeps it exactly): a turn
+draws a rank when it starts (``request``), and the blocks it reads or stores
+rank (that rank, -position): new ones enter there, resident ones rise to it,
+never fall. So while a turn runs its blocks go after every block last used
+before it began, tail first, and before those of turns that began or ended
+after it. When it ends (``finish``) its blocks become the most recent, its
+head last. A turn that ends before the next request (``request`` without a
+``turn``) is served and ended at once. A Retain changes a block's priority,
+not its rank. (vLLM 0.32, the CPU build, ranks a running request's stores by
+when they were stored and leaves a reused prefix at its last rank until the
+request ends, so that a store may evict the prefix its request just read.)
 
-Cost: a request costs O((its sampled blocks + the blocks it evicts) x log)
-per shadow: one heap of (rank, key) per priority, stale entries dropped
-lazily.
-Memory: at most ``max_blocks`` keys per shadow. Not thread-safe: the policy
-that owns the shadows calls them from one thread (the router's event loop).
+A rank is one int, ``rank << SHIFT | (LOW ^ position)`` (position 0 for the
+ranks ``finish`` gives), so that heaps compare ints.
+
+Cost: a request or a finish costs O((its sampled blocks + the blocks it
+evicts) x log) per shadow: one heap of (rank, key) per priority, stale
+entries dropped lazily.
+Memory: at most ``max_blocks`` keys per shadow, and as many references to
+the sampled blocks of the turns running (beyond, the oldest turn is
+forgotten: its blocks keep their turn's rank, as in an engine where it never
+ended). Not thread-safe: the policy that owns the shadows calls them
+from one thread (the router's event loop).
 """
 
 from __future__ import annotations
@@ -37,6 +52,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 _SPACE = 1 << 32
+SHIFT = 32                  # a block's position in its request fits below
+LOW = (1 << SHIFT) - 1
 
 
 def sampled(key: bytes, rate: float) -> bool:
@@ -63,20 +80,34 @@ class ShadowCache:
         self._heaps: dict[int, list[tuple[int, bytes]]] = {}
         self._size: dict[int, int] = {}       # per priority: resident keys
         self._levels: list[int] = []          # sorted priorities with a resident key
+        # turns running: turn -> the sampled blocks it read or stored, and
+        # how many those are, over all turns
+        self._open: OrderedDict[str, list[bytes]] = OrderedDict()
+        self._open_blocks = 0
+        self._open_max = max_blocks
 
     def __len__(self) -> int:
         return len(self._prio)
+
+    def __contains__(self, key: bytes) -> bool:
+        """Whether ``key`` is resident in the shadow's G2."""
+        return key in self._prio
 
     def keys_of(self, keys: Iterable[bytes]) -> list[bytes]:
         """The sampled ones of ``keys``, in order."""
         rate = self.rate
         return list(keys) if rate >= 1.0 else [k for k in keys if sampled(k, rate)]
 
-    def request(self, keys: Sequence[bytes], counted: int | None = None) -> float:
+    def request(self, keys: Sequence[bytes], counted: int | None = None,
+                turn: str | None = None) -> float:
         """Serve a request's sampled ``keys``: its leading resident run among
         the first ``counted`` (default all; scaled to all keys), then every
-        key resident and most recent at its priority (new ones plain), room
-        made among the other blocks."""
+        key it reads or stores resident at its turn's rank and position (at
+        its priority; new ones plain), room made among the other blocks.
+        ``turn`` names it until ``finish`` (an earlier turn of that name
+        ends first); without one it ends at once."""
+        if turn is not None:
+            self.finish(turn)
         g1, prio = self._g1, self._prio
         n = len(keys) if counted is None else min(counted, len(keys))
         a = 0                              # G1's leading run, then G2's
@@ -86,10 +117,20 @@ class ShadowCache:
         while b < n and keys[b] in prio:
             b += 1
         # vLLM offloads per request: after a G2 load only what follows the
-        # G1 hits is offered to G2; with none, every block.
-        for k in reversed(keys[a:] if b > a else keys):
-            self._put(k, prio.get(k, 0))
+        # G1 hits is read or offered to G2; with none, every block.
+        used = keys[a:] if b > a else list(keys)
+        self._next += 1
+        base = self._next << SHIFT | LOW
+        for position, k in enumerate(used, len(keys) - len(used) + 1):
+            self._access(k, base ^ position)
         self._evict(set(keys))
+        if turn is None:
+            self._use(used)
+        else:
+            self._open[turn] = used
+            self._open_blocks += len(used)
+            while self._open_blocks > self._open_max and len(self._open) > 1:
+                self._open_blocks -= len(self._open.popitem(last=False)[1])
         for k in reversed(keys):           # G1: the head ends most recent (vLLM frees tail first)
             if k in g1:
                 g1.move_to_end(k)
@@ -98,6 +139,23 @@ class ShadowCache:
         while len(g1) > self.g1_capacity:
             g1.popitem(last=False)
         return b / self.rate
+
+    def finish(self, turn: str) -> None:
+        """``turn`` ended: the blocks it read or stored that are still
+        resident become the most recent, its head last (vLLM's
+        ``on_request_finished``). Nothing for a turn not running."""
+        used = self._open.pop(turn, None)
+        if used is not None:
+            self._open_blocks -= len(used)
+            self._use(used)
+
+    def _use(self, keys: Sequence[bytes]) -> None:
+        prio = self._prio
+        for k in reversed(keys):
+            p = prio.get(k)
+            if p is not None:
+                self._next += 1
+                self._push(k, p, self._next << SHIFT | LOW)
 
     def set(self, keys: Iterable[bytes], priority: int, owner: str) -> None:
         """A Retain of resident ``keys`` (sampled ones) by ``owner``: their
@@ -154,15 +212,21 @@ class ShadowCache:
         size[p] += 1
         self._prio[k] = p
 
-    def _put(self, k: bytes, p: int) -> None:
-        """``k`` resident at ``p`` and the most recent block."""
-        old = self._prio.get(k)
-        if old != p:
-            self._move(k, old, p)
-        self._next += 1
-        self._rank[k] = self._next
+    def _access(self, k: bytes, rank: int) -> None:
+        """``k`` resident (new ones plain) at ``rank`` or above."""
+        p = self._prio.get(k)
+        if p is None:
+            p = 0
+            self._move(k, None, 0)
+        elif self._rank[k] >= rank:
+            return
+        self._push(k, p, rank)
+
+    def _push(self, k: bytes, p: int, rank: int) -> None:
+        """Resident ``k`` at level ``p`` takes ``rank``."""
+        self._rank[k] = rank
         heap = self._heap_of(p)
-        heapq.heappush(heap, (self._next, k))
+        heapq.heappush(heap, (rank, k))
         if len(heap) > 2 * self._size[p] + 64:     # drop entries that went stale
             heap[:] = [(r, q) for r, q in heap if self._prio.get(q) == p and self._rank[q] == r]
             heapq.heapify(heap)
