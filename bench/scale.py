@@ -44,6 +44,13 @@ Everything runs the product's classes in one process (no model):
   time it comes out the same on every run and machine, so a change of a few
   percent shows (times here move 20 % from run to run), and ``top`` says
   which functions the extra lines are in.
+- ``hint_holds`` (issue 52): every hold of the tier manager's lock from a
+  16,384-chunk Share, Prefetch and Pin's arrival to its final outcome, at
+  the production G2 size over a ``DiskTier`` (``bench/scale_holds.py``):
+  the longest, and the longest after the first (the first hold is the
+  executor's: resolution and, for a Pin, the G2 side; the others are the
+  Mover's waves, at most ``moves.SLICE_CHUNKS`` chunks each); with one
+  slice as large as the copy (the Mover before slices) for comparison.
 - ``pin_memory`` (issue 52): peak engine-process memory (RSS and
   ``tracemalloc``) of a G3 Pin of a 6,250-chunk session on the disk tier
   against idle (``bench/pin_memory.py``, which runs alone, Mooncake too).
@@ -353,6 +360,14 @@ def soak(hours: float, turns_per_min: int, g2_chunks: int, live: int) -> dict:
 
 # ---- pin memory (issue 52) -----------------------------------------------------
 
+def hint_hold_figures(quick: bool) -> dict:
+    """``bench/scale_holds.py``'s figures, sliced and as one slice."""
+    import scale_holds
+    g2, n = (16_384, 2048) if quick else (G2_CHUNKS, 16_384)
+    return {"sliced": scale_holds.hint_holds(g2, n),
+            "one_slice": scale_holds.hint_holds(g2, n, slice_chunks=n)}
+
+
 def pin_memory_figures(quick: bool) -> dict:
     """``bench/pin_memory.py``'s figures for a Pin of a 6,250-chunk session
     (625 with ``quick``) on the disk tier."""
@@ -390,6 +405,7 @@ def main() -> None:
     out["soak"] = soak(3 if q else 24, 50 if q else 200, 4096 if q else G2_CHUNKS,
                        500 if q else 10_000)
     out["pin_memory"] = pin_memory_figures(q)
+    out["hint_holds"] = hint_hold_figures(q)
     dec_long = out["steps_64k"]["decode"]["extra"]["p99_ms"]
     dec_short = out["steps_4k"]["decode"]["extra"]["p99_ms"]
     out["targets"] = {
@@ -403,6 +419,7 @@ def main() -> None:
         "soak_rss_growth_hour_2_to_end": check(out["soak"]["growth_from_hour_2"]["rss_mib"], 0.05),
         "soak_index_nodes_over_resident_bound": check(
             round(out["soak"]["nodes_max"] / out["soak"]["nodes_bound"], 4), 1.0),
+        "hint_copy_hold_ms": check(out["hint_holds"]["sliced"]["copy_hold_ms"], 5.0),
         "pin_memory_over_idle_mib": check(out["pin_memory"]["worst_over_idle_mib"],
                                           out["pin_memory"]["target_mib"]),
     }

@@ -119,6 +119,8 @@ def _hint(m, lock: TimedLock, action: Action, session: str, **kw) -> dict:
                 final = e.outcome
     return {"status": final.status.value, "blocks": final.blocks_affected,
             "holds": len(lock.holds), "longest_hold_ms": round(max(lock.holds) * 1e3, 3),
+            "first_hold_ms": round(lock.holds[0] * 1e3, 3),
+            "copy_hold_ms": round(max(lock.holds[1:], default=0.0) * 1e3, 3),
             "wall_s": round(time.perf_counter() - t0, 2)}
 
 
@@ -144,6 +146,7 @@ def hint_holds(g2_chunks: int, session_chunks: int, slice_chunks: int | None = N
             finally:
                 m.shutdown()
         out["longest_hold_ms"] = max(v["longest_hold_ms"] for v in out.values())
+        out["copy_hold_ms"] = max(v["copy_hold_ms"] for v in out.values() if isinstance(v, dict))
         out["slice_chunks"] = moves.SLICE_CHUNKS
         return out
     finally:
