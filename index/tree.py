@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Container, Iterable, Sequence
+from itertools import compress
 
 import numpy as np
 
@@ -479,11 +480,26 @@ class BlockTree:
                 and (depth[s] + 1) % blocks_per_chunk == 0]
 
     def result(self, slots: Iterable[int]) -> Resolved:
-        """The resident ones of ``slots`` as a ``Resolved`` (root side first, ties by key)."""
-        keys_of, total = self.keys, self.total
-        slots = [s for s in slots if keys_of[s] is not None and total[s] != 0]
-        depth = self.depth
-        slots.sort(key=lambda s: (depth[s], keys_of[s]))
+        """The resident ones of ``slots`` as a ``Resolved`` (root side first,
+        ties by key). Filter, order and per-tier split run in numpy (a free
+        slot has no copy, so ``total`` alone says resident); only runs of
+        equal depth (branches) are sorted by key in Python: a hint's
+        resolution runs in one hold of the lock."""
+        keys_of = self.keys
+        idx = np.fromiter(slots, dtype=np.int64)
+        idx = idx[view(self.total)[idx] != 0]
+        dep = view(self.depth)[idx]
+        order = np.argsort(dep, kind="stable")
+        idx, dep = idx[order], dep[order]
+        slots = idx.tolist()
+        ties = np.flatnonzero(dep[1:] == dep[:-1])
+        if ties.size:                        # equal depths: by key, as before
+            bounds = np.flatnonzero(np.diff(dep) != 0) + 1
+            for a, b in zip([0, *bounds.tolist()], [*bounds.tolist(), len(slots)]):
+                if b - a > 1:
+                    slots[a:b] = sorted(slots[a:b], key=keys_of.__getitem__)
+            idx = np.asarray(slots, dtype=np.int64)
         keys = [keys_of[s] for s in slots]
-        per_tier = {t: [k for s, k in zip(slots, keys) if self.copies[t][s] > 0] for t in TIERS}
+        per_tier = {t: list(compress(keys, (view(self.copies[t])[idx] > 0).tolist()))
+                    for t in TIERS}
         return Resolved(keys, per_tier)
