@@ -204,7 +204,7 @@ def make_scheduler(ours: bool, spec: StepSpec, policy_file: str | None = None, *
     its ``kv_connector_extra_config`` (G3 tiers, say; a key given as None
     drops the default)."""
     blocks = spec.running * (spec.max_len // BLOCK + 1) + 64
-    # Both offload generated tokens (ours by default, agentic turns reuse them).
+    # Both offload generated tokens (agentic turns reuse them; the default is prompt only).
     extra = {"cpu_bytes_to_use": spec.g2_chunks * CHUNK_BYTES, "block_size": BLOCK,
              "offload_prompt_only": False, **(extra_config or {})}
     extra = {k: v for k, v in extra.items() if v is not None}

@@ -16,8 +16,6 @@ primary tier, G3 = secondary tiers), plus:
   on the whole turn: the blocks its last tokens filled join the index then,
   and the chunks vLLM stores after it finished get the hints when they arrive
   (``connectors/hint_executor.py``, ``Turn``);
-- generated tokens offloaded too (agentic turns reuse them), unless the user
-  sets vLLM's ``offload_prompt_only``;
 - a per-request report (``sessionkv.report.RequestReport``) returned from
   ``request_finished`` into the response's ``kv_transfer_params``;
 - configurations it cannot serve correctly refused at start;
@@ -138,7 +136,10 @@ def check_supported(
 
 def bind_spec(extra: dict[str, Any]) -> None:
     """Point vLLM's offloading config at our spec, in place. Every process that
-    reads the config (scheduler, workers, the API server's metrics) must see it."""
+    reads the config (scheduler, workers, the API server's metrics) must see it.
+    ``offload_prompt_only`` stays vLLM's (default true: a turn's output is
+    stored with the next turn's prompt, if that carries it; bench/README.md,
+    "Defaults a GPU fleet can run")."""
     for key, ours in (("spec_name", SPEC_NAME), ("spec_module_path", SPEC_MODULE)):
         if extra.get(key, ours) != ours:
             raise ValueError(
@@ -146,7 +147,6 @@ def bind_spec(extra: dict[str, Any]) -> None:
                 "kv_connector_extra_config"
             )
         extra[key] = ours
-    extra.setdefault("offload_prompt_only", False)
 
 
 def model_identity(vllm_config: "VllmConfig") -> dict[str, Any]:

@@ -30,12 +30,18 @@ def use_engine_env() -> None:
 
 
 def kv_transfer_config(engine_id: str, cpu_bytes: int = 64 << 20, **extra) -> dict:
+    """``--kv-transfer-config`` of an engine with our connector. Generated
+    tokens are offloaded too (``offload_prompt_only`` false, unless ``extra``
+    says otherwise): the e2e tests and benches check agents' turns reusing
+    them; the connector's default is vLLM's, prompt only
+    (tests/connectors/test_offload_prompt_only.py)."""
     return {
         "kv_connector": "SessionTierConnector",
         "kv_connector_module_path": "sessionkv.connectors.vllm",
         "kv_role": "kv_both",
         "engine_id": engine_id,
-        "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes, **extra},
+        "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes,
+                                      "offload_prompt_only": False, **extra},
     }
 
 
