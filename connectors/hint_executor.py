@@ -17,9 +17,11 @@ Request-borne hints act when their request finishes, on the whole turn
 their store jobs on the step after the request finished, and with async
 scheduling, vLLM's default on GPUs, the block a turn's last tokens fill is
 hashed only then), and G3's write-through copy of each chunk follows its G2
-store. So the turn's trailing chunks that are not in G2 yet (and, for a Pin's
-G3 side with write-through, not in G3 yet) are *waiting*: the hint acts on
-them when they arrive. Outcomes stay truthful:
+store. So the turn's trailing chunks that are not in G2 yet (vLLM stores in
+order) are *waiting*, and for a Pin's G3 side with write-through so are its
+chunks not in G3 yet whose G2 copy is still being written or read (G3 copies
+end in any order): the hint acts on them when they arrive. Outcomes stay
+truthful:
 
 - Pin and Retain act at once on what G2 holds, and on each waiting chunk when
   its store ends; the response counts the waiting chunks in
@@ -35,8 +37,9 @@ A waiting chunk is dropped (and counted lost) when its store fails, when vLLM
 prepared the request's last stores without it (``request_done``), when its G2
 copy is gone before reaching G3, at a reset (``drop_waiting``), and
 ``WAIT_S`` after its request finished. At most ``MAX_WAITING_CHUNKS`` chunks
-and ``MAX_WAITS`` hint parts wait at once; what does not fit acts as before
-(on what is resident) and the outcome says so.
+(counting the targets waiting copies keep) and ``MAX_WAITS`` hint parts wait
+at once; what does not fit acts as before (on what is resident) and the
+outcome says so.
 Control-channel hints (authenticated by the channel, so treated as signed)
 act at once on what is resident.
 ``release(session)`` drops what an ended session pinned and retained.
@@ -98,7 +101,7 @@ BOUNDARY_GONE = "boundary evicted: the session's deepest branch"
 # Chunks of finished turns that hints wait for (module docstring), all hints
 # together, and the hint parts waiting; a turn's tail is a few chunks (its
 # stores and G3 copies in flight), so these bind only a runaway.
-MAX_WAITING_CHUNKS = 16_384
+MAX_WAITING_CHUNKS = 16_384      # with the chunks a waiting copy keeps to start with
 MAX_WAITS = 4096
 # How long a waiting chunk may take to reach G2 and G3 after its request
 # finished: vLLM stores it within a few steps, and every G3 store has its own
@@ -226,8 +229,9 @@ class PinBook:
 
 class Turn:
     """A finished request's chunks (G2/G3 keys), root first, for the hints it
-    carried (module docstring): those at its end not in G2 or G3 yet may still
-    be on their way. ``tail`` answers each question once per turn."""
+    carried (module docstring): those at its end not in G2 yet, and those not
+    in G3 yet whose G2 copy is still being written or read, may still be on
+    their way. ``tail`` and ``among`` answer each question once per turn."""
 
     __slots__ = ("req_id", "chunks", "_tails")
 
@@ -250,6 +254,20 @@ class Turn:
             self._tails[name] = got
         return got
 
+    def among(self, name: str, pending: Callable[[bytes], bool], most: int) -> set[bytes]:
+        """The chunks of which ``pending`` is true, wherever they are (G3
+        copies end in any order); at most ``most`` + 1."""
+        got = self._tails.get(name)
+        if got is None:
+            got = set()
+            for k in self.chunks:
+                if pending(k):
+                    got.add(k)
+                    if len(got) > most:
+                        break
+            self._tails[name] = got
+        return got
+
 
 @dataclass(eq=False)
 class _Wait:
@@ -269,6 +287,7 @@ class _Wait:
     arrived: list[bytes] = field(default_factory=list)
     lost: int = 0
     why: str = ""                    # why the last lost chunk was lost
+    hold: int = 0                    # chunks ``then`` keeps (the bound counts them)
     done: bool = False
 
 
@@ -318,6 +337,7 @@ class HintExecutor:
         self._order: deque[_Wait] = deque()            # as registered: by deadline
         self._live = 0                                 # waits not settled
         self._n_waiting = 0                            # chunks waited for
+        self._n_held = 0                               # chunks waits keep for their copy
 
     def execute_all(
         self, items: list[KvHint | HintOutcome], session_id: str | None,
@@ -375,9 +395,9 @@ class HintExecutor:
                 keys = self._index.chunk_keys(keys, self._bpc)
             if hint.action is not Action.PREFETCH:
                 # The copy starts once the turn's last chunks are in G2.
-                later = self._fit(self._later(turn, "unready", keys, self._unready))
+                later = self._fit(self._later(turn, "unready", keys, self._unready), len(keys))
                 if later:
-                    self._wait(hint, session_id, owner, Tier.G2, later, turn,
+                    self._wait(hint, session_id, owner, Tier.G2, later, turn, hold=len(keys),
                                then=lambda w: self._mover.start(
                                    hint.action, hint.hint_id, keys, asked, owner,
                                    self._reasons(clipped, w)))
@@ -399,7 +419,7 @@ class HintExecutor:
         # A Pin also holds the target's objects in G3 (the backend's own
         # pins), those of the turn once its write-through copies are there.
         g3 = self._mover.in_g3(targets) if pin_g3 else []
-        g3_later = (self._later(turn, "g3", targets, self._not_in_g3)
+        g3_later = (self._g3_later(turn, targets, later)
                     if pin_g3 and self._cascades else [])
         if not chunks and not g3 and not later and not g3_later:
             return outcome(Status.MISSING, "none of the target is in G2", asked)
@@ -420,12 +440,12 @@ class HintExecutor:
         if held:
             self._wait(hint, session_id, owner, Tier.G2, held, turn, ttl=ttl)
         affected = self._blocks_in(done + held, keys)
-        g3_held = self._fit(g3_later)
+        g3_held = self._fit(g3_later, len(g3))
         if len(g3_held) < len(g3_later):
             clipped.append(f"{len(g3_later) - len(g3_held)} of the turn's last chunks not "
                            "pinned in G3: too many chunks waiting")
         if g3_held:
-            self._wait(hint, session_id, owner, Tier.G3, g3_held, turn, ttl=ttl,
+            self._wait(hint, session_id, owner, Tier.G3, g3_held, turn, ttl=ttl, hold=len(g3),
                        then=lambda w: self._pin_g3(hint, owner, g3 + w.arrived, asked,
                                                    clipped, ttl, affected, w))
             return outcome(Status.DEFERRED, self._reasons(clipped, None, (
@@ -609,16 +629,39 @@ class HintExecutor:
         tail = turn.tail(name, pending, MAX_WAITING_CHUNKS - self._n_waiting)
         return [k for k in targets if k in tail] if tail else []
 
-    def _fit(self, keys: list[bytes]) -> list[bytes]:
-        """The first of ``keys`` that can wait (``MAX_WAITING_CHUNKS``, ``MAX_WAITS``)."""
-        if not keys or self._live >= MAX_WAITS:
+    def _copying(self, k: bytes) -> bool:
+        """Not in G3, and its G2 copy is being written or read: its
+        write-through copy to G3 may be on its way."""
+        if not self._not_in_g3(k):
+            return False
+        chunk = self._chunk(k)
+        return chunk is not None and chunk.ref_cnt != 0
+
+    def _g3_later(self, turn: Turn | None, targets: list[bytes],
+                  absent: list[bytes]) -> list[bytes]:
+        """The ``targets`` of ``turn`` whose write-through copy to G3 may still
+        come: not stored in G2 yet (``absent``), or stored and being copied."""
+        if turn is None or self._chunk is None or not targets:
             return []
-        return keys[:max(MAX_WAITING_CHUNKS - self._n_waiting, 0)]
+        moving = turn.among("g3", self._copying, MAX_WAITING_CHUNKS - self._n_waiting)
+        later = set(absent).union(moving) if absent else moving
+        return [k for k in targets if k in later and self._not_in_g3(k)] if later else []
+
+    def _fit(self, keys: list[bytes], hold: int = 0) -> list[bytes]:
+        """The first of ``keys`` that can wait (``MAX_WAITING_CHUNKS``,
+        ``MAX_WAITS``), none unless the ``hold`` chunks the wait keeps for
+        its copy fit too."""
+        room = MAX_WAITING_CHUNKS - self._n_waiting - self._n_held - hold
+        if not keys or self._live >= MAX_WAITS or room <= 0:
+            return []
+        return keys[:room]
 
     def _wait(self, hint: KvHint, session: str | None, owner: str, tier: Tier,
               keys: list[bytes], turn: Turn, ttl: float | None = None,
-              then: Callable[[_Wait], HintOutcome] | None = None) -> None:
-        w = _Wait(hint, session, owner, tier, set(keys), self._clock() + WAIT_S, ttl, then)
+              then: Callable[[_Wait], HintOutcome] | None = None, hold: int = 0) -> None:
+        w = _Wait(hint, session, owner, tier, set(keys), self._clock() + WAIT_S, ttl, then,
+                  hold=hold)
+        self._n_held += hold
         table = self._waits[tier]
         for k in w.keys:
             table.setdefault(k, []).append(w)
@@ -688,6 +731,7 @@ class HintExecutor:
         outcome, or its copy started (``then``; not when ``run`` is false)."""
         w.done = True
         self._live -= 1
+        self._n_held -= w.hold
         if w.keys:
             for k in list(w.keys):
                 self._unwait(w, k)

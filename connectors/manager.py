@@ -489,6 +489,8 @@ class SessionTierManager(OffloadingManager):
         chunks, whose last ones the hints wait for (``connectors/hint_executor.py``)."""
         if not hints:
             return ()
+        if turn is not None:
+            self._index_g3_copies()     # the G3 copies that ended, before the turn is read
         try:
             outcomes = tuple(self.executor.execute_all(list(hints), session, turn=turn))
         except Exception:           # an executor bug must cost the hints, never the engine

@@ -24,6 +24,7 @@ from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.request import Request
 
 import scale_steps as steps
+from sessionkv.connectors import hint_executor
 from sessionkv.events import Outcome, Transfer, Via
 from sessionkv.hints import sign
 
@@ -157,6 +158,23 @@ def test_a_turns_share_copies_its_last_chunks_once_they_are_stored(tmp_path, mon
         sched.shutdown()
 
 
+def test_a_share_whose_target_does_not_fit_the_bound_starts_at_once(tmp_path, monkeypatch):
+    """A waiting copy keeps its target: with room for fewer chunks than the
+    turn has, the Share copies what G2 holds now, as before."""
+    monkeypatch.setattr(hint_executor, "MAX_WAITING_CHUNKS", 3)
+    sched = make(tmp_path, monkeypatch, True, 1)
+    try:
+        manager = sched.connector.manager
+        sched.add_request(turn("a", "s", hint("share")))
+        drive(sched, True, done=lambda: any(
+            e.via is Via.TRANSFER for e in events(manager, Outcome)))
+        (first,) = [e.outcome for e in events(manager, Outcome) if e.via is Via.REQUEST]
+        assert first.status == "deferred" and "once" not in first.reason, first
+        assert not manager.executor.waiting
+    finally:
+        sched.shutdown()
+
+
 def test_a_reset_ends_the_wait_and_says_what_was_not_pinned(tmp_path, monkeypatch):
     """The turn finishes (async: its last chunk is not stored yet), then the
     cache is reset before the next step: the wait ends, and a ``clipped``
@@ -183,3 +201,87 @@ def test_a_reset_ends_the_wait_and_says_what_was_not_pinned(tmp_path, monkeypatc
         assert late.reason.startswith("1 of the turn's last chunks not pinned"), late
     finally:
         sched.shutdown()
+
+
+def test_a_pins_g3_side_waits_for_copies_that_end_out_of_order(tmp_path):
+    """G3 copies end in any order: the turn's last chunk may be in G3 while
+    an earlier one is still being copied there (its G2 copy read-held). The
+    Pin's G3 side waits for that one too, and pins both once it is there;
+    a chunk in G2, idle and not in G3 is not waited for (nothing copies it).
+    The parts as ``SessionTierSpec`` builds them, over a disk G3 tier."""
+    import uuid
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    from replay_router import make_hint
+    from sessionkv.config import Limits, SessionKVConfig, TierPolicy
+    from sessionkv.connectors.g2 import QuarantinedPrimaryTier
+    from sessionkv.connectors.hint_executor import Turn
+    from sessionkv.connectors.manager import G3Copies, SessionTierManager
+    from sessionkv.devtools.engines import MODELS
+    from sessionkv.devtools.g3_spec import standalone_spec
+    from sessionkv.devtools.keys import block_key
+    from sessionkv.events import EventLog
+    from sessionkv.hints import Action
+    from sessionkv.index.prefix_index import SessionPrefixIndex
+    from sessionkv.tiers.disk import DiskTier
+    from sessionkv.tiers.g2_policy import SessionCachePolicy
+    from sessionkv.tiers.g3 import Quarantine
+    from sessionkv.types import Tier
+
+    init_none_hash(sha256)
+    region = SharedOffloadRegion(engine_id=f"order-{uuid.uuid4().hex[:8]}", num_chunks=8,
+                                 rank=None, kv_bytes_per_chunk=4096, cpu_page_size=4096)
+    index, quarantine, copies, log = SessionPrefixIndex(), Quarantine(), G3Copies(), EventLog()
+    primary = QuarantinedPrimaryTier(
+        num_chunks=8, mmap_region=region, cache_policy=SessionCachePolicy.__name__,
+        cache_policy_module_path=SessionCachePolicy.__module__, index=index,
+        blocks_per_chunk=1, quarantine=quarantine, event_log=log)
+    g3 = DiskTier(standalone_spec(str(MODELS / "tiny"), 4096), primary.get_kv_memoryview(),
+                  "disk", path=str(tmp_path / "g3"), max_bytes=1 << 24,
+                  quarantine=quarantine, observer=copies.observe)
+    config = SessionKVConfig(policy=TierPolicy(limits=Limits(pin_fraction_session=1.0,
+                                                             pin_fraction_global=1.0)))
+    manager = SessionTierManager(primary, [g3], index, config, copies, log)
+    try:
+        keys = [block_key(f"order-{i}") for i in range(3)]
+        ctx = ReqContext(req_id="turn")
+        with manager.lock:
+            index.admit("s", keys, Tier.G1)
+            slots = list(primary.prepare_store(keys, ctx).store_spec.chunk_ids)
+            primary.complete_store(keys, ctx)            # in G2 (no cascade: set below)
+        done = []
+        g3.move(False, [keys[0], keys[2]], [slots[0], slots[2]], done.append)
+        deadline = time.monotonic() + 10
+        while not done:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert done == [[True, True]]
+        with manager.lock:
+            list(copies.drain())                         # the tier reported both: not yet
+            primary.set_copies(Tier.G3, [keys[2]], 1)    # the last one's copy ended ...
+            primary.prepare_read([keys[0]], ctx)         # ... the first one's is running
+            (first,) = manager.execute_request_hints(
+                (make_hint(Action.PIN, "s", ttl_s=300),), "s", Turn("turn", keys))
+        assert first.status == "deferred", first
+        assert first.reason.endswith("pinning 2 chunks in G3, the turn's last 1 once they "
+                                     "are there"), first
+        with manager.lock:
+            primary.complete_read([keys[0]], ctx)
+            copies.observe(False, [keys[0]], [True])     # the first one's copy ended
+            manager.apply_moves()
+        deadline = time.monotonic() + 10
+        final = []
+        while not final:
+            assert time.monotonic() < deadline, "the G3 Pin did not end"
+            time.sleep(0.01)
+            with manager.lock:
+                manager.apply_moves()
+            final = [e.outcome for e in log.since(0, 1 << 20)[0]
+                     if isinstance(e, Outcome) and e.via is Via.TRANSFER]
+        assert [(o.status, o.reason) for o in final] == [("accepted", "")], final
+        now = time.time()
+        assert [os.stat(g3._backend.path_of(g3.name(k))).st_mtime > now + 200
+                for k in (keys[0], keys[2])] == [True, True]
+    finally:
+        manager.shutdown()
