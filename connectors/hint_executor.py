@@ -47,8 +47,9 @@ act at once on what is resident.
 Cost: the pin book (``PinBook``) is indexed by owner and counted per pool, and
 lapses come from the policy (``take_unpinned``): a hint costs its own chunks
 and a session's end its own pins, never a pass over every live pin. Waiting
-chunks cost a dict lookup per chunk stored while any waits (``waiting``), and
-a turn's tail is found from its end (``Turn.tail``).
+chunks cost a dict lookup per chunk stored while any waits (``waiting``); a
+turn's tail is found from its end (``Turn.tail``), and a Pin's G3 side looks
+at each of the turn's chunks once (``Turn.among``), as its G3 resolution does.
 
 Threading: callers hold the tier manager's lock (the scheduler thread during
 its pass, or any other thread); it only changes metadata.
