@@ -280,6 +280,9 @@ class SessionTierConnector(OffloadingConnector):
                                 f"{type(manager).__name__}, not a SessionTierManager")
             self._manager = manager
         self._block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        # vLLM stores a request's output too only without offload_prompt_only.
+        self._prompt_only = self.connector_scheduler is not None and \
+            self.connector_scheduler.config.offload_prompt_only
         self._tracked: dict[str, _Tracked] = {}
         self._fills = FillWatch()   # which of them to look at in a step (connectors/fills.py)
         self._next_expiry = 0.0
@@ -492,8 +495,9 @@ class SessionTierConnector(OffloadingConnector):
     def _turn(self, tr: _Tracked, request: "Request") -> Turn | None:
         """A finished request's full blocks up to vLLM's last store of it (its
         last computed token; with async scheduling the block its last tokens
-        filled is hashed only when it finished) join the index; its chunks,
-        which its hints cover to the end, when it has hints."""
+        filled is hashed only when it finished) join the index; its chunks
+        vLLM stores (its prompt's only, with ``offload_prompt_only``), which
+        its hints cover to the end, when it has hints."""
         bs = self._block_size
         end = min(request.num_computed_tokens,
                   max(request.num_prompt_tokens, request.num_tokens - 1))
@@ -504,6 +508,8 @@ class SessionTierConnector(OffloadingConnector):
         if not tr.hints:
             return None
         bpc = self.manager.primary_tier.blocks_per_chunk
+        if self._prompt_only:
+            full = min(full, request.num_prompt_tokens // bs)
         return Turn(request.request_id, tr.keys_upto(full)[bpc - 1::bpc])
 
     def _report(self, request: "Request") -> RequestReport:

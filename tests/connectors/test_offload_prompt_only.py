@@ -20,28 +20,37 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
 from sessionkv.connectors.vllm import bind_spec
+from sessionkv.events import Outcome
+from sessionkv.hints import sign
 from sessionkv.types import Tier
 
 PROMPT = 4 * steps.BLOCK + 3        # 4 full blocks
 OUTPUT = 2 * steps.BLOCK            # the turn ends 99 tokens in: 6 full blocks committed
 USER = steps.BLOCK
+SECRET = b"offload-defaults-secret-0123456789abcdef"
 
 
-def make(**extra):
+def make(policy_file=None, **extra):
     init_none_hash(sha256)
     return steps.make_scheduler(True, steps.StepSpec(context=PROMPT, running=2, g2_chunks=64),
-                                extra_config=extra)
+                                policy_file, extra_config=extra)
 
 
-def turn(sched, rid, prompt):
-    """One request of session ``s`` until it finished and its stores ended:
-    its prompt plus the tokens it generated (7s)."""
+def turn(sched, rid, prompt, pin=False):
+    """One request of session ``s`` (carrying a signed Pin with ``pin``)
+    until it finished and its stores ended: its prompt plus the tokens it
+    generated (7s)."""
     params = SamplingParams(max_tokens=OUTPUT, ignore_eos=True)
     params.update_from_generation_config({}, 0)
     req = Request(request_id=rid, prompt_token_ids=prompt, sampling_params=params,
                   pooling_params=None, mm_features=None,
                   block_hasher=get_request_block_hasher(steps.BLOCK, sha256))
     req.kv_transfer_params = {"session_id": "s"}
+    if pin:
+        env = {"protocol_version": "1.0", "message_id": rid, "actions": [
+            {"action_id": "p", "action_type": "kv.pin", "action_version": "1.0",
+             "payload": {"ttl_s": 300}}]}
+        req.kv_transfer_params.update(kv_hints=env, kv_hints_sig=sign(env, "s", SECRET))
     sched.add_request(req)
     pending: set[int] = set()
     until = time.monotonic() + 30
@@ -87,5 +96,28 @@ def test_the_users_setting_wins(prompt_only, stored):
     try:
         turn(sched, "t1", list(range(1, PROMPT + 1)))
         assert in_g2(sched) == stored
+    finally:
+        sched.shutdown()
+
+
+def test_a_turns_pin_covers_what_vllm_stores_of_it(tmp_path):
+    # Prompt only, a turn's output is never stored with it: its hints must
+    # not wait for those chunks (they came back clipped: "not stored in G2").
+    (tmp_path / "secret").write_bytes(SECRET)
+    policy = tmp_path / "tiers.yaml"
+    policy.write_text("limits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n"
+                      f"trust: {{secret_file: {tmp_path / 'secret'}}}\n")
+    sched = make(str(policy), offload_prompt_only=None)
+    try:
+        manager = sched.connector.manager
+        turn(sched, "t1", list(range(1, PROMPT + 1)), pin=True)
+        for _ in range(5):                      # idle steps: nothing is left to arrive
+            out = sched.schedule()
+            sched.update_from_output(out, steps.model_output(out, set()))
+        outcomes = [(e.via, e.outcome.status, e.outcome.blocks_affected)
+                    for e in manager.event_log.since(0, 1 << 20)[0] if isinstance(e, Outcome)]
+        assert outcomes == [("request", "accepted", 4)]
+        with manager.lock:
+            assert manager.executor.pinned_chunks == 4 and not manager.executor.waiting
     finally:
         sched.shutdown()
