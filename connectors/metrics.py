@@ -14,6 +14,16 @@ call (``SessionStats.take``), which travel with the scheduler's stats.
 | ``sessionkv:pinned_chunks`` | gauge | |
 | ``sessionkv:g3_rejected_objects`` | counter | ``tier``: objects there but unreadable or failing their checksum or MAC (unlisted, recomputed) |
 
+G3 write-through's queue and its backpressure (``tiers/g3_backpressure.py``)
+are on vLLM's own tiering metrics (0.32 and 0.33), which pass through here
+(``take(into=...)``), labelled ``tier`` ``<n>:<type>`` (``1:RedisTier``):
+``vllm:kv_offload_tiering_active_cascade_jobs`` (cascades queued or
+running), ``vllm:kv_offload_tiering_primary_read_usage_perc`` (their chunks,
+as a share of G2: what the default bounds at 1/8), and
+``vllm:kv_offload_tiering_backpressure_stores_dropped`` /
+``..._blocks_dropped`` (cascades and chunks dropped; counters). sessionkv adds
+none of its own for them (``tests/connectors/test_g3_backpressure.py``).
+
 Prometheus adds ``_total`` to counter names. Threading: ``record`` and
 ``tokens`` from any thread (a lock of its own), ``take`` from the scheduler.
 """

@@ -29,12 +29,19 @@ from sessionkv.events import EventLog
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers.g2_policy import SessionCachePolicy
 from sessionkv.tiers.g3 import G3Tier, Quarantine
+from sessionkv.tiers.g3_backpressure import CascadeQueue
 
 from . import compat, regions
 from .cpu_worker import TorchCopyWorker
 from .g2 import QuarantinedPrimaryTier, SessionPrimaryTier
 from .manager import G3Copies, SessionTierManager
 from .metrics import DEFINITIONS as METRICS
+
+
+# A G3 tier's cascades queued at most, by default: G2's chunks over this (the
+# queue holds their G2 slots; hint copies reserve a quarter at a time, pins
+# half at most). Measured in bench/README.md, "Defaults a GPU fleet can run".
+CASCADE_QUEUE_SHARE = 8
 
 
 def has_device_worker() -> bool:
@@ -145,8 +152,11 @@ class SessionTierSpec(TieringOffloadingSpec):
     def _secondary_tier(self, tier_config: dict, view: memoryview, quarantine: Quarantine,
                         g3_copies: G3Copies):
         """One of vLLM's secondary tiers; a G3 tier also gets the G2
-        quarantine, reports its copies to ``g3_copies``, and seals its
-        objects with a MAC when the policy names a cluster secret."""
+        quarantine, reports its copies to ``g3_copies``, seals its
+        objects with a MAC when the policy names a cluster secret, and,
+        unless the user gave a ``backpressure`` (vLLM's key, top-level or
+        per tier), drops cascades past an eighth of G2 queued
+        (``tiers/g3_backpressure.py``)."""
         if issubclass(SecondaryTierFactory.get_tier_class(tier_config), G3Tier):
             for key in ("quarantine", "observer", "seal_key"):
                 if key in tier_config:
@@ -156,6 +166,10 @@ class SessionTierSpec(TieringOffloadingSpec):
             tier_config = {**tier_config, "quarantine": quarantine,
                            "observer": g3_copies.observe,
                            "seal_key": derive(secret, G3_MAC) if secret else None}
+            if "backpressure" not in tier_config:   # vLLM merged in the user's, if any
+                tier_config["backpressure"] = {
+                    "backpressure_cls": f"{CascadeQueue.__module__}.{CascadeQueue.__name__}",
+                    "max_chunks": max(1, self.num_chunks // CASCADE_QUEUE_SHARE)}
         return SecondaryTierFactory.create_secondary_tier(tier_config, view, self)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

@@ -94,6 +94,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from .fingerprint import fingerprint, plain
 from .g3_backend import SUM_SUFFIX, ObjectBackend, Seal, address_of, checksum
+from .g3_backpressure import CascadeQueue
 from .g3_events import StorageEvents
 from .g3_io import BackendDown, Guard, Quarantine, Staging
 from .g3_layout import layout_for, pins_for
@@ -216,7 +217,11 @@ class G3Tier(SecondaryTierManager):
         # idle engine stepping (``has_pending_work``), and a reset does not
         # wait for them (``drain_jobs``): they hold their G2 slots instead.
         self._hint_work: set[Future] = set()
-        self._done: list[JobResult] = []
+        # (result, keys of a failed load, chunks of a cascade): collected by vLLM
+        self._done: list[tuple[JobResult, list[OffloadKey], int]] = []
+        # The default backpressure counts this tier's cascades (tiers/g3_backpressure.py).
+        self._cascades = backpressure_detector if isinstance(
+            backpressure_detector, CascadeQueue) else None
         # vLLM's KV events, when on: the chunks this tier stored and the
         # ones it learned are gone (``tiers/g3_events.py``), taken every step.
         events = getattr(offloading_spec, "kv_events_config", None)
@@ -285,6 +290,8 @@ class G3Tier(SecondaryTierManager):
         # engine has stored as well only in a race. Whether a second put is
         # harmless is the layout's (asking cost 7 % of an LMCache put of
         # 1 MiB chunks): ``Layout.cascade_asks``.
+        if self._cascades is not None:
+            self._cascades.entered(len(job_metadata.keys))
         self._submit(False, job_metadata)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
@@ -293,10 +300,12 @@ class G3Tier(SecondaryTierManager):
     def get_finished_jobs(self) -> Iterable[JobResult]:
         with self._lock:
             done, self._done = self._done, []
-        for r, keys in done:
+        for r, keys, cascaded in done:
             if keys:                 # failed loads: no second promotion (vLLM #49176)
                 self._lookups.mark_miss(keys)
-        return [r for r, _ in done]
+            if cascaded and self._cascades is not None:
+                self._cascades.left(cascaded)
+        return [r for r, _, _ in done]
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Chunks stored (vLLM's cascades and hint copies) and stored ones
@@ -417,7 +426,7 @@ class G3Tier(SecondaryTierManager):
                            transfer_time=time.monotonic() - start,
                            transfer_bytes=len(good) * self._chunk)
         with self._lock:
-            self._done.append((result, failed_loads))
+            self._done.append((result, failed_loads, 0 if load else len(keys)))
         if self._events is not None and not load:
             self._events.stored(good)
 
