@@ -206,13 +206,11 @@ class SessionCachePolicy(CachePolicy):
             self._heaps[level] = []
             bisect.insort(self._levels, level)
         self._size[level] += 1
-        if level == 0:
-            if order & LOW == LOW:                       # a rank of its own
-                if order > self._run_top:
-                    self._run[k] = self._run_top = order
-                    return
-            elif self._join_group(k, order):
-                return
+        if level == 0 and order > self._run_top and order & LOW == LOW:    # a rank of its own
+            self._run[k] = self._run_top = order
+            return
+        if level == 0 and order & LOW != LOW and self._join_group(k, order):
+            return
         heap = self._heaps[level]
         heapq.heappush(heap, (order, k))
         if len(heap) > 2 * self._size[level] + 64:       # drop entries that went stale
@@ -284,28 +282,37 @@ class SessionCachePolicy(CachePolicy):
         heap, at = self._heaps[level], self._at
         while heap and at.get(heap[0][1]) != (level, heap[0][0]):
             heapq.heappop(heap)
+        if level == 0 and self._run and not self._groups:
+            k = next(iter(self._run))
+            o = self._run[k]
+            if not heap or o < heap[0][0] or (o == heap[0][0] and k < heap[0][1]):
+                return o, k, _RUN
+        elif level == 0 and self._groups:
+            return self._least_plain(heap)
+        return (heap[0][0], heap[0][1], _HEAP) if heap else None
+
+    def _least_plain(self, heap: list) -> tuple[int, OffloadKey, int] | None:
+        """``_least`` of level 0 when a group is in it: the least of the
+        heap's top (valid), the run's front and the first group's front."""
         o = k = None
         where = _HEAP
         if heap:
             o, k = heap[0]
-        if level == 0:
-            run = self._run
-            if run:
-                rk = next(iter(run))
-                ro = run[rk]
-                if k is None or ro < o or (ro == o and rk < k):
-                    o, k, where = ro, rk, _RUN
-            groups = self._groups
-            if groups:
-                gheap = self._group_heap
-                while gheap[0] not in groups:
-                    heapq.heappop(gheap)
-                group = groups[gheap[0]]
-                gk = next(iter(group))
-                go = group[gk]
-                if k is None or go < o or (go == o and gk < k):
-                    o, k, where = go, gk, _GROUP
-        return None if k is None else (o, k, where)
+        run = self._run
+        if run:
+            rk = next(iter(run))
+            ro = run[rk]
+            if k is None or ro < o or (ro == o and rk < k):
+                o, k, where = ro, rk, _RUN
+        gheap, groups = self._group_heap, self._groups
+        while gheap[0] not in groups:
+            heapq.heappop(gheap)
+        group = groups[gheap[0]]
+        gk = next(iter(group))
+        go = group[gk]
+        if k is None or go < o or (go == o and gk < k):
+            o, k, where = go, gk, _GROUP
+        return o, k, where
 
     def _shrink(self, level: int) -> None:
         self._size[level] -= 1
@@ -472,14 +479,12 @@ class SessionCachePolicy(CachePolicy):
         if self._arriving:
             self._settle()
         self.chunks[key] = chunk
-        position = None
-        if BY_POSITION and req_context is not None:
-            position = req_context.get_offload_key_position(key)
-        if position is None:
+        if BY_POSITION and req_context is not None and (
+                position := req_context.get_offload_key_position(key)) is not None:
+            self._rank[key] = self._request_rank(req_context) << SHIFT | LOW ^ min(position, LOW)
+        else:
             self._next_rank += 1
             self._rank[key] = self._next_rank << SHIFT | LOW
-        else:
-            self._rank[key] = self._request_rank(req_context) << SHIFT | LOW ^ min(position, LOW)
         if chunk.ref_cnt == 0:
             self._arrive(key)
 
