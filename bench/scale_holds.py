@@ -107,8 +107,8 @@ def _hint(m, lock: TimedLock, action: Action, session: str, **kw) -> dict:
     final = first
     seen = 0
     while final.status is Status.DEFERRED:
-        select.select([m.mover.wake_fd], [], [], 1.0)
-        m.mover.drain_wake()
+        select.select([m.wake.fd], [], [], 1.0)
+        m.wake.drain()
         with m.lock:
             m.apply_moves()
         evs, _, _ = m.event_log.since(seen, 100_000)

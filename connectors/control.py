@@ -142,9 +142,8 @@ class ControlChannel:
         poller.register(self._zap, zmq.POLLIN)
         poller.register(self._events.wake_fd, zmq.POLLIN)
         poller.register(self._stop_r, zmq.POLLIN)
-        mover = self._manager.mover
-        if mover is not None:
-            poller.register(mover.wake_fd, zmq.POLLIN)
+        wake = self._manager.wake
+        poller.register(wake.fd, zmq.POLLIN)
         while True:
             ready = dict(poller.poll())
             if self._stop_r in ready:
@@ -158,10 +157,10 @@ class ControlChannel:
                     except zmq.Again:
                         break
                     self._serve(frames)
-            if mover is not None and mover.wake_fd in ready:
-                mover.drain_wake()
+            if wake.fd in ready:
+                wake.drain()
                 try:
-                    with self._manager.lock:        # copies ended: finish them now
+                    with self._manager.lock:        # hint work waits: go on with it
                         self._manager.apply_moves()
                 except Exception:   # a bug costs these copies' outcomes, never the thread
                     logger.exception("sessionkv: finishing hint copies failed")

@@ -42,6 +42,17 @@ at once; what does not fit acts as before (on what is resident) and the
 outcome says so.
 Control-channel hints (authenticated by the channel, so treated as signed)
 act at once on what is resident.
+
+Slices: a Pin or Retain acts on at most ``G2_SLICE_CHUNKS`` of its G2
+chunks in the hold of the lock that executes it; the rest (``_Rest``) are
+pinned or retained a slice per later hold (``step``, from the manager's
+``apply_moves``: each scheduler pass, and the control thread, woken by
+``wake`` while work is left). The response counts them in
+``blocks_affected``; those that left G2 meanwhile, that the pin quota
+refuses then, or whose session ended, come back later as one ``clipped``
+outcome (``Via.POLICY``), as waiting chunks do. A reset drops them
+(``drop_waiting``). A 16,384-chunk Pin held the lock for its whole G2 side
+(81 ms in the policy alone, bench/scale_holds.py).
 ``release(session)`` drops what an ended session pinned and retained.
 
 Cost: the pin book (``PinBook``) is indexed by owner and counted per pool, and
@@ -108,6 +119,9 @@ MAX_WAITS = 4096
 # finished: vLLM stores it within a few steps, and every G3 store has its own
 # deadline (tiers/g3_io.Guard); the bound only ends a wait nothing will end.
 WAIT_S = 30.0
+# The most G2 chunks a Pin or Retain acts on in one hold of the lock; the
+# rest follow a slice a hold (``HintExecutor.step``, module docstring).
+G2_SLICE_CHUNKS = 256
 
 
 class TokenBuckets:
@@ -271,6 +285,20 @@ class Turn:
 
 
 @dataclass(eq=False)
+class _Rest:
+    """A Pin's or Retain's G2 chunks past its first slice, acted on by ``step``."""
+
+    hint: KvHint
+    session: str | None              # the request's (outcome events)
+    owner: str
+    keys: list[bytes]
+    ttl: float | None
+    at: int = 0                      # keys[:at] were acted on
+    lost: int = 0
+    why: str = ""
+
+
+@dataclass(eq=False)
 class _Wait:
     """One request hint's part that waits for its turn's chunks to arrive in
     ``tier`` (G2: their stores; G3: their write-through copies). ``take``
@@ -314,6 +342,7 @@ class HintExecutor:
         fetcher: Fetcher | None = None,
         emit: Callable[[HintOutcome, Via, str | None], None] | None = None,
         g3_cascades: bool = False,
+        wake: Callable[[], None] | None = None,
     ):
         self._index = index
         self._limits = limits
@@ -339,6 +368,8 @@ class HintExecutor:
         self._live = 0                                 # waits not settled
         self._n_waiting = 0                            # chunks waited for
         self._n_held = 0                               # chunks waits keep for their copy
+        self._rest: deque[_Rest] = deque()             # Pins and Retains past a slice
+        self._wake = wake or (lambda: None)
 
     def execute_all(
         self, items: list[KvHint | HintOutcome], session_id: str | None,
@@ -375,8 +406,9 @@ class HintExecutor:
             return self._fetcher.start(hint)
         if hint.action is Action.PREFETCH and isinstance(hint.target, KeysTarget):
             asked, keys, reason, clipped = len(hint.target.keys), list(hint.target.keys), "", []
+            in_g3 = None
         else:
-            asked, keys, reason, clipped = self._resolve(hint)
+            asked, keys, reason, clipped, in_g3 = self._resolve(hint)
         if not keys:
             return outcome(Status.MISSING, reason, asked)
         limit = min(self._limits.max_blocks_per_hint, hint.bounds.max_blocks or len(keys))
@@ -412,6 +444,7 @@ class HintExecutor:
         if self._policy is None:
             return outcome(Status.REJECTED, "Pin and Retain need g2.eviction: session", asked)
         chunks = [k for k in keys if self._policy.get(k) is not None]
+        chunks, rest = chunks[:G2_SLICE_CHUNKS], chunks[G2_SLICE_CHUNKS:]
         pin_g3 = hint.action is Action.PIN and self._mover is not None
         targets = (self._index.chunk_keys(keys, self._bpc)
                    if turn is not None or pin_g3 else [])
@@ -419,7 +452,8 @@ class HintExecutor:
         later = self._later(turn, "absent", targets, self._absent)
         # A Pin also holds the target's objects in G3 (the backend's own
         # pins), those of the turn once its write-through copies are there.
-        g3 = self._mover.in_g3(targets) if pin_g3 else []
+        g3 = ([k for k in targets if k in in_g3] if in_g3 is not None
+              else self._mover.in_g3(targets)) if pin_g3 else []
         g3_later = (self._g3_later(turn, targets, later)
                     if pin_g3 and self._cascades else [])
         if not chunks and not g3 and not later and not g3_later:
@@ -434,6 +468,10 @@ class HintExecutor:
             later = later[:room]
             if why:
                 clipped.append(why)
+        if rest:
+            self._rest.append(_Rest(hint, session_id, owner, rest, ttl))
+            self._wake()
+            done = done + rest
         held = self._fit(later)
         if len(held) < len(later):
             clipped.append(f"{len(later) - len(held)} of the turn's last chunks not held: "
@@ -600,9 +638,53 @@ class HintExecutor:
             if not w.keys:
                 self._settle(w)
 
+    def step(self) -> None:
+        """Go on with the Pins and Retains past their first slice: at most
+        ``G2_SLICE_CHUNKS`` chunks (module docstring, "Slices"); ``wake``
+        when some are left. Under the lock."""
+        budget = G2_SLICE_CHUNKS
+        while self._rest and budget > 0:
+            r = self._rest[0]
+            keys = r.keys[r.at:r.at + budget]
+            r.at += len(keys)
+            budget -= len(keys)
+            if r.owner and not self._index.has_session(r.owner):
+                r.lost, r.why = r.lost + len(keys), "the session ended"
+            elif r.hint.action is Action.RETAIN:
+                n = self._policy.retain(keys, r.hint.bounds.priority, r.ttl, r.owner)
+                if n < len(keys):
+                    r.lost, r.why = r.lost + len(keys) - n, "not in G2"
+            else:
+                present = [k for k in keys if self._policy.get(k) is not None]
+                if len(present) < len(keys):
+                    r.lost, r.why = r.lost + len(keys) - len(present), "not in G2"
+                done, _, _ = self._pin(r.hint, r.session, present, r.ttl)
+                if len(done) < len(present):
+                    r.lost, r.why = r.lost + len(present) - len(done), "pin quota"
+            if r.at >= len(r.keys):
+                self._rest.popleft()
+                self._end_rest(r)
+        if self._rest:
+            self._wake()
+
+    def _end_rest(self, r: _Rest, why: str = "") -> None:
+        """``r``'s chunks were all acted on (or ``why`` the rest were not): a
+        ``clipped`` outcome for those lost."""
+        if why and r.at < len(r.keys):
+            r.lost, r.why, r.at = r.lost + len(r.keys) - r.at, why, len(r.keys)
+        if r.lost:
+            name = r.hint.action.action_type
+            verb = "retained" if r.hint.action is Action.RETAIN else "pinned"
+            self._emit(HintOutcome(r.hint.hint_id, name, Status.CLIPPED, 0,
+                                   r.lost * self._bpc, f"{r.lost} chunks not {verb}: {r.why}"),
+                       Via.POLICY, r.session)
+
     def drop_waiting(self, why: str) -> None:
         """G2 is being reset: every wait ends now (Pin and Retain report the
-        chunks they did not hold; waiting copies are rejected, not started)."""
+        chunks they did not hold; waiting copies are rejected, not started),
+        and so do the Pins and Retains past their first slice."""
+        while self._rest:
+            self._end_rest(self._rest.popleft(), why)
         for w in self._order:
             if not w.done:
                 self._settle(w, why, run=False)
@@ -792,13 +874,15 @@ class HintExecutor:
                 and not isinstance(t, (KeysTarget, HashesTarget))
                 and session_id is not None and t.session_id == session_id)
 
-    def _resolve(self, hint: KvHint) -> tuple[int, list[bytes], str, list[str]]:
+    def _resolve(self, hint: KvHint
+                 ) -> tuple[int, list[bytes], str, list[str], set[bytes] | None]:
         """(blocks the hint asks for, resident block keys root first, reason
-        when none, what clipped the target)."""
+        when none, what clipped the target, those of the keys in G3)."""
         t = hint.target
         if isinstance(t, KeysTarget):
-            keys = self._index.resolve_keys(list(t.keys)).keys
-            return len(t.keys), keys, "none of the keys is resident", []
+            res = self._index.resolve_keys(list(t.keys))
+            return (len(t.keys), res.keys, "none of the keys is resident", [],
+                    set(res.per_tier[Tier.G3]))
         res = self._index.resolve_session(t.session_id, t.branch, t.boundary)
         if res is None and hint.action is Action.RETAIN and t.boundary is not None \
                 and t.boundary not in self._index:
@@ -813,11 +897,13 @@ class HintExecutor:
             if deepest is not None:
                 res = self._index.resolve_session(t.session_id, branch=deepest)
                 if res is not None and res.keys:
-                    return len(res.keys), res.keys, "", [BOUNDARY_GONE]
+                    return (len(res.keys), res.keys, "", [BOUNDARY_GONE],
+                            set(res.per_tier[Tier.G3]))
         if res is None:
             if self._index.is_ended(t.session_id):
-                return 0, [], "session ended", []
+                return 0, [], "session ended", [], None
             if not self._index.has_session(t.session_id):
-                return 0, [], "unknown session", []
-            return 0, [], "branch or boundary is not part of the session", []
-        return len(res.keys), res.keys, "session has no resident blocks", []
+                return 0, [], "unknown session", [], None
+            return 0, [], "branch or boundary is not part of the session", [], None
+        return (len(res.keys), res.keys, "session has no resident blocks", [],
+                set(res.per_tier[Tier.G3]))

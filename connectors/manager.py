@@ -74,7 +74,7 @@ from .fetch import Fetcher
 from .g2 import SessionPrimaryTier
 from .hint_executor import HintExecutor, Turn
 from .metrics import SessionStats
-from .moves import Mover
+from .moves import Mover, Wake
 
 logger = init_logger(__name__)
 # The status op holds the lock at most this long per batch of sessions, then
@@ -178,7 +178,9 @@ class SessionTierManager(OffloadingManager):
         g3 = [t for t in secondary_tiers if isinstance(t, G3Tier)]
         # Demote/Prefetch/Share copy to and from the first G3 tier.
         wave = int(config.policy.limits.move_fraction * primary_tier.num_chunks)
-        self.mover = Mover(primary_tier, g3[0], self.emit, wave) if g3 else None
+        # Set when hint work waits for the lock's next hold (the control thread takes it).
+        self.wake = Wake()
+        self.mover = Mover(primary_tier, g3[0], self.emit, wave, self.wake) if g3 else None
         secret = config.policy.trust.secret
         # kv.fetch asks the source engine's control channel, with our secret.
         self.fetcher = (Fetcher(secret, self._fetched, self._emit_final)
@@ -187,7 +189,7 @@ class SessionTierManager(OffloadingManager):
             index, config.policy.limits, primary_tier.policy, primary_tier.num_chunks,
             primary_tier.blocks_per_chunk, mover=self.mover, fetcher=self.fetcher,
             emit=lambda o, via, s: self.emit(Outcome(outcome=o, via=via, session_id=s)),
-            g3_cascades=config.policy.g3.write_through)
+            g3_cascades=config.policy.g3.write_through, wake=self.wake.set)
         self._finished_req: str | None = None    # the last on_request_finished's
 
     @property
@@ -333,8 +335,7 @@ class SessionTierManager(OffloadingManager):
         self.vllm.shutdown()
         if self.fetcher is not None:
             self.fetcher.close()
-        if self.mover is not None:
-            self.mover.close()
+        self.wake.close()
         if self.event_log is not None:
             self.event_log.close()
 
@@ -386,12 +387,15 @@ class SessionTierManager(OffloadingManager):
             self.emit(Outcome(outcome=late, via=Via.POLICY))
 
     def apply_moves(self) -> None:
-        """Index the G3 copies the tiers reported and finish the hint copies
-        that ended (``Mover.apply``). The caller holds the lock: the scheduler
-        at the start of each pass, the control channel when the mover wakes it."""
+        """Index the G3 copies the tiers reported, finish the hint copies that
+        ended (``Mover.apply``) and go on with large Pins and Retains
+        (``HintExecutor.step``), a slice of each per hold. The caller holds
+        the lock: the scheduler at the start of each pass, the control
+        channel when ``wake`` is set."""
         self._index_g3_copies()
         if self.mover is not None:
             self.mover.apply()
+        self.executor.step()
 
     def _index_g3_copies(self) -> None:
         """Index the G3 copies the tiers reported (``G3Copies``); a turn's

@@ -8,7 +8,7 @@ These run outside vLLM's job table, so they work on an idle engine
    allocates not-yet-ready G2 slots a load copies into), then hand the copy to
    the G3 tier (``G3Tier.move``). The hint's outcome is ``deferred``.
 2. The copy runs on the tier's I/O threads, which only queue the result and
-   write one byte to ``wake_fd`` (they never take the lock).
+   set the manager's ``Wake`` (they never take the lock).
 3. ``apply`` (under the lock; the control channel's thread when woken, and the
    scheduler at the start of every pass): ``complete_read`` / ``complete_write``
    per chunk, so prefetched chunks become loadable only once their bytes are
@@ -25,7 +25,7 @@ Slices: one hold of the lock looks up and reserves at most ``SLICE_CHUNKS``
 chunks for hint copies, whatever the copies' size (``apply`` opens a hold's
 slice, ``begin_hold`` another hold's that starts hints out of band). A copy that
 finds the slice spent waits, paused, and the Mover wakes its own reader
-(``wake_fd``) so the next hold goes on: a 16,384-chunk Prefetch or Share
+(``Wake``) so the next hold goes on: a 16,384-chunk Prefetch or Share
 reserved 25 % of G2 in one ``prepare_write`` under the step lock, 92 ms.
 A Pin's G3 side runs in waves too (``G3Tier.pin`` per slice).
 
@@ -124,14 +124,54 @@ class Move:
         return self.action is Action.PREFETCH
 
 
+class Wake:
+    """A pipe that says hint work is waiting for a hold of the lock: copies
+    ended (the tier's I/O threads), or a hold spent its slice with work left.
+    Its reader (the control channel's thread) ``drain``s it, takes the lock
+    and applies (``SessionTierManager.apply_moves``). Any thread may ``set``
+    it; setting it twice before a drain wakes the reader once or twice."""
+
+    def __init__(self):
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+
+    @property
+    def fd(self) -> int:
+        """Readable once set, until drained."""
+        return self._r
+
+    def set(self) -> None:
+        try:
+            os.write(self._w, b"\0")
+        except BlockingIOError:          # the pipe is full: a wake-up is pending anyway
+            pass
+
+    def drain(self) -> None:
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 class Mover:
     """Demote, Prefetch and Share copies (see the module docstring)."""
 
     def __init__(self, primary, tier: G3Tier, emit: Callable[[object], None],
-                 wave_chunks: int, max_moves: int = MAX_MOVES):
-        """``wave_chunks``: the most G2 chunks all copies reserve at a time (at least 1)."""
+                 wave_chunks: int, wake: Wake, max_moves: int = MAX_MOVES):
+        """``wave_chunks``: the most G2 chunks all copies reserve at a time (at
+        least 1); ``wake``: set when copies ended or a slice was spent."""
         self._primary = primary             # SessionPrimaryTier (G2)
         self._tier = tier
+        self._wake = wake.set
         self._emit = emit
         self._max = max_moves
         self._budget = max(1, wave_chunks)
@@ -144,14 +184,6 @@ class Mover:
         self._fenced = False                # a reset's flush is pending: loads wait
         self._slice = SLICE_CHUNKS          # chunks this hold of the lock may still take
         self._held: deque[Move] = deque()        # load moves waiting for the fence
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-
-    @property
-    def wake_fd(self) -> int:
-        """Readable when copies ended (``drain_wake`` empties it)."""
-        return self._wake_r
 
     @property
     def busy(self) -> bool:
@@ -271,21 +303,13 @@ class Mover:
                        lambda ok, m=move: self._copied(m, ok))
         return True
 
-    def drain_wake(self) -> None:
-        """Empty ``wake_fd`` (its reader, the control thread, before ``apply``)."""
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
     def apply(self) -> None:
         """Finish the waves that ended; start the next ones, and waiting copies.
         No system call: the scheduler calls this every pass, and a loop of
         short GIL releases starves the threads that wait to take it back (an
         idle engine stepping while a request waits for its G3 load kept the
         disk tier's reads from their GIL for 5-10 s a load, past the 10 s
-        deadline on CI); only a spent slice writes ``wake_fd``. Opens this
+        deadline on CI); only a spent slice sets the ``Wake``. Opens this
         hold's slice."""
         self.begin_hold()
         while self._finished:
@@ -439,16 +463,3 @@ class Mover:
         move.ok = ok
         self._finished.append(move)
         self._wake()
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:          # the pipe is full: a wake-up is pending anyway
-            pass
-
-    def close(self) -> None:
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass

@@ -336,3 +336,40 @@ def test_waiting_chunks_are_bounded(monkeypatch):
     o = _turn_pin(ex, keys, rid="r2")            # no room left: resident chunks only
     assert (o.status, o.blocks_affected) == (Status.CLIPPED, 3)
     assert ex._n_waiting == 1
+
+
+def test_a_large_pin_or_retain_acts_a_slice_per_hold_and_reports_what_it_lost(monkeypatch):
+    # Issue 52: a Pin or Retain acted on all of its G2 chunks in one hold of
+    # the lock (a 16,384-chunk Pin: 81 ms in the policy alone). Now a slice
+    # at once, the rest a slice per step(), with wake() while some are left.
+    monkeypatch.setattr(hint_executor, "G2_SLICE_CHUNKS", 4)
+    keys = [block_key(f"big{i}") for i in range(10)]
+    idx = SessionPrefixIndex()
+    idx.admit("s", keys, Tier.G2)
+    policy = SessionCachePolicy(100)
+    for i, k in enumerate(keys):
+        chunk = ChunkStatus(i)
+        chunk.ref_cnt = 0
+        policy.insert(k, chunk)
+    woken, late = [], []
+    ex = HintExecutor(idx, Limits(pin_fraction_session=0.08), policy, 100, 1, Clock(),
+                      emit=lambda o, via, s: late.append(o), wake=lambda: woken.append(1))
+    (out,) = run(ex, "s", env({"ttl_s": 30}), signed_for="s")
+    assert (out.status, out.blocks_affected) == (Status.ACCEPTED, 10)
+    assert policy.pinned() == set(keys[:4]) and woken
+    policy.remove(keys[5])                  # gone from G2 before its slice
+    ex.step()
+    assert policy.pinned() == set(keys[:8]) - {keys[5]} and late == []
+    ex.step()                               # the quota (8 chunks) refuses the last
+    assert policy.pinned() == set(keys) - {keys[5], keys[9]}
+    (clip,) = late
+    assert (clip.hint_id, clip.status, clip.blocks_affected) == ("h0", Status.CLIPPED, 2)
+    assert clip.reason == "2 chunks not pinned: pin quota"
+    woken.clear()
+    ex.step()
+    assert not woken                        # nothing left
+    # A Retain past its slice, cut by a reset: the rest is reported lost.
+    (out,) = run(ex, "s", env({"ttl_s": 30, "priority": 7}, kind="kv.retain"), signed_for="s")
+    assert out.status is Status.ACCEPTED
+    ex.drop_waiting("G2 was reset")
+    assert late[-1].reason == "5 chunks not retained: G2 was reset"

@@ -206,9 +206,9 @@ def test_the_scheduler_finishes_copies_without_a_system_call(parts, monkeypatch)
     (done,), _ = final(m, first.hint_id)
     assert done.status is Status.ACCEPTED and g3.listed(keys) == [True] * 4
     monkeypatch.undo()
-    wake = m.mover.wake_fd
+    wake = m.wake.fd
     assert select.select([wake], [], [], 0)[0] == [wake]    # left for the control thread
-    m.mover.drain_wake()
+    m.wake.drain()
     assert select.select([wake], [], [], 0)[0] == []
 
 
