@@ -1,7 +1,7 @@
 """G3 write-through against a slow G3: the cascade queue, G2 held by it and
 the cascades dropped, with sessionkv's default backpressure and without.
 
-    .venv/bin/python bench/g3_backpressure.py --json OUT [--seconds 20] [--g2-chunks 4096]
+    .venv/bin/python bench/g3_backpressure.py --json OUT [--seconds 20] [--g2-chunks 262144]
 
 A real vLLM ``Scheduler`` with SessionTierConnector (no model:
 ``scale_steps.make_scheduler``; one token a step, every G1 <-> G2 job
@@ -15,14 +15,15 @@ arrive). Then the pauses stop and the queue drains.
 
 Modes (a fresh scheduler, tier and namespace each):
 
-- ``default``: no ``backpressure`` given: ``CascadeQueue``, an eighth of G2;
+- ``default``: no ``backpressure`` given: ``CascadeQueue`` at its default, an
+  eighth of G2 (at least one backend call, 64 MiB: past that here);
 - ``unbounded``: ``CascadeQueue`` with no limit (``max_chunks`` 2**40): what
   ran before the default, every cascade queued.
 
 (vLLM's ``EMABackpressureDetector`` is not compared here: it works in
-seconds per MiB, and this scheduler's chunks are 128 bytes, so any wait
-reads as pressure. tests/connectors/test_g3_backpressure.py shows it
-queueing every cascade of a stall.)
+seconds per MiB, and this scheduler's chunks are 4 KiB, so a wait of a few
+milliseconds reads as pressure. tests/connectors/test_g3_backpressure.py
+shows it queueing every cascade of a stall.)
 
 Per mode (JSON ``modes``): every ``--sample-s``, the queue in chunks and
 jobs (vLLM's ``primary_read_usage_perc`` x G2 chunks,
@@ -30,7 +31,7 @@ jobs (vLLM's ``primary_read_usage_perc`` x G2 chunks,
 stores refused for want of G2 room (vLLM's ``allocation_failure``); the
 peaks; chunks in G3 at the end and the seconds the queue took to drain.
 The memory the queue holds is G2: a queued cascade's chunks stay in their
-G2 slots (read in place, no copy) until it ends. A chunk here is 128 bytes
+G2 slots (read in place, no copy) until it ends. A chunk here is 4 KiB
 (the scheduler moves no KV); in a deployment it is its chunk size.
 """
 
@@ -191,8 +192,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", required=True)
     p.add_argument("--seconds", type=float, default=20.0)
-    p.add_argument("--g2-chunks", type=int, default=4096)
-    p.add_argument("--prompt-chunks", type=int, default=4)
+    p.add_argument("--g2-chunks", type=int, default=262144)
+    p.add_argument("--prompt-chunks", type=int, default=64)
     p.add_argument("--pause-ms", type=int, default=90)
     p.add_argument("--period-ms", type=int, default=100)
     p.add_argument("--step-s", type=float, default=0.005)

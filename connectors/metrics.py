@@ -19,7 +19,7 @@ are on vLLM's own tiering metrics (0.32 and 0.33), which pass through here
 (``take(into=...)``), labelled ``tier`` ``<n>:<type>`` (``1:RedisTier``):
 ``vllm:kv_offload_tiering_active_cascade_jobs`` (cascades queued or
 running), ``vllm:kv_offload_tiering_primary_read_usage_perc`` (their chunks,
-as a share of G2: what the default bounds at 1/8), and
+as a share of G2: what the default bounds), and
 ``vllm:kv_offload_tiering_backpressure_stores_dropped`` /
 ``..._blocks_dropped`` (cascades and chunks dropped; counters). sessionkv adds
 none of its own for them (``tests/connectors/test_g3_backpressure.py``).

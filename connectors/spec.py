@@ -28,20 +28,14 @@ from sessionkv.keys import G3_MAC, derive
 from sessionkv.events import EventLog
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers.g2_policy import SessionCachePolicy
-from sessionkv.tiers.g3 import G3Tier, Quarantine
-from sessionkv.tiers.g3_backpressure import CascadeQueue
+from sessionkv.tiers.g3 import BATCH_BYTES, G3Tier, Quarantine
+from sessionkv.tiers.g3_backpressure import CascadeQueue, default_max_chunks
 
 from . import compat, regions
 from .cpu_worker import TorchCopyWorker
 from .g2 import QuarantinedPrimaryTier, SessionPrimaryTier
 from .manager import G3Copies, SessionTierManager
 from .metrics import DEFINITIONS as METRICS
-
-
-# A G3 tier's cascades queued at most, by default: G2's chunks over this (the
-# queue holds their G2 slots; hint copies reserve a quarter at a time, pins
-# half at most). Measured in bench/README.md, "Defaults a GPU fleet can run".
-CASCADE_QUEUE_SHARE = 8
 
 
 def has_device_worker() -> bool:
@@ -155,8 +149,9 @@ class SessionTierSpec(TieringOffloadingSpec):
         quarantine, reports its copies to ``g3_copies``, seals its
         objects with a MAC when the policy names a cluster secret, and,
         unless the user gave a ``backpressure`` (vLLM's key, top-level or
-        per tier), drops cascades past an eighth of G2 queued
-        (``tiers/g3_backpressure.py``)."""
+        per tier), drops cascades while it carries a backlog of an eighth of
+        G2 (``tiers/g3_backpressure.py``; measured in bench/README.md,
+        "Defaults a GPU fleet can run")."""
         if issubclass(SecondaryTierFactory.get_tier_class(tier_config), G3Tier):
             for key in ("quarantine", "observer", "seal_key"):
                 if key in tier_config:
@@ -169,7 +164,8 @@ class SessionTierSpec(TieringOffloadingSpec):
             if "backpressure" not in tier_config:   # vLLM merged in the user's, if any
                 tier_config["backpressure"] = {
                     "backpressure_cls": f"{CascadeQueue.__module__}.{CascadeQueue.__name__}",
-                    "max_chunks": max(1, self.num_chunks // CASCADE_QUEUE_SHARE)}
+                    "max_chunks": default_max_chunks(self.num_chunks, view.strides[0],
+                                                     BATCH_BYTES)}
         return SecondaryTierFactory.create_secondary_tier(tier_config, view, self)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

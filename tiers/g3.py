@@ -281,6 +281,8 @@ class G3Tier(SecondaryTierManager):
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._lookups.flush()
+        if self._cascades is not None:      # vLLM collected the cascades that ended
+            self._cascades.step_ended()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._lookups.cleanup(req_context.req_id)

@@ -1,5 +1,5 @@
 """A G3 tier's default backpressure: vLLM's G2 -> G3 cascades are dropped
-while the tier's queue of them is full.
+while the tier carries a backlog of them from step to step.
 
 A cascade (vLLM's tiering manager copying chunks just stored in G2 down to
 a secondary tier; ``g3.write_through``) is an optional copy: the chunks stay
@@ -15,16 +15,19 @@ only from ended cascades (nothing before ten have ended, its warm-up; on
 ``CascadeQueue`` is a vLLM ``BackpressureDetector``: vLLM's tiering manager
 asks ``should_store(n)`` before each cascade of ``n`` chunks to the tier
 (0.32 and 0.33), and a ``G3Tier`` reports each cascade it takes and each
-end vLLM collects (``entered``, ``left``), so ``chunks`` is exactly what
-vLLM's tiering metrics count as cascades in flight. A cascade is let in
-while the queue is empty or stays within ``max_chunks``: the queue holds at
-most ``max(max_chunks, one cascade)`` chunks. Dropped cascades are counted
-by the policy (``DropStorePolicy``), which vLLM exports with its own
-gauges of the queue (``connectors/metrics.py`` names them).
+end vLLM collects (``entered``, ``left``; ``chunks`` is what vLLM's tiering
+metrics count as cascades in flight), and the end of each step's schedule
+(``step_ended``), after vLLM collected what had ended. A cascade is let in
+while the backlog the tier carried into the step is below ``max_chunks``:
+one step's cascades (a prefill burst) all go while the tier keeps up, and
+the queue never holds more than ``max_chunks`` plus one step's cascades.
+Dropped cascades are counted by the policy (``DropStorePolicy``), which
+vLLM exports with its own gauges of the queue (``connectors/metrics.py``
+names them). ``SessionTierSpec`` sizes the default (``default_max_chunks``).
 
-Threading: vLLM calls ``should_store`` and the tier ``entered`` and
-``left`` on the scheduler thread, under the tier manager's lock; a lock of
-its own keeps ``chunks`` right for a reader elsewhere. Cost: O(1) a call.
+Threading: vLLM calls ``should_store``, and the tier the others, on the
+scheduler thread under the tier manager's lock; a lock of its own keeps the
+counts right for a reader elsewhere. Cost: O(1) a call.
 """
 
 from __future__ import annotations
@@ -37,9 +40,21 @@ from vllm.v1.kv_offload.tiering.backpressure import (
     DropStorePolicy,
 )
 
+# The default backlog: an eighth of G2 (hint copies reserve a quarter of it
+# at a time and pins half at most, so vLLM's stores still find room), and at
+# least one backend call's bytes (``tiers/g3.py`` copies in calls of at most
+# its BATCH_BYTES, 64 MiB): less is the tier's call in hand, not a backlog.
+G2_SHARE = 8
+
+
+def default_max_chunks(g2_chunks: int, chunk_bytes: int, call_bytes: int) -> int:
+    """The default ``max_chunks`` of a G3 tier over a G2 of ``g2_chunks``
+    chunks of ``chunk_bytes``, whose copies go in calls of ``call_bytes``."""
+    return max(1, g2_chunks // G2_SHARE, call_bytes // chunk_bytes)
+
 
 class CascadeQueue(BackpressureDetector):
-    """Drops a cascade that would take the tier's queue past ``max_chunks``
+    """Drops cascades while the tier's carried backlog holds ``max_chunks``
     chunks (see the module docstring). Built by vLLM's tier factory from a
     tier's ``backpressure``: ``{"backpressure_cls":
     "sessionkv.tiers.g3_backpressure.CascadeQueue", "max_chunks": N}``."""
@@ -50,7 +65,8 @@ class CascadeQueue(BackpressureDetector):
                              f"got {max_chunks!r}")
         super().__init__(policy=policy or DropStorePolicy())
         self.max_chunks = max_chunks
-        self._chunks = 0
+        self._chunks = 0            # of the cascades taken and not yet collected
+        self._carried = 0           # ``_chunks`` when the last step's schedule ended
         self._lock = threading.Lock()
 
     @property
@@ -66,16 +82,19 @@ class CascadeQueue(BackpressureDetector):
         with self._lock:
             self._chunks -= chunks
 
+    def step_ended(self) -> None:
+        with self._lock:
+            self._carried = self._chunks
+
     def should_store(self, num_blocks: int) -> bool:
         # vLLM's num_blocks is the cascade's keys: chunks.
-        with self._lock:
-            fits = not self._chunks or self._chunks + num_blocks <= self.max_chunks
-        if not fits:
-            self.policy.on_store_skipped(num_blocks)
-        return fits
+        if self._carried < self.max_chunks:
+            return True
+        self.policy.on_store_skipped(num_blocks)
+        return False
 
     def is_under_pressure(self) -> bool:
-        return self._chunks >= self.max_chunks
+        return self._carried >= self.max_chunks
 
     def on_store_completed(self, elapsed_s: float, num_bytes: int) -> None:
         """Ends are counted by ``left``, failed ones too (0.32 reports
@@ -83,6 +102,8 @@ class CascadeQueue(BackpressureDetector):
 
     def reset(self) -> None:
         # vLLM's reset_cache, after it collected every job: the queue is empty.
+        with self._lock:
+            self._carried = self._chunks
         self.policy.reset()
 
     @property
