@@ -18,6 +18,8 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 FROM_VLLM = {"self", "offloading_spec", "primary_kv_view", "tier_type", "backend",
              "backpressure_detector", "backend_config", "quarantine", "observer",
              "seal_key"}
+# Backend constructor arguments a tier wires itself (DiskTier: its evictor's callback).
+WIRED = {"on_evict"}
 
 
 def reference_keys() -> set[str]:
@@ -45,7 +47,7 @@ def code_keys() -> set[str]:
     assert {"DiskTier", "MooncakeTier", "RedisTier", "LMCacheTier"} <= set(G3_MODULES)
     for kind, module in G3_MODULES.items():         # sessionkv's own tiers
         tier = getattr(importlib.import_module(module), kind)
-        params = set(inspect.signature(tier.backend_class.__init__).parameters) - {"self"}
+        params = set(inspect.signature(tier.backend_class.__init__).parameters) - {"self"} - WIRED
         keys |= {f"{tier.__name__}.{p}" for p in params}
     return keys
 
