@@ -648,19 +648,7 @@ class HintExecutor:
             keys = r.keys[r.at:r.at + budget]
             r.at += len(keys)
             budget -= len(keys)
-            if r.owner and not self._index.has_session(r.owner):
-                r.lost, r.why = r.lost + len(keys), "the session ended"
-            elif r.hint.action is Action.RETAIN:
-                n = self._policy.retain(keys, r.hint.bounds.priority, r.ttl, r.owner)
-                if n < len(keys):
-                    r.lost, r.why = r.lost + len(keys) - n, "not in G2"
-            else:
-                present = [k for k in keys if self._policy.get(k) is not None]
-                if len(present) < len(keys):
-                    r.lost, r.why = r.lost + len(keys) - len(present), "not in G2"
-                done, _, _ = self._pin(r.hint, r.session, present, r.ttl)
-                if len(done) < len(present):
-                    r.lost, r.why = r.lost + len(present) - len(done), "pin quota"
+            self._act(r, keys)
             if r.at >= len(r.keys):
                 self._rest.popleft()
                 self._end_rest(r)
@@ -798,16 +786,24 @@ class HintExecutor:
         if w.then is not None:
             w.arrived += keys
             return
-        if w.owner and not self._index.has_session(w.owner):
-            w.lost, w.why = w.lost + len(keys), "the session ended"
-        elif w.hint.action is Action.RETAIN:
-            n = self._policy.retain(keys, w.hint.bounds.priority, w.ttl, w.owner)
-            if n < len(keys):
-                w.lost, w.why = w.lost + len(keys) - n, "not in G2"
-        else:
-            done, _, why = self._pin(w.hint, w.session, keys, w.ttl)
-            if len(done) < len(keys):
-                w.lost, w.why = w.lost + len(keys) - len(done), "pin quota" if why else "not in G2"
+        self._act(w, keys)
+
+    def _act(self, part: _Wait | _Rest, keys: list[bytes]) -> None:
+        """Pin or retain ``keys`` for ``part`` (a wait's arrived chunks, a
+        slice of a large hint's rest); those it cannot are counted in
+        ``part.lost``, with why."""
+        if part.owner and not self._index.has_session(part.owner):
+            part.lost, part.why = part.lost + len(keys), "the session ended"
+            return
+        present = [k for k in keys if self._policy.get(k) is not None]
+        if len(present) < len(keys):
+            part.lost, part.why = part.lost + len(keys) - len(present), "not in G2"
+        if part.hint.action is Action.RETAIN:
+            self._policy.retain(present, part.hint.bounds.priority, part.ttl, part.owner)
+            return
+        done, _, _ = self._pin(part.hint, part.session, present, part.ttl)
+        if len(done) < len(present):
+            part.lost, part.why = part.lost + len(present) - len(done), "pin quota"
 
     def _settle(self, w: _Wait, why: str = "", run: bool = True) -> None:
         """``w`` waits for nothing more (``why`` the rest is lost): its final
