@@ -7,7 +7,7 @@ session stays untagged. G3's eviction is reported: a ``BlockRemoved``
 (medium "STORAGE") for each block the disk tier's evictor removed, and none
 for a block never reported stored. (Without KV events vLLM's tracker is left
 as is: tests/connectors/test_tier_stack.py; the other G3 removals, hint
-copies and shared chunks: tests/connectors/test_kv_events.py.)"""
+copies and shared chunks: tests/connectors/test_storage_events.py.)"""
 
 import threading
 import uuid
