@@ -121,6 +121,8 @@ def _hint(m, lock: TimedLock, action: Action, session: str, **kw) -> dict:
             "holds": len(lock.holds), "longest_hold_ms": round(max(lock.holds) * 1e3, 3),
             "first_hold_ms": round(lock.holds[0] * 1e3, 3),
             "copy_hold_ms": round(max(lock.holds[1:], default=0.0) * 1e3, 3),
+            "copy_hold_p50_ms": round(sorted(lock.holds[1:])[len(lock.holds[1:]) // 2] * 1e3, 3)
+            if len(lock.holds) > 1 else 0.0,
             "wall_s": round(time.perf_counter() - t0, 2)}
 
 
