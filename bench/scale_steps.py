@@ -283,6 +283,19 @@ def model_output(sched_out, done_jobs: set[int]) -> ModelRunnerOutput:
         kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=meta))
 
 
+def step(sched, done_jobs: set[int]) -> set[int]:
+    """One engine step with the workers reporting ``done_jobs`` complete; the
+    jobs this step started, which the next step reports (as vLLM's worker
+    does). A step with nothing scheduled waits a little: lookups and G3
+    copies run on threads."""
+    out = sched.schedule()
+    if not out.num_scheduled_tokens:
+        time.sleep(0.01)
+    meta = out.kv_connector_metadata
+    sched.update_from_output(out, model_output(out, done_jobs))
+    return set(getattr(meta, "load_jobs", ())) | set(getattr(meta, "store_jobs", ()))
+
+
 def step_times(ours: bool, spec: StepSpec, policy_file: str | None = None
                ) -> Iterator[tuple[str, tuple[float, float]]]:
     """Prefill ``spec``'s requests, decode them ``decode_steps`` steps once

@@ -63,6 +63,7 @@ from sessionkv.events import (
     Outcome,
     Transfer,
     Via,
+    Wake,
 )
 from sessionkv.hints import Action, HintOutcome, KvHint, SessionTarget, Status
 from sessionkv.index.prefix_index import SessionPrefixIndex
@@ -74,7 +75,7 @@ from .fetch import Fetcher
 from .g2 import SessionPrimaryTier
 from .hint_executor import HintExecutor, Turn
 from .metrics import SessionStats
-from .moves import Mover, Wake
+from .moves import Mover
 
 logger = init_logger(__name__)
 # The status op holds the lock at most this long per batch of sessions, then

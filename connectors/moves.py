@@ -68,7 +68,6 @@ manager's lock.
 from __future__ import annotations
 
 import itertools
-import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,7 +75,7 @@ from dataclasses import dataclass, field
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
 
-from sessionkv.events import Outcome, Transfer, Via
+from sessionkv.events import Outcome, Transfer, Via, Wake
 from sessionkv.hints import Action, HintOutcome, Status
 from sessionkv.tiers.g3 import G3Tier
 from sessionkv.types import Tier
@@ -122,44 +121,6 @@ class Move:
     @property
     def is_load(self) -> bool:
         return self.action is Action.PREFETCH
-
-
-class Wake:
-    """A pipe that says hint work is waiting for a hold of the lock: copies
-    ended (the tier's I/O threads), or a hold spent its slice with work left.
-    Its reader (the control channel's thread) ``drain``s it, takes the lock
-    and applies (``SessionTierManager.apply_moves``). Any thread may ``set``
-    it; setting it twice before a drain wakes the reader once or twice."""
-
-    def __init__(self):
-        self._r, self._w = os.pipe()
-        os.set_blocking(self._r, False)
-        os.set_blocking(self._w, False)
-
-    @property
-    def fd(self) -> int:
-        """Readable once set, until drained."""
-        return self._r
-
-    def set(self) -> None:
-        try:
-            os.write(self._w, b"\0")
-        except BlockingIOError:          # the pipe is full: a wake-up is pending anyway
-            pass
-
-    def drain(self) -> None:
-        try:
-            while os.read(self._r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
-    def close(self) -> None:
-        for fd in (self._r, self._w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
 
 
 class Mover:

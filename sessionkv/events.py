@@ -108,6 +108,43 @@ AnyEvent = Association | Residency | Eviction | Transfer | Outcome
 KINDS = ("association", "residency", "eviction", "transfer", "outcome")
 
 
+class Wake:
+    """A pipe that wakes a reader sleeping in ``poll``: ``set`` by any thread
+    (nonblocking; a full pipe already wakes it), ``drain``ed by the reader
+    before it works. The event log's publisher and the engine's hint work
+    (``SessionTierManager.wake``: copies ended, a hold left work) use one each."""
+
+    def __init__(self):
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+
+    @property
+    def fd(self) -> int:
+        """Readable once set, until drained."""
+        return self._r
+
+    def set(self) -> None:
+        try:
+            os.write(self._w, b"\0")
+        except BlockingIOError:          # the pipe is full: a wake-up is pending anyway
+            pass
+
+    def drain(self) -> None:
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 class EventLog:
     """Numbered events, the newest ``capacity`` kept (see the module docstring).
 
@@ -121,13 +158,11 @@ class EventLog:
         self._next_seq = 1
         self._published = 0          # highest seq handed to drain_new
         self._signalled = False
-        self._rfd, self._wfd = os.pipe()
-        os.set_blocking(self._rfd, False)
-        os.set_blocking(self._wfd, False)
+        self._wake = Wake()
 
     @property
     def wake_fd(self) -> int:
-        return self._rfd
+        return self._wake.fd
 
     def append(self, event: AnyEvent) -> int:
         """Number and keep one event; its ``seq``."""
@@ -138,20 +173,13 @@ class EventLog:
             self._events.append(event)
             if not self._signalled:
                 self._signalled = True
-                try:
-                    os.write(self._wfd, b"\0")
-                except BlockingIOError:      # a full pipe already wakes the reader
-                    pass
+                self._wake.set()
             return event.seq
 
     def drain_new(self) -> list[AnyEvent]:
         """Events appended since the last call (for the publisher)."""
         with self._lock:
-            try:
-                while os.read(self._rfd, 4096):
-                    pass
-            except BlockingIOError:
-                pass
+            self._wake.drain()
             self._signalled = False
             new = self._tail(self._published, None)
             if new:
@@ -177,11 +205,7 @@ class EventLog:
         return list(itertools.islice(ev, start, stop))
 
     def close(self) -> None:
-        for fd in (self._rfd, self._wfd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._wake.close()
 
 
 encode = msgspec.msgpack.Encoder().encode

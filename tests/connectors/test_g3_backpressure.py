@@ -116,12 +116,7 @@ def step_until(sched, done, what, add=None, timeout_s=60.0) -> None:
         if add is not None:
             add(n)
         n += 1
-        out = sched.schedule()
-        if not out.num_scheduled_tokens:
-            time.sleep(0.01)
-        meta = out.kv_connector_metadata
-        sched.update_from_output(out, steps.model_output(out, pending))
-        pending = set(getattr(meta, "load_jobs", ())) | set(getattr(meta, "store_jobs", ()))
+        pending = steps.step(sched, pending)
 
 
 def serve(sched, sessions, chunks, per_step=False) -> None:

@@ -195,13 +195,13 @@ def test_the_scheduler_finishes_copies_without_a_system_call(parts, monkeypatch)
     # os.read on the wake pipe every pass; that loop of short GIL releases
     # kept the disk tier's reads from the GIL for 5-10 s a load, past their
     # deadline (a miss and a recompute). The pipe is the control thread's.
-    from sessionkv.connectors import moves
+    from sessionkv import events
     m, g3, _ = parts
     keys = fill(m, 4)
 
     def no_read(*args):
         raise AssertionError("apply read the wake pipe")
-    monkeypatch.setattr(moves.os, "read", no_read)
+    monkeypatch.setattr(events.os, "read", no_read)
     (first,) = m.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
     (done,), _ = final(m, first.hint_id)
     assert done.status is Status.ACCEPTED and g3.listed(keys) == [True] * 4

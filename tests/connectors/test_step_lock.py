@@ -79,12 +79,7 @@ def run_until_idle(sched, pending: set[int]) -> set[int]:
     for _ in range(1000):
         if not sched.has_requests() and not pending:
             return pending
-        out = sched.schedule()
-        if not out.num_scheduled_tokens:
-            time.sleep(0.01)
-        meta = out.kv_connector_metadata
-        sched.update_from_output(out, steps.model_output(out, pending))
-        pending = set(getattr(meta, "load_jobs", ())) | set(getattr(meta, "store_jobs", ()))
+        pending = steps.step(sched, pending)
     raise AssertionError("the schedule did not drain")
 
 
@@ -137,3 +132,55 @@ def test_a_control_pin_during_a_step_waits_for_the_steps_lock(scheduler):
         assert set(in_g2) <= conn.manager.primary_tier.policy.pinned()
     sched.update_from_output(step_out[0], steps.model_output(step_out[0], set()))
     run_until_idle(sched, set())
+
+
+def test_hint_loads_wait_for_the_workers_to_flush_a_reset(scheduler):
+    # Issue 52, in the GPU engine's order: a reset while a request's G1 -> G2
+    # store jobs are in flight (built, not yet reported by the workers). vLLM
+    # 0.33's connector scheduler calls on_reset_flushed only once the workers
+    # reported them; a Prefetch into G2 must not write G2 before. vLLM 0.32
+    # has no fence (connectors/moves.py, "Reset fence"): the load goes on.
+    from replay_router import make_hint
+    from sessionkv.events import Outcome
+    from sessionkv.hints import Action, Status
+    sched = scheduler
+    m = sched.connector.connector_scheduler.manager
+    sched.add_request(request("a", "s", 1))
+    run_until_idle(sched, set())
+    until = time.monotonic() + 30
+    while True:                                  # s's chunks written through to G3
+        with m.lock:
+            m.apply_moves()
+            in_g3 = m.index.resolve_session("s").per_tier[Tier.G3]
+        if len(in_g3) == PROMPT_BLOCKS:
+            break
+        assert time.monotonic() < until, "s never reached G3"
+        time.sleep(0.02)
+    sched.add_request(request("b", "t", 10_000))
+    pending = steps.step(sched, set())           # b's prefill (max_tokens 2)
+    first = sched.schedule()                     # b's store jobs built, in flight
+    jobs = set(first.kv_connector_metadata.store_jobs)
+    assert jobs, "no store job in flight at the reset"
+    sched.connector.reset_cache()                # what reset_prefix_cache(reset_connector=True) calls
+    (out,) = m.control_hints([make_hint(Action.PREFETCH, "s")], "s", "test")
+    assert out.status is Status.DEFERRED, out
+
+    def final():
+        evs, _, _ = m.event_log.since(0, 100_000)
+        return [e.outcome for e in evs if isinstance(e, Outcome)
+                and e.outcome.hint_id == out.hint_id and e.outcome.status is not Status.DEFERRED]
+    if compat.VLLM_FENCES_RESETS:
+        time.sleep(0.5)
+        with m.lock:
+            m.apply_moves()
+            assert not final(), "a hint load ended before the workers flushed"
+            assert m.mover.busy
+    sched.update_from_output(first, steps.model_output(first, jobs | pending))
+    until = time.monotonic() + 30
+    while not final():                           # the workers reported: the fence lifts
+        assert time.monotonic() < until, "the Prefetch never ended"
+        with m.lock:
+            m.apply_moves()
+        time.sleep(0.02)
+    (done,) = final()
+    assert done.status is Status.ACCEPTED and done.blocks_affected == PROMPT_BLOCKS, done
