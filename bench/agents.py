@@ -60,20 +60,24 @@ from collections import Counter
 from pathlib import Path
 
 import requests
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from agents_workload import Shape, Task, TurnResult, live_working_set, make_tasks, max_context, \
-    run_figures, summary, turn_record
+from agents_workload import Shape, Task, TurnResult, coding_shape, live_working_set, make_tasks, \
+    max_context, run_figures, summary, turn_record
 
 from sessionkv.devtools.engines import MODELS, kv_transfer_config, new_engine_id
 from sessionkv.devtools.router_process import RouterProcess
 from sessionkv.devtools.server import ServerProcess, free_port, remove_offload_region
 from sessionkv.devtools.services import lan_address, start_mooncake, start_redis
+from sessionkv.router.app import ROUTED_HEADER
 from sessionkv.router.policy import TOOL_GAP_HEADER
 
 MODEL = str(MODELS / "realistic")
-MODES = ("plain", "lru", "sessionkv", "oracle")
+MODES = ("plain", "lru", "lru+g3", "sessionkv", "oracle")
+G3_MODES = ("lru+g3", "sessionkv", "oracle")        # with a Mooncake G3
+HINTLESS = ("plain", "lru", "lru+g3")               # the router sends no hints
 SECRET = b"bench-agents-secret-0123456789abcdef"
 BLOCK = 32
 KV_BYTES_PER_TOKEN = 8 * 2 * 768 * 4      # the realistic model: layers x (K, V) x hidden x fp32
@@ -89,9 +93,11 @@ def core_halves() -> tuple[str, str]:
     return ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:] or cpus))
 
 
-def stream(url: str, body: dict, headers: dict) -> tuple[float, list[int], int, int, str]:
+def stream(url: str, body: dict, headers: dict
+           ) -> tuple[float, list[int], int, int, str, float]:
     """One streamed completion: (TTFT s, token ids, prompt tokens, cached
-    tokens, the worker the router chose)."""
+    tokens, the worker the router chose, the router's seconds before it
+    forwarded the turn)."""
     t0 = time.monotonic()
     ttft, toks, usage = None, [], {}
     with requests.post(url + "/v1/completions", json={
@@ -111,9 +117,23 @@ def stream(url: str, body: dict, headers: dict) -> tuple[float, list[int], int, 
             if doc.get("usage"):
                 usage = doc["usage"]
         worker = r.headers.get("X-SessionKV-Worker", "")
+        routed = float(r.headers.get(ROUTED_HEADER, 0.0))
     cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
     return (ttft if ttft is not None else time.monotonic() - t0, toks,
-            usage.get("prompt_tokens", 0), cached, worker)
+            usage.get("prompt_tokens", 0), cached, worker, routed)
+
+
+def parse_mode(spec: str) -> tuple[str, dict]:
+    """``mode`` or ``mode@key=value@...``: a mode with router policy keys
+    overridden (diagnostics: ``sessionkv@on_move=none``); values are YAML."""
+    mode, *items = spec.split("@")
+    if mode not in MODES:
+        raise SystemExit(f"unknown mode {mode!r} (one of {', '.join(MODES)})")
+    over = {}
+    for item in items:
+        k, _, v = item.partition("=")
+        over[k] = yaml.safe_load(v)
+    return mode, over
 
 
 def engine(a, d: Path, name: str, mode: str, cores: str, mooncake=None,
@@ -125,11 +145,11 @@ def engine(a, d: Path, name: str, mode: str, cores: str, mooncake=None,
     engine_id = None
     if mode != "plain":
         engine_id = new_engine_id()
-        tiers = [] if mode == "lru" else [{
+        tiers = [] if mode not in G3_MODES else [{
             "type": "MooncakeTier", "module_path": "sessionkv.tiers.mooncake",
             "master": mooncake.master, "metadata_server": mooncake.metadata_url,
             "local_hostname": lan_address(), "namespace": f"agents-{tag}", "timeout_s": 10.0}]
-        policy = d / ("lru.yaml" if mode == "lru" else "tiers.yaml")
+        policy = d / ("lru.yaml" if mode in HINTLESS else "tiers.yaml")
         cfg = kv_transfer_config(engine_id, a.g2_mib << 20, secondary_tiers=tiers, sessionkv={
             "policy_file": str(policy), "control": {"endpoint_file": str(d / f"{name}.json")}})
         cmd += ["--kv-transfer-config", json.dumps(cfg)]
@@ -149,12 +169,14 @@ def write_policies(d: Path) -> None:
     (d / "lru.yaml").write_text("version: 1\ng2: {eviction: lru}\n" + trust)
 
 
-def router_config(a, d: Path, mode: str, workers: list[dict], redis_url: str) -> dict:
+def router_config(a, d: Path, mode: str, workers: list[dict], redis_url: str,
+                  over: dict | None = None) -> dict:
     policy: dict = {}                       # sessionkv: the shipped defaults
-    if mode in ("plain", "lru"):
+    if mode in HINTLESS:
         policy = {"strategy": "plain", "on_end": "none", "on_move": "none"}
     elif mode == "oracle":
         policy = {"tool_call": {"pin": True, "pin_ttl_factor": 1.25}}
+    policy.update(over or {})
     return {"version": 1, "listen": {"host": "127.0.0.1", "port": free_port()},
             "secret_file": str(d / "secret"),
             "redis": {"url": redis_url, "namespace": f"agents-{uuid.uuid4().hex[:8]}"},
@@ -203,24 +225,34 @@ class Agents:
 
     def _task(self, task: Task) -> None:
         session = f"agent-{self.tag}-{task.i}"
-        prompt, prev_worker, prefix = list(task.head), None, 0
+        self._session(task, session, list(task.head), 0)
+        requests.post(f"{self.url}/v1/sessions/{session}/end", timeout=60)
+
+    def _session(self, task: Task, session: str, prompt: list[int], prefix: int,
+                 sub: bool = False) -> list[int] | None:
+        """``task``'s turns as ``session``, from ``prompt`` (``prefix``: of it,
+        what an earlier turn computed). Its last output; None after an error."""
+        prev_worker, toks = None, []
         for k in range(task.turns):
             headers = {"X-Session-ID": session}
             if k < len(task.tools):
-                headers[TOOL_GAP_HEADER] = (f"{task.tools[k]:.3f}" if self.mode == "oracle"
-                                            else "default")
+                gap = task.tools[k]
+                if k == task.sub_at and task.sub is not None:
+                    gap = sum(task.sub.tools)       # the oracle's guess: the sub-agent's tools
+                headers[TOOL_GAP_HEADER] = f"{gap:.3f}" if self.mode == "oracle" else "default"
             body = {"model": MODEL, "prompt": prompt, "temperature": 0,
                     "max_tokens": self.shape.output_tokens, "ignore_eos": True}
             try:
-                ttft, toks, n_prompt, cached, worker = stream(self.url, body, headers)
+                ttft, toks, n_prompt, cached, worker, routed = stream(self.url, body, headers)
                 error = None if len(toks) == self.shape.output_tokens else "short output"
             except Exception as e:      # counted as an error, never as a fast turn
                 ttft, toks, n_prompt, cached, worker, error = 0.0, [], len(prompt), 0, "", repr(e)
+                routed = 0.0
             key = prompt_key(prompt, self.shape.output_tokens)
             r = TurnResult(task.i, k, ttft, n_prompt, cached, worker,
                            moved=k > 0 and worker != prev_worker, prefix_tokens=prefix,
-                           output=toks, prompt_key=key, error=error)
-            if k == 0 and task.doc is not None:
+                           output=toks, prompt_key=key, error=error, routed_s=routed, sub=sub)
+            if k == 0 and task.doc is not None and not sub:
                 with self._lock:
                     seen = self.doc_workers.setdefault(task.doc, set())
                     r.cross_start = bool(seen) and worker not in seen
@@ -230,24 +262,56 @@ class Agents:
                 self.turns.append(r)
                 self.prompts[key] = prompt
             if error is not None:
-                print(f"{self.mode}: task {task.i} turn {k}: {error}", file=sys.stderr)
-                break
+                print(f"{self.mode}: task {task.i} turn {k}{' (sub-agent)' if sub else ''}: "
+                      f"{error}", file=sys.stderr)
+                return None
             prev_worker, prefix = worker, len(prompt)
-            if k < len(task.tools):
+            if k == len(task.tools):
+                break
+            report: list[int] = []
+            if k == task.sub_at and task.sub is not None:   # the tool call is a sub-agent
+                branch = prompt + toks
+                got = self._session(task.sub, session + ".sub", branch + list(task.sub.head),
+                                    len(branch), sub=True)
+                requests.post(f"{self.url}/v1/sessions/{session}.sub/end", timeout=60)
+                if got is None:
+                    return None
+                report = got
+            else:
                 time.sleep(task.tools[k])
-                prompt = prompt + toks + list(task.results[k])
-        requests.post(f"{self.url}/v1/sessions/{session}/end", timeout=60)
+            if k in task.compact_after:     # restarts from the document and a summary
+                prompt = (list(task.head[:task.doc_tokens])
+                          + list(task.summaries[task.compact_after.index(k)])
+                          + list(task.results[k]))
+                prefix = task.doc_tokens
+            else:
+                prompt = prompt + toks + report + list(task.results[k])
+        return toks
 
 
-def tier_tokens(url: str) -> dict[str, float]:
-    """An engine's ``sessionkv:prompt_tokens`` by source (empty without the connector)."""
-    out: Counter[str] = Counter()
+# vLLM's per-request histograms: a request's time from arrival to its first
+# scheduling (waiting behind other requests, and for the connector's loads),
+# and from then to its first token (prefill, the G1/G2 copies of that step).
+ENGINE_TIMES = {"vllm:request_queue_time_seconds": "queue",
+                "vllm:request_prefill_time_seconds": "prefill",
+                "vllm:time_to_first_token_seconds": "ttft"}
+
+
+def engine_counts(url: str) -> Counter:
+    """An engine's counters the figures use, flat: ``tokens.<source>``
+    (``sessionkv:prompt_tokens``), ``moved_bytes.<src>><dst>``, and
+    ``<queue|prefill|ttft>_s`` / ``.._n`` (vLLM's histograms' sum and count)."""
+    out: Counter = Counter()
     for fam in text_string_to_metric_families(requests.get(url + "/metrics", timeout=10).text):
-        if fam.name == "sessionkv:prompt_tokens":
-            for s in fam.samples:
-                if s.name.endswith("_total"):
-                    out[s.labels.get("source", "?")] += s.value
-    return dict(out)
+        for s in fam.samples:
+            if fam.name == "sessionkv:prompt_tokens" and s.name.endswith("_total"):
+                out["tokens." + s.labels.get("source", "?")] += s.value
+            elif fam.name == "sessionkv:moved_bytes" and s.name.endswith("_total"):
+                out[f"moved_bytes.{s.labels.get('src')}>{s.labels.get('dst')}"] += s.value
+            elif fam.name in ENGINE_TIMES and s.name.endswith(("_sum", "_count")):
+                out[ENGINE_TIMES[fam.name] + ("_s" if s.name.endswith("_sum") else "_n")] \
+                    += s.value
+    return out
 
 
 def start_engines(a, d: Path, mode: str, mooncake, tag: str) -> list[ServerProcess]:
@@ -284,35 +348,36 @@ def stop_engine(s: ServerProcess) -> None:
         remove_offload_region(s.engine_id)
 
 
-def run_once(a, d: Path, mode: str, shape: Shape, tasks: list[Task], redis_url: str,
+def run_once(a, d: Path, spec: str, shape: Shape, tasks: list[Task], redis_url: str,
              rnd: int) -> tuple[dict, Agents]:
-    tag = f"{mode}{rnd}-{uuid.uuid4().hex[:6]}"
+    mode, over = parse_mode(spec)
+    tag = f"{mode.replace('+', '')}{rnd}-{uuid.uuid4().hex[:6]}"
     mooncake = None
-    if mode in ("sessionkv", "oracle"):
+    if mode in G3_MODES:
         mooncake = start_mooncake(d, store_size=a.store)
     try:
         servers = start_engines(a, d, mode, mooncake and mooncake[0], tag)
         try:
-            before = [tier_tokens(s.url) for s in servers]      # the warm-up requests
+            before = [engine_counts(s.url) for s in servers]    # the warm-up requests
             workers = [{"name": n, "url": s.url, **({"plain": True} if mode == "plain"
                                                     else {"endpoint_file": str(d / f"{n}.json")})}
                        for n, s in zip("ab", servers)]
-            cfg = router_config(a, d, mode, workers, redis_url)
+            cfg = router_config(a, d, mode, workers, redis_url, over)
             router = RouterProcess(cfg, d / f"router-{tag}.yaml")
             try:
                 t0 = time.monotonic()
                 agents = Agents(router.url, mode, shape, tasks, tag, a.agents)
-                with tqdm(total=len(tasks), desc=f"round {rnd + 1} {mode}", unit="task",
+                with tqdm(total=len(tasks), desc=f"round {rnd + 1} {spec}", unit="task",
                           file=sys.stderr, mininterval=5) as bar:
                     agents.run(bar)
                 wall = time.monotonic() - t0
                 status = router.status()
             finally:
                 router.stop()
-            per_tier = Counter()
+            counts: Counter = Counter()
             for s, b in zip(servers, before):
-                per_tier.update(tier_tokens(s.url))
-                per_tier.subtract(b)
+                counts.update(engine_counts(s.url))
+                counts.subtract(b)
         finally:
             for s in servers:
                 stop_engine(s)
@@ -321,13 +386,20 @@ def run_once(a, d: Path, mode: str, shape: Shape, tasks: list[Task], redis_url: 
             mooncake[2].stop()
             mooncake[1].stop()
     fig = run_figures(agents.turns, agents.task_s)
-    fig.update(mode=mode, round=rnd, wall_s=wall, prompt_tokens_by_source=dict(per_tier),
+    fig.update(mode=spec, round=rnd, wall_s=wall,
+               prompt_tokens_by_source={k[7:]: v for k, v in counts.items()
+                                        if k.startswith("tokens.")},
+               moved_bytes={k[12:]: v for k, v in counts.items()
+                            if k.startswith("moved_bytes.")},
+               engine_s_per_request={k: counts[k + "_s"] / counts[k + "_n"]
+                                     for k in ENGINE_TIMES.values() if counts[k + "_n"]},
+               hints_sent=status.get("hints_sent", {}),
                router_events={k: status["events"].get(k, 0) for k in
                               ("moves", "sessions_new", "ended_api", "overlap_scored")},
                hint_outcomes=status.get("outcomes", {}),
                turn_records=[turn_record(t) for t in sorted(agents.turns,
-                                                            key=lambda t: (t.task, t.turn))])
-    print(f"{mode} round {rnd + 1}: " + json.dumps(
+                                                            key=lambda t: (t.task, t.sub, t.turn))])
+    print(f"{spec} round {rnd + 1}: " + json.dumps(
         {k: fig[k] for k in ("resumed_ttft_p50_s", "task_s_p50", "recomputed_tokens",
                              "prefix_recomputed_tokens", "cross_starts",
                              "moved_turns", "moved_prefix_recomputed_fraction", "errors")}),
@@ -387,10 +459,17 @@ def plot(per_mode: dict[str, list[dict]], turns: dict[str, list[list[TurnResult]
     fig.savefig(path, dpi=110)
 
 
+# Per workload: G1 about one idle agent's context beside a running turn (the
+# coding workload's contexts outgrow it), G2 about three quarters of an
+# engine's live working set, G3 about half of what a run writes to it.
+DEFAULT_SIZES = {"g1_blocks": 68, "g2_mib": 112, "max_model_len": 2048, "store": "1GB"}
+CODING_SIZES = {"g1_blocks": 160, "g2_mib": 256, "max_model_len": 4608, "store": "1GB"}
+
+
 def quick_args(a) -> Shape:
     """``--quick``: a few minutes, the same paths (one round, small tasks)."""
     a.runs, a.agents = 1, 4
-    a.g1_blocks, a.g2_mib, a.max_model_len = 24, 36, 640
+    a.g1_blocks, a.g2_mib, a.max_model_len, a.store = 24, 36, 640, "512MB"
     return Shape(tasks=6, docs=1, doc_tokens=256, task_tokens=128, turns=(2, 3),
                  tool_tokens=(32, 96), output_tokens=8, tool_median_s=0.5, tool_sigma=0.5,
                  tool_max_s=2.0)
@@ -403,32 +482,42 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--tasks", type=int, default=Shape.tasks)
+    ap.add_argument("--coding", action="store_true",
+                    help="the agentic coding workload (agents_workload.coding_shape) and its sizes")
+    ap.add_argument("--tasks", type=int)
     ap.add_argument("--agents", type=int, default=8)
-    ap.add_argument("--g1-blocks", type=int, default=68)
-    ap.add_argument("--g2-mib", type=int, default=112)
-    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--g1-blocks", type=int)
+    ap.add_argument("--g2-mib", type=int)
+    ap.add_argument("--max-model-len", type=int)
     ap.add_argument("--max-load", type=int, default=2)
-    ap.add_argument("--store", default="6GB", help="the Mooncake store (G3) per run")
+    ap.add_argument("--store", help="the Mooncake store (G3) per run: below what a run writes")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tool-median-s", type=float, default=Shape.tool_median_s,
+    ap.add_argument("--tool-median-s", type=float,
                     help="the tool calls' median duration (log-normal)")
     a = ap.parse_args()
     # A SIGTERM unwinds like Ctrl-C, so that every finally stops its servers
     # (each runs in a process group of its own and would outlive the bench).
     signal.signal(signal.SIGTERM, lambda sig, _: sys.exit(128 + sig))
-    shape = quick_args(a) if a.quick else Shape(
-        tasks=a.tasks, seed=a.seed, tool_median_s=a.tool_median_s)
-    if a.max_model_len < max_context(shape):
-        raise SystemExit(f"--max-model-len {a.max_model_len} < the longest context "
-                         f"{max_context(shape)}")
+    if a.quick:
+        shape = quick_args(a)
+    else:
+        shape = coding_shape(a.seed) if a.coding else Shape(seed=a.seed)
+        shape = dataclasses.replace(shape, **{k: v for k, v in (
+            ("tasks", a.tasks), ("tool_median_s", a.tool_median_s)) if v is not None})
+    for k, v in (CODING_SIZES if a.coding else DEFAULT_SIZES).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
     tasks = make_tasks(shape)
+    if a.max_model_len < max_context(shape, tasks):
+        raise SystemExit(f"--max-model-len {a.max_model_len} < the longest context "
+                         f"{max_context(shape, tasks)}")
     block_mib = BLOCK * KV_BYTES_PER_TOKEN / 2**20
     live = live_working_set(tasks, shape, max(1, a.agents // 2), BLOCK)    # per engine
     sizes = {"g1_blocks": a.g1_blocks, "g2_blocks": int(a.g2_mib / block_mib),
              "block_mib": block_mib, "live_working_set_blocks_per_engine": round(live, 1),
              "g2_fraction_of_live": round(a.g2_mib / block_mib / live, 2),
-             "tasks": len(tasks), "turns": sum(t.turns for t in tasks),
+             "store": a.store, "tasks": len(tasks),
+             "turns": sum(t.turns + (t.sub.turns if t.sub else 0) for t in tasks),
              "tool_s_total": round(sum(sum(t.tools) for t in tasks), 1)}
     print("sizes: " + json.dumps(sizes), file=sys.stderr)
     modes = a.modes.split(",")

@@ -89,6 +89,9 @@ log = logging.getLogger("sessionkv.router")
 SESSION_HEADER = "X-Session-ID"
 OUTBOX = 10_000          # policy hints waiting for the control channel (more are dropped, counted)
 WORKER_HEADER = "X-SessionKV-Worker"
+# Seconds from the turn's arrival to its forwarding: session state, placement,
+# a move's Share wait, the policy's work (benches attribute TTFT with it).
+ROUTED_HEADER = "X-SessionKV-Routed-S"
 DRAIN_CONCURRENCY = 8    # Demotes in flight at once while a worker drains
 KEEPALIVE_S = 4.0        # below the engines' keep-alive (vLLM: 5 s), see start()
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding",
@@ -385,6 +388,7 @@ class Router:
             headers = {SESSION_HEADER: session_id, WORKER_HEADER: worker.name}
             self._policy(self.policy.turn_started(session_id, worker.name,
                                                   await self._prompt_keys(worker, body)))
+            headers[ROUTED_HEADER] = f"{time.monotonic() - arrived:.4f}"
             worker.inflight += 1
             try:
                 if body.get("stream"):
