@@ -321,7 +321,7 @@ class Mover:
         else:
             demote = getattr(self._primary.policy, "demote", None)
             if move.action is Action.DEMOTE and good and demote is not None:
-                demote(good)
+                demote(good, move.session)
         move.good += good
         move.bad += len(bad)
         move.keys = []

@@ -404,14 +404,20 @@ class SessionCachePolicy(CachePolicy):
                     del self._owned[owner]
         return True
 
-    def demote(self, keys: Iterable[OffloadKey]) -> int:
+    def demote(self, keys: Iterable[OffloadKey], owner: str | None = None) -> int:
         """Make these chunks the first to go (a Demote hint: their G3 copy
         exists), the last of ``keys`` first; their pins and retains end. They
         stay first until a request uses them again (vLLM finishing the
-        request that stored them is no use). How many are in G2."""
+        request that stored them is no use). With ``owner`` (the Demote's
+        session), a chunk that a pin holds or another owner retains keeps its
+        place: one session's Demote never demotes what others hold (a shared
+        document). How many were demoted."""
         n = 0
         for k in keys:
             if k not in self.chunks:
+                continue
+            if owner is not None and (k in self._pins
+                                      or self._retains.get(k, (0, 0.0, owner))[2] != owner):
                 continue
             self._demoted_keys.add(k)
             self._lose_pin(k)

@@ -543,16 +543,18 @@ class G3Tier(SecondaryTierManager):
         """Store chunks; ``ask``: those the backend has already are kept, not
         sent (hint moves ask: vLLM has most often stored them already)."""
         b, g = self._backend, self.guard
-        asking = g.start(b.exists, self._layout.asked(names)) if ask else None
+        # Sealed after the existence check: a hint's chunks are most often
+        # there already, and a seal reads the whole chunk (a Demote of what
+        # write-through stored took the engine's core for a MAC of each).
+        have = self._layout.present(g.start(b.exists, self._layout.asked(names))()) \
+            if ask else [False] * len(names)
         chunks = self._chunks(offsets)
         seal = self._layout.seal
-        sums = [seal(n, c) for n, c in zip(names, chunks)]   # while an existence check runs
-        have = self._layout.present(asking()) if ask else [False] * len(names)
         todo = [i for i, h in enumerate(have) if not h]
         ok = list(have)
         if todo:
             put = self._layout.put([names[i] for i in todo], [chunks[i] for i in todo],
-                                   [sums[i] for i in todo])
+                                   [seal(names[i], chunks[i]) for i in todo])
             for i, done in zip(todo, put):
                 ok[i] = done
         return ok

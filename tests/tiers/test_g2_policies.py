@@ -399,8 +399,11 @@ class SortingModel:
         self._lapse()
         self.retains = {k: v for k, v in self.retains.items() if v[2] != owner}
 
-    def demote(self, keys):
+    def demote(self, keys, owner=None):
+        self._lapse()
         for k in keys:
+            if owner is not None and (k in self.pins or self.retains.get(k, (0, 0, owner))[2] != owner):
+                continue
             if k in self.rank:
                 self.pins.pop(k, None), self.retains.pop(k, None)
                 self.low -= 1
@@ -440,7 +443,7 @@ hinted_ops = st.lists(st.one_of(
     st.tuples(st.just("retain"), st.lists(K, max_size=3), st.integers(0, 3),
               st.sampled_from([None, 2.0]), st.sampled_from(["a", "b"])),
     st.tuples(st.just("release"), st.sampled_from(["a", "b"])),
-    st.tuples(st.just("demote"), st.lists(K, max_size=2)),
+    st.tuples(st.just("demote"), st.lists(K, max_size=2), st.sampled_from([None, "a", "b"])),
     st.tuples(st.just("tick"), st.sampled_from([0.5, 3.0])),
 ), max_size=80)
 
@@ -498,8 +501,8 @@ def test_eviction_order_under_hints_is_the_documented_sort(script):
             ours.release_retains(op[1])
             model.release(op[1])
         elif op[0] == "demote":
-            ours.demote(keys)
-            model.demote(keys)
+            ours.demote(keys, op[2])
+            model.demote(keys, op[2])
         elif op[0] == "tick":
             clock.t += op[1]
         elif op[0] == "evict":
