@@ -299,8 +299,10 @@ ENGINE_TIMES = {"vllm:request_queue_time_seconds": "queue",
 
 def engine_counts(url: str) -> Counter:
     """An engine's counters the figures use, flat: ``tokens.<source>``
-    (``sessionkv:prompt_tokens``), ``moved_bytes.<src>><dst>``, and
-    ``<queue|prefill|ttft>_s`` / ``.._n`` (vLLM's histograms' sum and count)."""
+    (``sessionkv:prompt_tokens``), ``moved_bytes.<src>><dst>``,
+    ``<queue|prefill|ttft>_s`` / ``.._n`` (vLLM's histograms' sum and count),
+    ``lock_wait_s`` (the scheduler's waits for the lock) and ``control_s.<op>``
+    (the control thread's work)."""
     out: Counter = Counter()
     for fam in text_string_to_metric_families(requests.get(url + "/metrics", timeout=10).text):
         for s in fam.samples:
@@ -308,6 +310,10 @@ def engine_counts(url: str) -> Counter:
                 out["tokens." + s.labels.get("source", "?")] += s.value
             elif fam.name == "sessionkv:moved_bytes" and s.name.endswith("_total"):
                 out[f"moved_bytes.{s.labels.get('src')}>{s.labels.get('dst')}"] += s.value
+            elif fam.name == "sessionkv:lock_wait_seconds" and s.name.endswith("_total"):
+                out["lock_wait_s"] += s.value
+            elif fam.name == "sessionkv:control_seconds" and s.name.endswith("_total"):
+                out["control_s." + s.labels.get("op", "?")] += s.value
             elif fam.name in ENGINE_TIMES and s.name.endswith(("_sum", "_count")):
                 out[ENGINE_TIMES[fam.name] + ("_s" if s.name.endswith("_sum") else "_n")] \
                     += s.value
@@ -393,6 +399,11 @@ def run_once(a, d: Path, spec: str, shape: Shape, tasks: list[Task], redis_url: 
                             if k.startswith("moved_bytes.")},
                engine_s_per_request={k: counts[k + "_s"] / counts[k + "_n"]
                                      for k in ENGINE_TIMES.values() if counts[k + "_n"]},
+               # Both engines, the whole run: the scheduler's waits for the
+               # lock, and the control thread's work by op (hints, ends, copies).
+               engine_s_total={"lock_wait": counts["lock_wait_s"],
+                               **{k[10:]: v for k, v in counts.items()
+                                  if k.startswith("control_s.")}},
                hints_sent=status.get("hints_sent", {}),
                router_events={k: status["events"].get(k, 0) for k in
                               ("moves", "sessions_new", "ended_api", "overlap_scored")},
@@ -462,7 +473,7 @@ def plot(per_mode: dict[str, list[dict]], turns: dict[str, list[list[TurnResult]
 # Per workload: G1 about one idle agent's context beside a running turn (the
 # coding workload's contexts outgrow it), G2 about three quarters of an
 # engine's live working set, G3 about half of what a run writes to it.
-DEFAULT_SIZES = {"g1_blocks": 68, "g2_mib": 112, "max_model_len": 2048, "store": "1GB"}
+DEFAULT_SIZES = {"g1_blocks": 68, "g2_mib": 112, "max_model_len": 2048, "store": "384MB"}
 CODING_SIZES = {"g1_blocks": 160, "g2_mib": 256, "max_model_len": 4608, "store": "1GB"}
 
 

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -110,13 +111,19 @@ def manager_lock(manager: OffloadingManager) -> threading.Lock:
     return lock if isinstance(lock, type(threading.Lock())) else threading.Lock()
 
 
-def open_step(scheduler: OffloadingConnectorScheduler, lock: Any) -> None:
+def open_step(scheduler: OffloadingConnectorScheduler, lock: Any) -> float:
     """Enter the step's lock region (once per ``schedule()``): on 0.33 vLLM's
-    own (idempotent, closed by vLLM's ``build_connector_meta``), on 0.32 ours."""
+    own (idempotent, closed by vLLM's ``build_connector_meta``), on 0.32 ours.
+    The seconds it waited for another thread's hold (0.0 when free on 0.32)."""
     if VLLM_LOCKS_HOOKS:
+        t0 = time.perf_counter()
         scheduler._acquire_step()
-    else:
-        lock.acquire()
+        return time.perf_counter() - t0
+    if lock.acquire(blocking=False):
+        return 0.0
+    t0 = time.perf_counter()
+    lock.acquire()
+    return time.perf_counter() - t0
 
 
 def close_step(scheduler: OffloadingConnectorScheduler, lock: Any) -> None:

@@ -159,11 +159,13 @@ class ControlChannel:
                     self._serve(frames)
             if wake.fd in ready:
                 wake.drain()
+                t0 = time.perf_counter()
                 try:
                     with self._manager.lock:        # hint work waits: go on with it
                         self._manager.apply_moves()
                 except Exception:   # a bug costs these copies' outcomes, never the thread
                     logger.exception("sessionkv: finishing hint copies failed")
+                self._manager.stats.control_work("moves", time.perf_counter() - t0)
             if self._events.wake_fd in ready:
                 self._publish()
 
@@ -249,6 +251,15 @@ class ControlChannel:
         return self._dispatch(req, client)
 
     def _dispatch(self, req: wire.ControlRequest, client: str) -> wire.ControlReply:
+        """``_answer``, timed per op (``sessionkv:control_seconds``)."""
+        t0 = time.perf_counter()
+        try:
+            return self._answer(req, client)
+        finally:
+            self._manager.stats.control_work(req.op if req.op in wire.OPS else "other",
+                                             time.perf_counter() - t0)
+
+    def _answer(self, req: wire.ControlRequest, client: str) -> wire.ControlReply:
         reply = wire.ControlReply(counter=req.counter)
         if req.op != "hello" and self._engine_id and req.engine != self._engine_id:
             return wire.refused(req.counter, "frame for another engine (ask hello for its id)")

@@ -13,6 +13,8 @@ call (``SessionStats.take``), which travel with the scheduler's stats.
 | ``sessionkv:index_blocks``, ``sessionkv:index_sessions`` | gauge | |
 | ``sessionkv:pinned_chunks`` | gauge | |
 | ``sessionkv:g3_rejected_objects`` | counter | ``tier``: objects there but unreadable or failing their checksum or MAC (unlisted, recomputed) |
+| ``sessionkv:lock_wait_seconds`` | counter | the scheduler's waits for the lock at a step's start |
+| ``sessionkv:control_seconds`` | counter | ``op``: the control thread's time per op (``hints``, ``end_session``, ``moves``, ...) |
 
 G3 write-through's queue and its backpressure (``tiers/g3_backpressure.py``)
 are on vLLM's own tiering metrics (0.32 and 0.33), which pass through here
@@ -53,6 +55,8 @@ INDEX_BLOCKS = "sessionkv:index_blocks"
 INDEX_SESSIONS = "sessionkv:index_sessions"
 PINNED = "sessionkv:pinned_chunks"
 G3_REJECTED = "sessionkv:g3_rejected_objects"
+LOCK_WAIT = "sessionkv:lock_wait_seconds"
+CONTROL = "sessionkv:control_seconds"
 SOURCES = ("g1", "g2", "g3", "recomputed")
 
 DEFINITIONS: dict[str, OffloadingMetricMetadata] = {
@@ -70,6 +74,11 @@ DEFINITIONS: dict[str, OffloadingMetricMetadata] = {
     G3_REJECTED: OffloadingCounterMetadata("G3 objects found but unreadable or failing their "
                                            "checksum or MAC: unlisted and recomputed.",
                                            ("tier",)),
+    LOCK_WAIT: OffloadingCounterMetadata("Seconds the scheduler waited at a step's start for "
+                                         "another thread's hold of the tier manager's lock."),
+    CONTROL: OffloadingCounterMetadata("Seconds the control thread spent per op (hints, "
+                                       "end_session, moves: finishing hint copies; ...), its "
+                                       "wait for the lock included.", ("op",)),
 }
 
 
@@ -108,6 +117,16 @@ class SessionStats:
         # step stores a block of every 16th request, each counted here.
         if chunks:
             self._chunks_moved[src, dst] = self._chunks_moved.get((src, dst), 0) + chunks
+
+    def lock_waited(self, seconds: float) -> None:
+        """The scheduler waited ``seconds`` for the lock (another thread held it)."""
+        with self._lock:
+            self._stats.increase_counter(LOCK_WAIT, seconds)
+
+    def control_work(self, op: str, seconds: float) -> None:
+        """The control thread spent ``seconds`` on ``op`` (a bounded set of names)."""
+        with self._lock:
+            self._stats.increase_counter(CONTROL, seconds, (op,))
 
     def tokens(self, report: RequestReport) -> None:
         """Count a finished request's prompt tokens by source."""

@@ -322,7 +322,9 @@ class SessionTierConnector(OffloadingConnector):
         """Open the step's lock region at the first scheduler-side call of a
         ``schedule()`` pass (``compat.open_step``: vLLM's own region on 0.33)."""
         if not self._in_pass:
-            compat.open_step(self.scheduler, self.manager.lock)
+            waited = compat.open_step(self.scheduler, self.manager.lock)
+            if waited:
+                self.manager.stats.lock_waited(waited)
             self._in_pass = True
             self.manager.apply_moves()      # hint copies that ended become visible
 

@@ -132,6 +132,8 @@ def test_a_quick_run_serves_every_mode_exactly(tmp_path):
         assert run["engine_s_per_request"]["ttft"] > 0, mode
         assert run["engine_s_per_request"]["prefill"] > 0, mode
     assert runs["lru+g3"]["hints_sent"].get("policy", 0) == 0
+    assert runs["sessionkv"]["engine_s_total"].get("hints", 0) > 0     # its Retains' work
+    assert runs["lru+g3"]["engine_s_total"].get("hints", 0) == 0
     assert runs["lru+g3"]["moved_bytes"].get("G2>G3", 0) > 0     # written through
     assert "moved_prefix_recomputed_fraction" in doc["summary"]
     assert png.stat().st_size > 10_000

@@ -184,3 +184,38 @@ def test_hint_loads_wait_for_the_workers_to_flush_a_reset(scheduler):
         time.sleep(0.02)
     (done,) = final()
     assert done.status is Status.ACCEPTED and done.blocks_affected == PROMPT_BLOCKS, done
+
+
+def test_the_steps_wait_for_the_lock_and_the_control_threads_work_are_counted(scheduler):
+    # What bench/agents.py attributes a resumed turn's time to (issue 53):
+    # ``sessionkv:lock_wait_seconds`` and ``sessionkv:control_seconds``.
+    sched = scheduler
+    conn = sched.connector
+    sched.add_request(request("a", "s", 1))
+    run_until_idle(sched, set())
+    sched.add_request(request("b", "t", 10_000))
+    conn.manager.stats.take(0, 0, 0)                 # start from nothing
+    held = threading.Event()
+
+    def hold():
+        with conn.manager.lock:                      # as the control thread's hint work does
+            held.set()
+            time.sleep(0.3)
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(10)
+    out = sched.schedule()                           # its pass opens behind the hold
+    holder.join(10)
+    got = conn.manager.stats.take(0, 0, 0).reduce()
+    assert got.get("sessionkv:lock_wait_seconds", 0) >= 0.2, got
+    sched.update_from_output(out, steps.model_output(out, set()))
+    run_until_idle(sched, set())
+
+    conn.manager.stats.take(0, 0, 0)
+    with HintClient(conn.control.endpoint, SECRET) as client:
+        assert client.pin("s", ttl_s=60).status in ("accepted", "deferred")
+        client.end_session("s")
+    got = conn.manager.stats.take(0, 0, 0).reduce()
+    assert got.get("sessionkv:control_seconds:('hints',)", 0) > 0, got
+    assert got.get("sessionkv:control_seconds:('end_session',)", 0) > 0, got
+    assert "sessionkv:lock_wait_seconds" not in got      # no step waited meanwhile
