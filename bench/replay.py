@@ -14,7 +14,9 @@ random without G3, random with a shared G3 of 8192..65536 blocks.
 ``--suite`` replays lru, arc, naive, naive-unbounded, session and opt at G2
 1024, 4096 and 16384 on the given traces and on every trace generated from
 ``bench/traces/*.yaml`` (``tracegen.py``), writes one JSON and one plot per
-trace and ``suite.json``, and prints the ratios to opt. The simulator is in
+trace and ``suite.json``, and prints the ratios to opt. Every run also gets
+resumed-turn TTFT and oracle gain captured under the time model's parameter
+sets (``replay_time.py``: ``cpu``, ``h100-8b``). The simulator is in
 ``replay_sim.py``, the adapters to the routers' policies in
 ``replay_router.py`` (``session`` is ``sessionkv.router.session_policy``,
 what ``sessionkv router`` runs); bench/README.md documents them and the JSON.
@@ -33,6 +35,7 @@ from tqdm import tqdm
 import tracegen
 from replay_plot import write_plot
 from replay_sim import ALL_POLICIES, RunSpec, gap_breakdown, run_policy
+from replay_time import PARAMS, add_times
 from replay_trace import load_trace
 
 SHARING_G2 = 4096
@@ -123,6 +126,26 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def time_table(runs: list[dict]) -> str:
+    """Resumed-turn TTFT per run and parameter set (``replay_time``): the
+    one-worker runs, ``opt`` as the oracle."""
+    head = ("| policy | G2 blocks | parameters | TTFT p50 s | TTFT p90 s | TTFT mean s "
+            "| hint wait s | load s | prefill s | oracle gain captured |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in runs:
+        for name, t in r.get("time", {}).items():
+            if not t.get("turns"):
+                continue
+            cap = t.get("oracle_gain_captured")
+            lines.append(
+                f"| {'oracle' if r['policy'] == 'opt' else r['policy']} "
+                f"| {r['g2_blocks'] if r['policy'] != 'opt' else '-'} | {name} "
+                f"| {t['ttft_p50_s']:.3f} | {t['ttft_p90_s']:.3f} | {t['ttft_mean_s']:.3f} "
+                f"| {t['hint_wait_mean_s']:.4f} | {t['load_mean_s']:.4f} | {t['prefill_mean_s']:.3f} "
+                f"| {'' if cap is None else f'{cap:.3f}'} |")
+    return "\n".join(lines)
+
+
 def replay(trace, specs: list[RunSpec]) -> dict:
     """Every run of ``specs`` on ``trace``: the JSON document (see bench/README.md)."""
     t0 = time.perf_counter()
@@ -143,8 +166,10 @@ def replay(trace, specs: list[RunSpec]) -> dict:
         if r["policy"] == "session" and r["workers"] == 1 and ref:
             gaps.append({"policy": r["policy"], "g2_blocks": r["g2_blocks"],
                          "lost_vs_opt": gap_breakdown(trace, r, ref)})
+    add_times(trace, runs)
     for r in runs:
-        del r["_per_request"]
+        for k in ("_per_request", "_g1_tokens", "_events"):
+            r.pop(k, None)
     out = {"trace": trace.name, "trace_stats": trace.stats(), "runs": runs,
            "gap_to_opt": gaps}
     by = {(r["policy"], r["workers"], r["routing"], r["shared_g3_blocks"]): r
@@ -190,6 +215,53 @@ def suite_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+SIMPLE = ("lru", "arc", "naive")     # the simple policies the shipped one must match on time
+
+
+def suite_time(runs: list[dict], n: int) -> dict:
+    """Per parameter set at G2 ``n``: resumed-turn TTFT per policy and the
+    oracle, oracle gain captured, and whether ``session`` is at or above the
+    best of ``SIMPLE`` on it."""
+    out = {}
+    at = [r for r in runs if r["policy"] != "opt" and r["g2_blocks"] == n and r["workers"] == 1]
+    total = at[0]["total_capacity_blocks"] if at else None
+    orc = next((r for r in runs if r["policy"] == "opt" and r["total_capacity_blocks"] == total),
+               None)
+    for name in PARAMS:
+        t = {r["policy"]: r["time"][name] for r in at}
+        o = orc["time"][name] if orc else {}
+        cap = {p: v.get("oracle_gain_captured") for p, v in t.items()}
+        row = {f"ttft_{k}_s": {p: v.get(f"ttft_{k}_s") for p, v in t.items()}
+               for k in ("p50", "p90", "mean")}
+        row["oracle"] = {k: o.get(f"ttft_{k}_s") for k in ("p50", "p90", "mean")}
+        row["oracle_gain_captured"] = cap
+        best = max((cap[p] for p in SIMPLE if cap.get(p) is not None), default=None)
+        s = cap.get("session")
+        row["session_at_or_above_best_simple"] = None if s is None or best is None \
+            else s >= best - 1e-9
+        out[name] = row
+    return out
+
+
+def suite_time_table(rows: list[dict]) -> str:
+    """Oracle gain captured per trace, capacity and parameter set."""
+    head = ("| trace | G2 blocks | parameters | " + " | ".join(SUITE_POLICIES)
+            + " | oracle TTFT mean s | session TTFT mean s | session >= best of lru, arc, naive |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        for name, t in r["time"].items():
+            cap = t["oracle_gain_captured"]
+            cells = " | ".join("-" if cap.get(p) is None else f"{cap[p]:.3f}"
+                               for p in SUITE_POLICIES)
+            om, sm = t["oracle"]["mean"], t["ttft_mean_s"].get("session")
+            ok = t["session_at_or_above_best_simple"]
+            lines.append(f"| {r['trace']} | {r['g2_blocks']} | {name} | {cells} "
+                         f"| {'-' if om is None else f'{om:.3f}'} "
+                         f"| {'-' if sm is None else f'{sm:.3f}'} "
+                         f"| {'-' if ok is None else ('yes' if ok else 'NO')} |")
+    return "\n".join(lines)
+
+
 def run_suite(args) -> None:
     rows = []
     folder = Path(args.out_dir)
@@ -208,9 +280,12 @@ def run_suite(args) -> None:
                  if r["policy"] != "opt" and r["g2_blocks"] == n}
             best = max(x[p] for p in SUITE_POLICIES if p != "session")
             rows.append({"trace": path.stem, "g2_blocks": n, "x_opt": x,
-                         "session_over_best": x["session"] / best if best else float("inf")})
-    (folder / "suite.json").write_text(json.dumps(rows, indent=1))
+                         "session_over_best": x["session"] / best if best else float("inf"),
+                         "time": suite_time(out["runs"], n)})
+        (folder / "suite.json").write_text(json.dumps(rows, indent=1))   # so far, per trace
     print(suite_table(rows))
+    print("\nOracle gain captured on mean resumed-turn TTFT (bench/replay_time.py):\n")
+    print(suite_time_table(rows))
 
 
 def main() -> None:
@@ -243,6 +318,8 @@ def main() -> None:
     out = replay(trace, specs_from(args))
     Path(args.json).write_text(json.dumps(out, indent=1))
     print(table([r for r in out["runs"] if r["policy"] != "opt" or r["workers"] == 1]))
+    print("\nresumed turns, time model (bench/replay_time.py):\n")
+    print(time_table(single_worker(out["runs"])))
     if "sharing_ratio" in out:
         print(f"\nrandom + shared G3 {SHARING_G3_TARGET} / sticky without G3 "
               f"(8 workers, G2 {SHARING_G2}): {out['sharing_ratio']:.3f}")

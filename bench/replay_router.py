@@ -20,6 +20,7 @@ adapter over ``sessionkv.router.session_policy``); see bench/README.md.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Protocol
 
@@ -59,6 +60,11 @@ class Router:
         self.workers = workers
         self.clock = clock
         self.outcomes: Counter = Counter()
+        # (trace time, worker, hints) per delivery: hints and session ends executed,
+        # for replay_time (taken and cleared by the simulator)
+        self.work_log: list[tuple[float, int, int]] = []
+        self.work_n = 0
+        self.work_s = 0.0                    # wall time the executors spent on them here
         self._visited: dict[int, set[int]] = {}
 
     def before(self, i: int, now: float) -> None:
@@ -72,16 +78,26 @@ class Router:
         self._visited.setdefault(self.trace.session[i], set()).add(w)
 
     def send(self, w: int, hint: KvHint, session: str) -> None:
+        t0 = time.perf_counter()
         out = self.workers[w].executor.execute(hint, session, client=session)
+        self.work_s += time.perf_counter() - t0
+        self.worked(w, 1)
         self.outcomes[f"{hint.action.value}:{out.status.value}"] += 1
+
+    def worked(self, w: int, n: int) -> None:
+        self.work_log.append((self.clock(), w, n))
+        self.work_n += n
 
     def end(self, s: int, now: float) -> None:
         """The session is done: end it wherever it went (pins and retains go)."""
         sid = f"s{s}"
         for w in self._visited.pop(s, ()):
             wk = self.workers[w]
+            t0 = time.perf_counter()
             wk.executor.release(sid)
             wk.index.end_session(sid, now)
+            self.work_s += time.perf_counter() - t0
+            self.worked(w, 1)
             self.outcomes["end_session"] += 1
 
 
@@ -101,6 +117,9 @@ class NaiveRouter(Router):
             self.end(s, now)
 
 
+TICK_S = 1.0      # router/app.py's _tick loop: policy.tick() once a second
+
+
 class PolicyRouter(Router):
     """The shipped router policy (``sessionkv.router.session_policy.SessionHints``,
     the class ``sessionkv router`` runs) on trace time: a thin adapter that
@@ -116,12 +135,21 @@ class PolicyRouter(Router):
                  config: HintPolicy = HintPolicy()):
         super().__init__(trace, workers, clock)
         self.policy = SessionHints(config, clock)
+        self._next_tick: float | None = None     # from the first request on
         for w, wk in enumerate(workers):
             self.policy.add_engine(str(w), wk.g2_blocks, wk.g1.capacity,
                                    self.LIMITS.hints_per_s_per_client)
 
     def before(self, i: int, now: float) -> None:
-        self.deliver(self.policy.tick())
+        # As ``sessionkv router`` does: tick every TICK_S (it drains the paced
+        # hints; re-ranks every tick_s), on trace time up to this request.
+        t = now if self._next_tick is None else self._next_tick
+        while t <= now:
+            self.clock.now = t
+            self.deliver(self.policy.tick())
+            t += TICK_S
+        self._next_tick = t
+        self.clock.now = now
 
     def start(self, i: int, w: int, now: float, keys: list[bytes]) -> None:
         full = min(len(keys), self.trace.input_length[i] // BLOCK_TOKENS)
@@ -140,15 +168,23 @@ class PolicyRouter(Router):
 
     def deliver(self, outs) -> None:
         for o in outs:
-            wk = self.workers[int(o.worker)]
+            w = int(o.worker)
+            wk = self.workers[w]
             if isinstance(o, End):
+                t0 = time.perf_counter()
                 wk.executor.release(o.session)
                 wk.index.end_session(o.session, self.clock())
+                self.work_s += time.perf_counter() - t0
+                self.worked(w, 1)
                 self.outcomes["end_session"] += 1
                 continue
             items = [h if not isinstance(h, KvHint) else msgspec.structs.replace(h, signed=True)
                      for h in parse_envelope(envelope(*o.actions), o.session)]
-            for out in wk.executor.execute_all(items, o.session, client=self.CLIENT):
+            t0 = time.perf_counter()
+            results = wk.executor.execute_all(items, o.session, client=self.CLIENT)
+            self.work_s += time.perf_counter() - t0
+            self.worked(w, len(items))
+            for out in results:
                 status = out.status.value
                 self.outcomes[f"{(out.action or '?').removeprefix('kv.')}:{status}"] += 1
                 self.policy.outcome(out.action or "?", status)

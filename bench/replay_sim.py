@@ -36,6 +36,7 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from replay_router import make_router
+from replay_time import HINTS, TURN
 from replay_trace import BLOCK_TOKENS, SimClock, Trace, key_of
 from sessionkv.config import Limits
 from sessionkv.connectors.hint_executor import HintExecutor
@@ -290,9 +291,12 @@ class Tally:
     store_failures: int = 0
     hints: Counter = field(default_factory=Counter)
     per_request: list = field(default_factory=list)    # hit tokens of each request
+    g1_tokens: list = field(default_factory=list)      # of them, tokens G1 had
+    events: list = field(default_factory=list)         # for replay_time (its docstring)
 
     def add(self, s: Served, tokens: int, blocks: int) -> None:
         self.per_request.append(s.hit_tokens)
+        self.g1_tokens.append(s.hit_tokens - s.g2_load_tokens - s.g3_load_tokens)
         self.hit_tokens += s.hit_tokens
         self.hit_blocks += s.hit_blocks
         self.tokens += tokens
@@ -328,7 +332,10 @@ def result(spec: RunSpec, tally: Tally, wall_s: float) -> dict:
         hints=dict(sorted(tally.hints.items())),
         wall_s=round(wall_s, 3),
     )
-    row["_per_request"] = tally.per_request      # for gap_breakdown; not written to JSON
+    # for gap_breakdown and the time model; not written to JSON
+    row["_per_request"] = tally.per_request
+    row["_g1_tokens"] = tally.g1_tokens
+    row["_events"] = tally.events
     return row
 
 
@@ -391,6 +398,12 @@ def run_policy(trace: Trace, spec: RunSpec, progress: Progress | None = None) ->
     sticky = spec.routing == "sticky"
     if spec.routing not in ("sticky", "random"):
         raise ValueError(f"routing must be sticky or random, not {spec.routing!r}")
+    events = tally.events
+
+    def hint_events() -> None:
+        events.extend((HINTS, t, wk, n) for t, wk, n in router.work_log)
+        router.work_log.clear()
+
     for i, ids in enumerate(trace.blocks):
         now = clock.now = trace.t[i]
         s = trace.session[i]
@@ -400,15 +413,23 @@ def run_policy(trace: Trace, spec: RunSpec, progress: Progress | None = None) ->
         toks = trace.tokens[i]
         if router is not None:
             router.start(i, w, now, keys[i])
+            hint_events()
         served = workers[w].serve(ids, keys[i], toks, f"s{s}", now)
         tally.add(served, trace.input_length[i], len(ids))
+        events.append((TURN, now, w, i, tally.g1_tokens[-1], served.g2_load_tokens,
+                       served.g3_load_tokens, trace.input_length[i] - served.hit_tokens))
         if router is not None:
             router.after(i, w, now)
+            hint_events()
         if progress is not None and (i & 255) == 0:
             progress(i)
     if router is not None:
         tally.hints.update(router.outcomes)
     row = result(spec, tally, time.perf_counter() - t0)
+    if router is not None:
+        n = router.work_n
+        row["hint_work"] = {"hints": n, "wall_s": round(router.work_s, 3),
+                            "wall_s_per_hint": router.work_s / n if n else 0.0}
     if router is not None and hasattr(router, "policy"):
         row["router"] = router.policy.status()
     return row
