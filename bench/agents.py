@@ -1,43 +1,49 @@
 """Agents end to end: closed-loop agent sessions on two real vLLM servers
-through ``sessionkv router``, side by side with what users run today.
+through ``sessionkv router``, side by side with what users run instead, at
+the same memory per tier.
 
-    scripts/netns .venv/bin/python bench/agents.py --json OUT [--plot OUT.png] [--quick]
+    scripts/netns .venv/bin/python bench/agents.py --json OUT [--plot OUT.png]
+        [--coding] [--modes plain,lru,lru+g3,sessionkv,oracle] [--runs 3] [--quick]
 
-(``scripts/netns``: Mooncake's store listens on all interfaces.) Workload:
-``agents_workload.py`` (tasks of 3-6 turns, log-normal tool calls, two shared
-documents). ``--agents`` agents run at once; each takes the next task when
-its task ends, until all ``--tasks`` are done. Per turn the client streams a
-completion through the router and tells it only what an agent framework
-knows: ``X-Session-Tool-Gap: default`` when the turn ends in a tool call (the
-random-weight model never emits ``tool_calls``, so the header is the signal)
-and ``POST /v1/sessions/{id}/end`` when the task ends; never a duration
-(except in ``oracle``).
+(``scripts/netns``: Mooncake's store listens on all interfaces.) Workloads
+(``agents_workload.py``): the default (tasks of 3-5 turns, log-normal tool
+calls, two shared documents) and ``--coding`` (12-20 turns over shared
+repositories, heavy-tailed gaps, sub-agents, compactions). ``--agents``
+agents run at once; each takes the next task when its task ends. Per turn
+the client streams a completion through the router and tells it only what an
+agent framework knows: ``X-Session-Tool-Gap: default`` when the turn ends in
+a tool call (the random-weight model never emits ``tool_calls``, so the
+header is the signal) and ``POST /v1/sessions/{id}/end`` when the task ends;
+never a duration (except in ``oracle``).
 
 Modes (fresh engines, router and G3 each; the same tasks):
 
 - ``plain``: vLLM with its prefix cache (G1) only;
 - ``lru``: SessionTierConnector with vLLM's LRU in G2 and no G3, the router
   sending no hints: vLLM's own CPU offloading as users run it;
+- ``lru+g3``: ``lru`` plus the same Mooncake G3 as ``sessionkv``, written
+  through: what users run without sessionkv;
 - ``sessionkv``: the connector with G2 and G3 on Mooncake (written through),
-  the router with its shipped policy (defaults: ``strategy: auto``,
-  ``on_end: demote``, ``on_move: share``);
+  the router with its shipped defaults;
 - ``oracle``: ``sessionkv`` plus a Pin for each tool call's true duration
   (x 1.25): a ceiling, not a mode to beat.
 
+``mode@key=value@...`` overrides the router's policy keys (a diagnosis).
 Each engine's OpenMP threads have one core of their own (``core_halves``).
-G1 (``--g1-blocks``) holds about one idle agent's context next to a running
-turn; G2 (``--g2-mib``) about three quarters of an engine's live working set
-(the JSON's ``sizes`` says both). The router moves a session whose worker
-carries ``--max-load`` requests; moved turns and first turns of a shared
-document on the other engine are the cross-node figures (their prefix comes
-from G3 in ``sessionkv``).
+Sizes per workload (``DEFAULT_SIZES``, ``CODING_SIZES``): G1 about one idle
+agent's context next to a running turn, G2 about three quarters of an
+engine's live working set, G3 (``--store``) below what a run writes. The
+router moves a session whose worker carries ``--max-load`` requests.
 
-Modes run interleaved (plain, lru, sessionkv, oracle, plain, ...), ``--runs``
-rounds. Figures per run (``agents_workload.run_figures``): resumed-turn TTFT
-p50/p90 (turns after a tool call; TTFT is the first streamed token at the
-client), task completion time, recomputed prefill tokens (prompt tokens minus
-vLLM's ``cached_tokens``), prompt tokens per tier (the engines'
-``sessionkv:prompt_tokens``), moved turns' prefix recomputed. Exactness:
+Modes run interleaved (plain, lru, lru+g3, sessionkv, oracle, plain, ...),
+``--runs`` rounds. Figures per run (``agents_workload.run_figures``):
+resumed-turn TTFT p50/p90 (turns after a tool call; TTFT is the first
+streamed token at the client) and its attribution (the router's part from
+``X-SessionKV-Routed-S``; the engines' queue and prefill time from vLLM's
+histograms; the scheduler's lock waits and the control thread's work from
+sessionkv's metrics), task completion time, recomputed prefill tokens
+(prompt tokens minus vLLM's ``cached_tokens``), prompt tokens per tier (the
+engines' ``sessionkv:prompt_tokens``), bytes moved between tiers. Exactness:
 every turn's tokens equal a cold run of its prompt alone (fresh cache salt)
 on a plain engine; ``outputs_equal`` in the JSON.
 """
