@@ -234,6 +234,7 @@ def suite_time(runs: list[dict], n: int) -> dict:
         row = {f"ttft_{k}_s": {p: v.get(f"ttft_{k}_s") for p, v in t.items()}
                for k in ("p50", "p90", "mean")}
         row["oracle"] = {k: o.get(f"ttft_{k}_s") for k in ("p50", "p90", "mean")}
+        row["oracle"]["mean_unqueued"] = o.get("ttft_mean_s_unqueued")
         row["oracle_gain_captured"] = cap
         best = max((cap[p] for p in SIMPLE if cap.get(p) is not None), default=None)
         s = cap.get("session")

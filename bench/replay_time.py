@@ -138,8 +138,10 @@ class _Engine:
         self.prefetched: dict[int, list[tuple[float, int]]] = {}
 
 
-def turn_times(events, params: TimeParams) -> dict[int, TurnTime]:
-    """Request index -> its ``TurnTime`` under ``params`` (module docstring)."""
+def turn_times(events, params: TimeParams, queue: bool = True) -> dict[int, TurnTime]:
+    """Request index -> its ``TurnTime`` under ``params`` (module docstring).
+    ``queue=False``: no transfer waits behind another (the oracle's, planned
+    knowing every return)."""
     engines: dict[int, _Engine] = {}
     out: dict[int, TurnTime] = {}
     bpt = params.kv_bytes_per_token
@@ -172,6 +174,8 @@ def turn_times(events, params: TimeParams) -> dict[int, TurnTime]:
                 late += n
         recomputed = 0
         end = t0
+        if not queue:
+            e.g2_free = e.g3_free = 0.0
         if g2:
             start = max(t0, e.g2_free)
             fin = start + params.g2.seconds(g2 * bpt)
@@ -224,14 +228,17 @@ def gain_captured(lru: float, policy: float, oracle: float) -> float | None:
 
 
 def oracle_events(trace, opt_hits: list[int], g1_tokens: list[int]) -> list[tuple]:
-    """The oracle's stream: ``opt``'s residency (its hit tokens per request)
-    with every hit already in G1 where the run's G1 (an LRU the same for
-    every policy) holds it and in G2 otherwise, prefetched there in time (no
-    G3 load, nothing late), and no hint work. vLLM loads G2 -> G1 only once
-    a turn is scheduled, so this is the floor for the same engine."""
+    """The oracle's stream: the run's G1 (an LRU, the same for every policy)
+    in front of a G2 that holds what ``opt`` holds (its hit tokens per
+    request; where G1 hits more, G1's), prefetched there in time (no G3 load,
+    nothing late), and no hint work. vLLM loads G2 -> G1 only once a turn is
+    scheduled, so with the same links this is the floor for the same engine
+    (``add_times`` also reports it with ``queue=False``: what the loads'
+    queueing costs even a perfect policy)."""
     ev = []
     for i, hit in enumerate(opt_hits):
-        g1 = min(g1_tokens[i], hit)
+        g1 = g1_tokens[i]
+        hit = max(hit, g1)
         ev.append((TURN, trace.t[i], 0, i, g1, hit - g1, 0, trace.input_length[i] - hit))
     return ev
 
@@ -256,6 +263,8 @@ def add_times(trace, runs: list[dict], params=tuple(PARAMS.values())) -> dict:
         for p in params:
             o["time"][p.name] = oracles[p.name][o["total_capacity_blocks"]] = \
                 summary(turn_times(ev, p), resumed)
+            o["time"][p.name]["ttft_mean_s_unqueued"] = \
+                summary(turn_times(ev, p, queue=False), resumed).get("ttft_mean_s")
     for r in runs:
         if r["policy"] == "opt" or not r.get("_events"):
             continue

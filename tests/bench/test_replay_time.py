@@ -6,7 +6,7 @@ import replay
 import tracegen
 from replay_sim import RunSpec
 from replay_time import (
-    HINTS, PARAMS, PREFETCH, TURN, Link, TimeParams, gain_captured, turn_times,
+    HINTS, PARAMS, PREFETCH, TURN, Link, TimeParams, gain_captured, oracle_events, turn_times,
 )
 from replay_trace import parse_rows
 
@@ -37,6 +37,9 @@ def test_competing_transfers_queue_on_one_link_per_engine():
     assert times[1].ttft == pytest.approx(0.220)
     # On two engines they do not compete.
     times = turn_times([turn(0.0, 0, g2=100), turn(0.0, 1, g2=100, w=1)], P)
+    assert times[1].ttft == pytest.approx(0.110)
+    # Unless transfers are planned (the oracle's): no wait.
+    times = turn_times([turn(0.0, 0, g2=100), turn(0.0, 1, g2=100)], P, queue=False)
     assert times[1].ttft == pytest.approx(0.110)
     # A turn after the first transfer has finished does not wait.
     times = turn_times([turn(0.0, 0, g2=100), turn(1.0, 1, g2=100)], P)
@@ -102,6 +105,14 @@ def test_gain_captured():
     assert gain_captured(10.0, 4.0, 4.0) == 1.0
     assert gain_captured(10.0, 7.0, 4.0) == pytest.approx(0.5)
     assert gain_captured(4.0, 4.0, 4.0) is None
+
+
+def test_the_oracle_keeps_what_g1_holds_and_loads_the_rest_from_g2():
+    tr = parse_rows([{"timestamp": t * 1000, "input_length": 1024, "output_length": 1,
+                      "hash_ids": [1, 2]} for t in range(3)])
+    # opt hit 1,024, 512 and 0 tokens; G1 held 512, 512 and 1,024
+    ev = oracle_events(tr, [1024, 512, 0], [512, 512, 1024])
+    assert [e[4:] for e in ev] == [(512, 512, 0, 0), (512, 0, 0, 512), (1024, 0, 0, 0)]
 
 
 def small_trace(seed):
