@@ -480,7 +480,7 @@ def plot(per_mode: dict[str, list[dict]], turns: dict[str, list[list[TurnResult]
 # coding workload's contexts outgrow it), G2 about three quarters of an
 # engine's live working set, G3 about half of what a run writes to it.
 DEFAULT_SIZES = {"g1_blocks": 68, "g2_mib": 112, "max_model_len": 2048, "store": "384MB"}
-CODING_SIZES = {"g1_blocks": 160, "g2_mib": 256, "max_model_len": 4608, "store": "1GB"}
+CODING_SIZES = {"g1_blocks": 176, "g2_mib": 256, "max_model_len": 4864, "store": "1GB"}
 
 
 def quick_args(a) -> Shape:
