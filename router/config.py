@@ -27,7 +27,7 @@
       max_blocks: 1000000          # first-seen blocks remembered to find shared prefixes
       prior_gap_s: 120             # the wait between turns assumed before any is seen
       tool_call: {pin: false, expected_gap_s: 60, pin_ttl_factor: 1.5}
-      on_end: demote               # demote | free | none
+      on_end: free                 # free | demote | none
       idle_timeout_s: 600          # a session with no turn for this long ends
       on_move: share               # share | share_prefetch | none
       move_wait_s: 10              # how long a move waits for its copies' final outcomes
@@ -102,7 +102,7 @@ class WarmupPolicy:
 @dataclass(frozen=True)
 class HintPolicy:
     tool_call: ToolCallPolicy = ToolCallPolicy()
-    on_end: str = "demote"
+    on_end: str = "free"
     idle_timeout_s: float = 600.0
     on_move: str = "share"
     move_wait_s: float = 10.0

@@ -238,7 +238,7 @@ def test_router_restart_keeps_sessions_workers(cluster):
     finally:
         router.kill()                                  # a crash: nothing saved on the way out
     assert set(placed.values()) == {"a", "b"}, placed  # new sessions spread
-    router = start_router(cluster, namespace)
+    router = start_router(cluster, namespace, on_end="demote")
     try:
         for s in ("z", "y", "x"):                      # another order than the placement's
             worker, _, report = turn(router, s, prompts[s] + NEW[5])

@@ -27,7 +27,7 @@ def test_defaults_and_overrides(doc):
     cfg = parse_config(doc)
     assert cfg.workers[0].url == "http://127.0.0.1:1" and cfg.workers[1].endpoint_file == "/b.json"
     assert (cfg.host, cfg.port, cfg.routing.max_load, cfg.policy.on_end, cfg.policy.on_move) == \
-        ("127.0.0.1", 8100, 4, "demote", "share")
+        ("127.0.0.1", 8100, 4, "free", "share")
     assert cfg.policy.tool_call.expected_gap_s == 60 and not cfg.policy.warmup.enabled
     cfg = parse_config({**doc, "policy": {"on_move": "share_prefetch",
                                           "tool_call": {"pin": False}, "warmup": {"lead_s": 1}}})
