@@ -35,6 +35,7 @@ from sessionkv import control as wire
 from sessionkv.client import ControlError, HintClient
 from sessionkv.config import parse_policy
 from sessionkv.connectors.hint_executor import read_request
+from sessionkv.connectors.metrics import SessionStats
 from sessionkv.events import EventLog
 from sessionkv.events import decode as decode_event
 from sessionkv.hints import (HintOutcome, KvHint, Status, parse_envelope, parse_kvcr_fetch,
@@ -132,6 +133,7 @@ class _StandInManager:
     def __init__(self):
         self.event_log = EventLog()
         self.mover = None
+        self.stats = SessionStats(1, 1)     # the real one: the channel times each op into it
 
     def control_hints(self, items, session_id, client):
         return [i if isinstance(i, HintOutcome)
