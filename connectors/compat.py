@@ -116,6 +116,9 @@ def open_step(scheduler: OffloadingConnectorScheduler, lock: Any) -> float:
     own (idempotent, closed by vLLM's ``build_connector_meta``), on 0.32 ours.
     The seconds it waited for another thread's hold (0.0 when free on 0.32)."""
     if VLLM_LOCKS_HOOKS:
+        if not lock.locked():           # free (a metric's read: a race costs one count)
+            scheduler._acquire_step()
+            return 0.0
         t0 = time.perf_counter()
         scheduler._acquire_step()
         return time.perf_counter() - t0
