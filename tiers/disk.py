@@ -13,12 +13,25 @@ counts, deadlines and the breaker.
 
 Layout under ``path``::
 
+    sessionkv-disk-tier       the mark: this directory is a DiskTier's
     objects/<h[:2]>/<h[2:]>   one object: the chunk's bytes then its 16-byte
                               seal (``inline_sums``); h = BLAKE2b-128 of its name
-    tmp/                      objects being written (linked into objects/ once whole),
+    tmp/<32 hex digits>       objects being written (linked into objects/ once whole),
                               and objects being removed (claimed out of objects/)
-    usage                     8 bytes: the bytes under objects/, shared by every engine
+    usage                     16 bytes: the bytes under objects/, shared by every
+                              engine; the longest pin TTL asked for (``pin``)
     usage.lock, evict.lock, count.lock    flock(2) locks
+
+Trust boundary: the tier touches only this tree. ``path`` must be new, empty,
+marked, or an unmarked tree of this layout (adopted); anything else is refused
+at start, so ``path: /var`` never sweeps ``/var/tmp``. The tree belongs to the
+engine's user and no one else (directories 0700, files 0600: the G2 region's
+rule); a ``path`` owned by another user, or a part of the tree that is a
+symbolic link or not of its kind, is refused at start. Every file is opened
+with ``O_NOFOLLOW`` and checked to be a regular file (an object that is a
+FIFO, device or link is a miss and is quarantined: removed from the tree,
+never opened blocking); scans do not enter linked directories; the tmp/ sweep
+removes only names of this layout's form.
 
 Invariants. An object appears only whole (written in ``tmp/``, then
 hard-linked into ``objects/``), so ``exists`` is one ``stat``. Objects
@@ -51,7 +64,11 @@ flight during the scan) recounts with puts and removes held on
 Recency and pins are the file's mtime: a read moves it to now, a Pin to the
 pin's end when that is later (the longest pin holds, across engines), and
 the evictor skips objects whose mtime is in the future, so a pin lapses by
-itself (``pin_lapses``) and survives restarts.
+itself (``pin_lapses``) and survives restarts. An mtime further ahead than
+the longest pin TTL ever asked for on ``path`` (a duration, which a clock
+step does not move) is no pin: the clock stepped back, and the evictor
+counts the object as just used, so a stepped clock freezes eviction for at
+most that TTL.
 
 Threading: every call may run on several threads at once (each opens its own
 files); ``usage`` updates take a process lock, then the flock; puts and
@@ -62,7 +79,9 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
+import stat
 import struct
 import threading
 import time
@@ -80,7 +99,72 @@ RECOUNT_SLACK = 0.01    # of max_bytes: a scan this far off the count recounts
 STALE_TMP_S = 3600.0    # tmp/ files older than this are left by a crash: removed
 PUT_TRIES = 8           # a put that lost this many races for its name fails
 FANOUT = 256            # objects/<2 hex digits>/
+MARK = "sessionkv-disk-tier"
+_FILES = ("usage", "usage.lock", "evict.lock", "count.lock", MARK)
+_DIRS = ("objects", "tmp")
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 _U64 = struct.Struct("<Q")
+_F64 = struct.Struct("<d")
+
+logger = logging.getLogger(__name__)
+
+
+def _is_tmp_name(name: str) -> bool:
+    """A tmp/ name this layout makes: ``uuid4().hex``."""
+    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
+
+
+def _open_tree(root: str) -> None:
+    """Make ``root`` this layout's tree, or raise ValueError saying why not
+    (see the module docstring's trust boundary). Creates what is missing."""
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        st = os.stat(root)          # the operator may point path at a link: followed once
+    except OSError as e:
+        raise ValueError(f"DiskTier: cannot use path {root!r}: {e}") from e
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"DiskTier: path {root!r} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"DiskTier: path {root!r} belongs to uid {st.st_uid}, not to this "
+                         f"engine's ({os.geteuid()}): give a directory of the engine's user")
+    names = set(os.listdir(root))
+    if MARK not in names and names - set(_FILES) - set(_DIRS):
+        foreign = sorted(names - set(_FILES) - set(_DIRS))[:3]
+        raise ValueError(f"DiskTier: path {root!r} holds files that are not a DiskTier's "
+                         f"({', '.join(foreign)}): give an empty or new directory")
+    for name in names & set(_FILES + _DIRS):
+        _check_own(os.path.join(root, name), dir_=name in _DIRS)
+    objects = os.path.join(root, "objects")
+    for name in _DIRS:
+        _mkdir_own(os.path.join(root, name))
+    for i in range(FANOUT):
+        _mkdir_own(os.path.join(objects, f"{i:02x}"))
+    try:
+        os.close(os.open(os.path.join(root, MARK), os.O_WRONLY | os.O_CREAT | _NOFOLLOW, 0o600))
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.chmod(root, 0o700)   # a tree made before the mark was 0755
+    except OSError as e:
+        raise ValueError(f"DiskTier: cannot use path {root!r}: {e}") from e
+
+
+def _check_own(path: str, dir_: bool) -> None:
+    """``path`` (not followed) is a directory, or a regular file, of this
+    engine's user: else ValueError naming it."""
+    st = os.lstat(path)
+    kind = stat.S_ISDIR(st.st_mode) if dir_ else stat.S_ISREG(st.st_mode)
+    if not kind or st.st_uid != os.geteuid():
+        what = "directory" if dir_ else "regular file"
+        raise ValueError(f"DiskTier: {path!r} is not a {what} of this engine's user "
+                         f"(a link, or another user's): remove it or give another path")
+
+
+def _mkdir_own(path: str) -> None:
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        _check_own(path, dir_=True)
+    except OSError as e:
+        raise ValueError(f"DiskTier: cannot use path {path!r}: {e}") from e
 
 
 class DiskBackend(ObjectBackend):
@@ -101,19 +185,14 @@ class DiskBackend(ObjectBackend):
         self.max_bytes = max_bytes
         self._objects = os.path.join(self.root, "objects")
         self._tmp = os.path.join(self.root, "tmp")
-        try:
-            for i in range(FANOUT):
-                os.makedirs(os.path.join(self._objects, f"{i:02x}"), exist_ok=True)
-            os.makedirs(self._tmp, exist_ok=True)
-            self._usage = os.open(os.path.join(self.root, "usage"), os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise ValueError(f"DiskTier: cannot use path {path!r}: {e}") from e
-        self._usage_lock = os.open(os.path.join(self.root, "usage.lock"),
-                                   os.O_RDWR | os.O_CREAT, 0o644)
-        self._evict_lock = os.open(os.path.join(self.root, "evict.lock"),
-                                   os.O_RDWR | os.O_CREAT, 0o644)
+        _open_tree(self.root)
+        own = os.O_RDWR | os.O_CREAT | _NOFOLLOW
+        self._usage = os.open(os.path.join(self.root, "usage"), own, 0o600)
+        self._usage_lock = os.open(os.path.join(self.root, "usage.lock"), own, 0o600)
+        self._evict_lock = os.open(os.path.join(self.root, "evict.lock"), own, 0o600)
         self._count_path = os.path.join(self.root, "count.lock")
-        self._count_lock = os.open(self._count_path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._count_lock = os.open(self._count_path, own, 0o600)
+        self.quarantined = 0                    # objects that were no regular file: removed
         self._lock = threading.Lock()           # flock does not exclude this process's threads
         self.evictions = 0                      # objects this backend's evictor removed
         self._on_evict = on_evict
@@ -149,6 +228,22 @@ class DiskBackend(ObjectBackend):
         raw = os.pread(self._usage, 8, 0)
         return _U64.unpack(raw)[0] if len(raw) == 8 else 0
 
+    def pin_horizon(self) -> float:
+        """The longest pin TTL asked for on ``path``, seconds (0 if none)."""
+        raw = os.pread(self._usage, 8, 8)
+        return max(0.0, _F64.unpack(raw)[0]) if len(raw) == 8 else 0.0
+
+    def _raise_horizon(self, ttl_s: float) -> None:
+        if ttl_s <= self.pin_horizon():
+            return
+        with self._lock:
+            fcntl.flock(self._usage_lock, fcntl.LOCK_EX)
+            try:
+                if ttl_s > self.pin_horizon():
+                    os.pwrite(self._usage, _F64.pack(ttl_s), 8)
+            finally:
+                fcntl.flock(self._usage_lock, fcntl.LOCK_UN)
+
     @contextmanager
     def _counting(self) -> Iterator[None]:
         """Hold ``count.lock`` shared (a recount waits): on a descriptor of
@@ -165,15 +260,41 @@ class DiskBackend(ObjectBackend):
         size: True, None when it is not there, False on an error."""
         claimed = os.path.join(self._tmp, uuid.uuid4().hex)
         try:
-            os.rename(path, claimed)
+            os.rename(path, claimed)        # a link is renamed, never followed
         except FileNotFoundError:
             return None
         except OSError:
             return False
-        size = _size_or_zero(claimed)
+        size = max(0, _regular_size(claimed))   # only regular files were counted
         _unlink(claimed)
         self._add_usage(-size)
         return True
+
+    def _open_object(self, path: str) -> int | None:
+        """A read descriptor on the object at ``path`` if it is a regular
+        file; None if absent. An object that is a link, FIFO or device is
+        quarantined (removed) and None: never a blocking open."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            if os.path.islink(path):
+                self._quarantine(path)
+            return None
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                return fd
+        except OSError:
+            pass
+        os.close(fd)
+        self._quarantine(path)
+        return None
+
+    def _quarantine(self, path: str) -> None:
+        if self._claim(path):
+            self.quarantined += 1
+            logger.warning("sessionkv: DiskTier removed %s: not a regular file", path)
 
     # ---- writes ------------------------------------------------------------------
 
@@ -186,7 +307,7 @@ class DiskBackend(ObjectBackend):
         final, tmp = self.path_of(name), os.path.join(self._tmp, uuid.uuid4().hex)
         placed = False
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
             try:
                 _write_all(fd, parts, size)
             finally:
@@ -231,9 +352,8 @@ class DiskBackend(ObjectBackend):
     def _read(self, name: str, parts: Sequence) -> int:
         """Object size read into ``parts`` (all of it when it fits them
         exactly), or -1. A read makes the object recent (unless pinned)."""
-        try:
-            fd = os.open(self.path_of(name), os.O_RDONLY)
-        except OSError:
+        fd = self._open_object(self.path_of(name))
+        if fd is None:
             return -1
         try:
             st = os.fstat(fd)
@@ -265,15 +385,19 @@ class DiskBackend(ObjectBackend):
     def get_small(self, names) -> list[bytes | None]:
         out = []
         for n in names:
+            fd = self._open_object(self.path_of(n))
+            if fd is None:
+                out.append(None)
+                continue
             try:
-                with open(self.path_of(n), "rb") as f:
+                with os.fdopen(fd, "rb") as f:
                     out.append(f.read() or None)
             except OSError:
                 out.append(None)
         return out
 
     def exists(self, names) -> list[bool]:
-        return [os.path.exists(self.path_of(n)) for n in names]
+        return [_regular_size(self.path_of(n)) >= 0 for n in names]
 
     def register(self, buf: memoryview) -> None:
         return              # reads and writes go straight from and into the buffer
@@ -284,11 +408,16 @@ class DiskBackend(ObjectBackend):
 
     def pin(self, names, ttl_s: float, values=None) -> list[bool]:
         until, out = time.time() + float(ttl_s), []
+        self._raise_horizon(float(ttl_s))
         for n in names:
             path = self.path_of(n)
             try:
-                if os.stat(path).st_mtime < until:
-                    os.utime(path, (until, until))
+                st = os.lstat(path)
+                if not stat.S_ISREG(st.st_mode):
+                    out.append(False)
+                    continue
+                if st.st_mtime < until:
+                    os.utime(path, (until, until), follow_symlinks=False)
                 out.append(True)
             except OSError:
                 out.append(False)
@@ -346,18 +475,28 @@ class DiskBackend(ObjectBackend):
         return len(removed)
 
     def _scan(self, now: float) -> tuple[list[tuple[float, str]], int]:
-        """(mtime, path) of the unpinned objects, and the bytes of all."""
+        """(mtime, path) of the unpinned objects, and the bytes of all.
+        Regular files only, in fan-out directories that are no links; an
+        mtime past ``now`` plus the pin horizon is a stepped clock's: ``now``."""
         entries, total = [], 0
+        ahead = now + self.pin_horizon()
         for i in range(FANOUT):
-            with os.scandir(os.path.join(self._objects, f"{i:02x}")) as it:
+            fan = os.path.join(self._objects, f"{i:02x}")
+            if not os.path.isdir(fan) or os.path.islink(fan):
+                continue            # never made by this tier: not entered
+            with os.scandir(fan) as it:
                 for e in it:
                     try:
-                        st = e.stat()
+                        st = e.stat(follow_symlinks=False)
                     except FileNotFoundError:
+                        continue
+                    if not stat.S_ISREG(st.st_mode):
                         continue
                     total += st.st_size
                     if st.st_mtime <= now:              # pinned objects stay
                         entries.append((st.st_mtime, e.path))
+                    elif st.st_mtime > ahead:
+                        entries.append((now, e.path))
         return entries, total
 
     def _recount(self) -> None:
@@ -376,10 +515,12 @@ class DiskBackend(ObjectBackend):
             fcntl.flock(self._count_lock, fcntl.LOCK_UN)
 
     def _sweep_tmp(self, now: float) -> None:
+        """Remove what a crash left in tmp/: names of this layout's form only."""
         with os.scandir(self._tmp) as it:
             for e in it:
                 try:
-                    if e.stat().st_mtime < now - STALE_TMP_S:
+                    if _is_tmp_name(e.name) and not e.is_dir(follow_symlinks=False) and \
+                            e.stat(follow_symlinks=False).st_mtime < now - STALE_TMP_S:
                         _unlink(e.path)
                 except FileNotFoundError:
                     pass
@@ -406,11 +547,13 @@ def _write_all(fd: int, parts: Sequence, size: int) -> None:
             views[0] = views[0][n:]
 
 
-def _size_or_zero(path: str) -> int:
+def _regular_size(path: str) -> int:
+    """The size of the regular file at ``path`` (not followed), else -1."""
     try:
-        return os.stat(path).st_size
+        st = os.lstat(path)
     except OSError:
-        return 0
+        return -1
+    return st.st_size if stat.S_ISREG(st.st_mode) else -1
 
 
 def _unlink(path: str) -> bool:

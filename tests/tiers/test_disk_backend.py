@@ -157,15 +157,18 @@ def test_objects_and_their_count_survive_a_restart_and_a_lost_count(tmp_path):
 def test_a_stale_temporary_file_is_swept_and_odd_names_stay_inside(tmp_path):
     d = DiskBackend(str(tmp_path), 1024 * KIB)
     try:
-        stale = tmp_path / "tmp" / "left-by-a-crash"
-        stale.write_bytes(b"x")
-        os.utime(stale, (time.time() - 7200, time.time() - 7200))
+        stale = tmp_path / "tmp" / ("ab" * 16)                # a put's name, left by a crash
+        other = tmp_path / "tmp" / "left-by-someone-else"     # not a name the tier makes
+        for f in (stale, other):
+            f.write_bytes(b"x")
+            os.utime(f, (time.time() - 7200, time.time() - 7200))
         for name in ("../../etc/passwd", "a/../../b", "\x00\n", "ü" * 300):
             assert put(d, name, size=KIB) and read(d, name, size=KIB) == KIB
         d.evict(target=LOW_WATER)
-        assert not stale.exists()
-        assert sorted(os.listdir(tmp_path)) == ["count.lock", "evict.lock", "objects", "tmp",
-                                                "usage", "usage.lock"]
+        assert not stale.exists() and other.exists()
+        assert sorted(os.listdir(tmp_path)) == ["count.lock", "evict.lock", "objects",
+                                                "sessionkv-disk-tier", "tmp", "usage",
+                                                "usage.lock"]
     finally:
         d.close()
 
