@@ -82,6 +82,8 @@ from sessionkv.config import Limits
 from sessionkv.hints import (
     HINTS_PARAM,
     KVCR_PARAM,
+    MAX_ACTIONS,
+    MAX_KEYS,
     SIG_PARAM,
     Action,
     HashesTarget,
@@ -107,6 +109,7 @@ logger = init_logger(__name__)
 
 KVCR_SIG_PARAM = "kv_hint_sig"
 MAX_CLIPPED_HINTS = 4096   # clipped outcomes waiting for collect_clipped (one per hint)
+MAX_UNSIGNED_KEYS = MAX_KEYS   # keys in all of an unsigned envelope's targets
 # A Retain up to a boundary the index no longer holds took the session's
 # deepest branch: clipped, since what was evicted is not held.
 BOUNDARY_GONE = "boundary evicted: the session's deepest branch"
@@ -172,8 +175,13 @@ def read_request(
     if raw is not None:
         signed = verify(raw, session_id, params.get(SIG_PARAM), secret)
         any_signed |= signed
-        out += [h if isinstance(h, HintOutcome) else _mark(h, signed)
-                for h in parse_envelope(raw, session_id)]
+        if not signed and _key_count(raw) > MAX_UNSIGNED_KEYS:
+            out.append(HintOutcome("kv_hints", None, Status.REJECTED,
+                                   reason=f"an unsigned envelope names at most "
+                                          f"{MAX_UNSIGNED_KEYS} keys in all"))
+        else:
+            out += [h if isinstance(h, HintOutcome) else _mark(h, signed)
+                    for h in parse_envelope(raw, session_id)]
     kvcr = params.get(KVCR_PARAM)
     if kvcr is not None:
         h = parse_kvcr_fetch(kvcr)
@@ -181,6 +189,22 @@ def read_request(
         any_signed |= signed
         out.append(h if isinstance(h, HintOutcome) else _mark(h, signed))
     return RequestHints(out, any_signed)
+
+
+def _key_count(raw: Any) -> int:
+    """The keys an envelope's targets name, counted without parsing them:
+    O(actions), so an unsigned envelope is bounded before its keys are read
+    on the scheduler thread (64 actions of ``MAX_KEYS`` took 2 s)."""
+    actions = raw.get("actions") if isinstance(raw, Mapping) else None
+    if not isinstance(actions, list):
+        return 0
+    n = 0
+    for a in actions[:MAX_ACTIONS + 1]:
+        payload = a.get("payload") if isinstance(a, Mapping) else None
+        target = payload.get("target") if isinstance(payload, Mapping) else None
+        keys = target.get("keys") if isinstance(target, Mapping) else None
+        n += len(keys) if isinstance(keys, list) else 0
+    return n
 
 
 def read_request_hints(params: Mapping[str, Any] | None, envelope: Any, session_id: Any,

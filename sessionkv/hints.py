@@ -275,11 +275,13 @@ def _action(i: int, raw: Any, session_id: str | None) -> KvHint | HintOutcome:
     aid = raw.get("action_id")
     hint_id = _short_id(aid, f"#{i}")
     atype = raw.get("action_type")
-    name = atype if is_id(atype) else None
+    # Outcomes name only known actions: the name becomes a metric label.
+    name = atype if isinstance(atype, str) and atype in ACTION_TYPES else None
     if hint_id != aid:
         return _rejected(hint_id, name, f"action_id must be a string of 1..{MAX_ID_LEN} chars")
-    if name not in ACTION_TYPES:
-        return _rejected(hint_id, name, f"unknown action_type {name!r}")
+    if name is None:
+        shown = atype if is_id(atype) else type(atype).__name__
+        return _rejected(hint_id, None, f"unknown action_type {shown!r}")
     if raw.get("action_version") != ACTION_VERSION:
         return _rejected(hint_id, name, f"unsupported action_version; supported {ACTION_VERSION!r}")
     payload = raw.get("payload")
