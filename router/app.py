@@ -75,7 +75,7 @@ from aiohttp import web
 
 from sessionkv.hints import (Action, HINTS_PARAM, KVCR_PARAM, SIG_PARAM, envelope, hint_action,
                              id_problem, sign)
-from sessionkv.keys import ROUTER_CLIENT, derive
+from sessionkv.keys import ROUTER_ADMIN, ROUTER_CLIENT, derive
 from sessionkv.report import RequestReport
 from sessionkv.router import policy as rules
 from sessionkv.router.config import RouterConfig
@@ -111,14 +111,17 @@ class Router:
         self.metrics = RouterMetrics(self)
         self.policy = SessionHints(cfg.policy, clock)
         self._outbox: asyncio.Queue[Out] = asyncio.Queue(OUTBOX)
-        self.store = ResilientStore(SessionStore(cfg.redis), cfg.policy.max_sessions)
+        self.store = ResilientStore(SessionStore(cfg.redis), cfg.policy.max_sessions,
+                                    cfg.redis.retry_s)
         self._pins = rules.PinQuota(cfg.policy.tool_call.max_pins_per_client,
                                     cfg.policy.max_sessions, clock)
         self.workers: dict[str, Worker] = {}
         self._http: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
-        # Each session's last body, for warm-ups: at most policy.max_sessions.
-        self._last_body: OrderedDict[str, tuple[str, dict[str, Any]]] = OrderedDict()
+        # Each session's last body and its size, for warm-ups only: at most
+        # policy.max_sessions bodies and policy.warmup.max_bytes in all.
+        self._last_body: OrderedDict[str, tuple[str, dict[str, Any], int]] = OrderedDict()
+        self._last_bytes = 0
         self.app = web.Application(client_max_size=64 << 20)
         self.app.add_routes([
             web.post("/v1/completions", self._generate),
@@ -374,10 +377,8 @@ class Router:
                                                 "that started them)", "type": "Forbidden"}},
                                      status=403)
         forward = self._forward_body(body, session_id, gap, client)
-        self._last_body[session_id] = (request.path, forward)
-        self._last_body.move_to_end(session_id)
-        while len(self._last_body) > self.cfg.policy.max_sessions:
-            self._last_body.popitem(last=False)
+        if self.cfg.policy.warmup.enabled:
+            self._keep_body(session_id, request.path, forward, len(await request.read()))
         await self.store.turn_started(session_id)
         for attempt in range(len(self.workers)):
             try:
@@ -434,6 +435,23 @@ class Router:
             self._spawn(self._warmup(session_id, gap))
         return resp
 
+    def _keep_body(self, session_id: str, path: str, body: dict[str, Any], size: int) -> None:
+        """Keep the session's last body for its warm-up, least recent out past
+        ``policy.max_sessions`` bodies or ``policy.warmup.max_bytes``."""
+        self._drop_body(session_id)
+        if size > self.cfg.policy.warmup.max_bytes:
+            return
+        self._last_body[session_id] = (path, body, size)
+        self._last_bytes += size
+        while len(self._last_body) > self.cfg.policy.max_sessions or \
+                self._last_bytes > self.cfg.policy.warmup.max_bytes:
+            self._drop_body(next(iter(self._last_body)))
+
+    def _drop_body(self, session_id: str) -> None:
+        kept = self._last_body.pop(session_id, None)
+        if kept is not None:
+            self._last_bytes -= kept[2]
+
     def _client_of(self, request: web.Request) -> str:
         """Who sends a turn: a name for its API key (``Authorization: Bearer``,
         as OpenAI clients send it; the key itself is never stored), "" for
@@ -470,9 +488,18 @@ class Router:
         params[SIG_PARAM] = sign(env, session_id, self.cfg.secret)
         return {**body, "session_id": session_id, "kv_transfer_params": params}
 
+    @staticmethod
+    def _upstream_headers(request: web.Request, session_id: str) -> dict[str, str]:
+        """What a turn sends the engine: the session, and the client's
+        ``Authorization`` (so engines can run vLLM's ``--api-key``)."""
+        headers = {SESSION_HEADER: session_id}
+        if "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        return headers
+
     async def _plain(self, request, worker, body, headers, session_id, arrived):
         async with self._http.post(worker.url + request.path, json=body,
-                                   headers={SESSION_HEADER: session_id}) as r:
+                                   headers=self._upstream_headers(request, session_id)) as r:
             raw = await r.read()
             ctype = r.headers.get("Content-Type", "application/json")
             status = r.status
@@ -501,8 +528,8 @@ class Router:
     async def _stream(self, request, worker, body, headers, arrived):
         resp = web.StreamResponse(headers=headers)
         tool_call, first = False, True
-        async with self._http.post(worker.url + request.path, json=body,
-                                   headers={SESSION_HEADER: headers[SESSION_HEADER]}) as r:
+        async with self._http.post(worker.url + request.path, json=body, headers=self.
+                                   _upstream_headers(request, headers[SESSION_HEADER])) as r:
             resp.set_status(r.status)
             for k, v in r.headers.items():
                 if k.lower() not in HOP_HEADERS:
@@ -529,7 +556,7 @@ class Router:
         state = await self.store.get(session_id)
         if state is None or before is None or state.turns != before.turns:
             return
-        path, body = self._last_body.get(session_id, (None, None))
+        path, body, _ = self._last_body.get(session_id, (None, None, 0))
         if body is None:
             return
         warm = {**body, "max_tokens": 1, "stream": False}
@@ -552,7 +579,7 @@ class Router:
         """End a session (``policy.on_end``); the worker it was on, or None
         when it was unknown or another replica ended it."""
         state = await self.store.end(session_id)
-        self._last_body.pop(session_id, None)
+        self._drop_body(session_id)
         if state is None:
             return None
         self.counters.event(f"ended_{reason}")
@@ -605,9 +632,17 @@ class Router:
         worker = next((w for w in self.workers.values() if w.healthy), None)
         if worker is None:
             return web.json_response({"error": {"message": "no healthy worker"}}, status=503)
-        async with self._http.get(worker.url + "/v1/models") as r:
+        auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        async with self._http.get(worker.url + "/v1/models", headers=auth) as r:
             return web.Response(body=await r.read(), status=r.status,
                                 content_type="application/json")
+
+    def _admin(self, request: web.Request) -> bool:
+        """Whether the request carries the admin token (``admin_token``)."""
+        auth = request.headers.get("Authorization", "")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        return hmac.compare_digest(token.encode("utf-8", "replace"),
+                                   admin_token(self.cfg.secret).encode())
 
     async def _drain_api(self, request: web.Request) -> web.Response:
         """``POST /router/workers/{name}/drain``: before an engine is stopped,
@@ -615,6 +650,11 @@ class Router:
         this router last sent there is Demoted to G3 now (their next turns
         move, Share what is left, and load instead of recomputing); the
         Demotes' outcomes by status. ``DELETE``: it takes turns again."""
+        if not self._admin(request):
+            return web.json_response({"error": {"message": "an admin route: send "
+                                                "Authorization: Bearer <sessionkv router "
+                                                "--admin-token>", "type": "Unauthorized"}},
+                                     status=401)
         worker = self.workers.get(request.match_info["name"])
         if worker is None:
             return web.json_response({"error": {"message": "unknown worker"}}, status=404)
@@ -646,8 +686,18 @@ class Router:
         return resp
 
     async def _health(self, request: web.Request) -> web.Response:
+        """503 without a healthy worker; 200 while Redis fails (turns are
+        routed from memory), and then ``state_store`` says so."""
         ok = any(w.healthy for w in self.workers.values())
-        return web.json_response({"ok": ok}, status=200 if ok else 503)
+        return web.json_response(
+            {"ok": ok, "state_store": "ok" if self.store.usable() else "unreachable"},
+            status=200 if ok else 503)
+
+
+def admin_token(secret: bytes) -> str:
+    """The bearer token of the router's admin routes (drain): derived from
+    the cluster secret (``keys.ROUTER_ADMIN``), so only its holders have it."""
+    return derive(secret, ROUTER_ADMIN).hex()
 
 
 async def serve(cfg: RouterConfig, ready=None) -> None:

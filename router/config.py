@@ -5,7 +5,9 @@
     version: 1
     listen: {host: 127.0.0.1, port: 8100}
     secret_file: router.key        # the engines' trust.secret_file key (>= 16 bytes)
-    redis: {url: "redis://127.0.0.1:6379/0", namespace: sessionkv-router, state_ttl_s: 86400}
+    redis: {url: "redis://127.0.0.1:6379/0", namespace: sessionkv-router, state_ttl_s: 86400,
+            timeout_s: 1.0,        # every call's connect and socket timeout
+            retry_s: 5.0}          # after a failure, route from memory this long, then try
     workers:                       # >= 1; names are what Share's destination says
       - {name: a, url: "http://127.0.0.1:8001", endpoint_file: /run/engine-a.json}
       - {name: b, url: "http://127.0.0.1:8002", control: "tcp://127.0.0.1:5702"}
@@ -31,7 +33,8 @@
       idle_timeout_s: 600          # a session with no turn for this long ends
       on_move: share               # share | share_prefetch | none
       move_wait_s: 10              # how long a move waits for its copies' final outcomes
-      warmup: {enabled: false, lead_s: 2.0}
+      warmup: {enabled: false, lead_s: 2.0,
+               max_bytes: 67108864}   # last request bodies kept for warm-ups, in all
 
 Every key but ``secret_file``, ``redis.url`` and ``workers`` is optional (the
 defaults shown). An unknown key, a wrong type or a missing file is a
@@ -73,6 +76,8 @@ class RedisConfig:
     url: str
     namespace: str = "sessionkv-router"
     state_ttl_s: float = 86400.0     # a session's record outlives its last turn this long
+    timeout_s: float = 1.0           # connect and socket timeout of every Redis call
+    retry_s: float = 5.0             # after a failed call, route from memory this long
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,7 @@ class ToolCallPolicy:
 class WarmupPolicy:
     enabled: bool = False
     lead_s: float = 2.0              # the warm-up goes this long before the expected return
+    max_bytes: int = 64 << 20        # the last bodies kept for warm-ups, in all
 
 
 @dataclass(frozen=True)
@@ -229,7 +235,8 @@ def parse_config(doc: Any) -> RouterConfig:
     if "url" not in mapping_of(doc.get("redis"), "redis"):
         raise ValueError("redis.url is required (session state lives in Redis)")
     redis_cfg = _section(doc, "redis", RedisConfig, {
-        "url": _string, "namespace": _string, "state_ttl_s": _whole_seconds})
+        "url": _string, "namespace": _string, "state_ttl_s": _whole_seconds,
+        "timeout_s": _positive, "retry_s": _positive})
     workers = doc.get("workers")
     if not isinstance(workers, list) or not workers:
         raise ValueError("workers must be a non-empty list")
@@ -262,7 +269,8 @@ def parse_config(doc: Any) -> RouterConfig:
                                           "max_pins_per_client":
                                               lambda v, w: _positive(v, w, integer=True)})
     warmup = _section({"policy.warmup": policy_doc.get("warmup")}, "policy.warmup",
-                      WarmupPolicy, {"enabled": _flag, "lead_s": _positive})
+                      WarmupPolicy, {"enabled": _flag, "lead_s": _positive,
+                                     "max_bytes": lambda v, w: _positive(v, w, integer=True)})
     policy = dataclasses.replace(policy, tool_call=tool_call, warmup=warmup)
     return RouterConfig(_secret(doc["secret_file"]), redis_cfg, parsed, host, port,
                         routing, policy)

@@ -43,6 +43,15 @@ class SessionState:
     gap_until: float
 
 
+def redact(url: str) -> str:
+    """``url`` without its password (``redis://user:***@host``), for logs."""
+    head, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if not at or ":" not in creds:
+        return url
+    return f"{head}{sep}{creds.split(':', 1)[0]}:***@{host}"
+
+
 class StateError(RuntimeError):
     """Redis did not answer."""
 
@@ -52,7 +61,8 @@ class SessionStore:
 
     def __init__(self, cfg: RedisConfig):
         self._cfg = cfg
-        self._redis = aioredis.Redis.from_url(cfg.url)
+        self._redis = aioredis.Redis.from_url(
+            cfg.url, socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s)
         self._ns = cfg.namespace
         self._move = self._redis.register_script(_MOVE)
 
@@ -149,7 +159,7 @@ class SessionStore:
         try:
             await self._redis.ping()
         except Exception as e:
-            raise StateError(f"redis {self._cfg.url}: {e}") from e
+            raise StateError(f"redis {redact(self._cfg.url)}: {e}") from e
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -162,12 +172,19 @@ class ResilientStore:
     recently used first out) and is counted; nothing raises. Without Redis a
     session sticks to the worker this replica last sent it to, placements of
     other replicas are not seen, and idle sessions are not ended (the sweep
-    reads Redis) until it answers again.
+    reads Redis) until it answers again. A call that fails (refused, or past
+    ``redis.timeout_s``: a stopped or partitioned server) sends every call of
+    the next ``redis.retry_s`` to memory at once, so a turn waits for at most
+    one timeout.
 
     Threading: the router's event loop only."""
 
-    def __init__(self, store: SessionStore, max_sessions: int):
+    def __init__(self, store: SessionStore, max_sessions: int, retry_s: float = 5.0,
+                 clock=time.monotonic):
         self._store = store
+        self._retry_s = retry_s
+        self._clock = clock
+        self._down_until = float("-inf")
         self._max = max_sessions
         self._local: OrderedDict[str, SessionState] = OrderedDict()
         self._owners: OrderedDict[str, str] = OrderedDict()
@@ -177,10 +194,15 @@ class ResilientStore:
 
     def status(self) -> dict:
         return {"errors": self.errors, "last_error": self.last_error,
-                "local_sessions": len(self._local)}
+                "local_sessions": len(self._local), "usable": self.usable()}
+
+    def usable(self) -> bool:
+        """False while calls go to memory after a failure (``retry_s``)."""
+        return self._clock() >= self._down_until
 
     def _failed(self, what: str, e: Exception) -> None:
         self.errors += 1
+        self._down_until = self._clock() + self._retry_s
         if not self.last_error:
             log.warning("session state: %s failed (%r): routing from this replica's memory",
                         what, e)
@@ -201,7 +223,12 @@ class ResilientStore:
                                     old.created if old else now, now, 0.0))
 
     async def _try(self, what: str, call, fallback):
-        """``await call``, or ``fallback`` (counted) when Redis fails."""
+        """``await call``, or ``fallback`` (counted) when Redis fails or
+        failed within ``retry_s``."""
+        if not self.usable():
+            call.close()            # never awaited: no call reaches Redis
+            self.errors += 1
+            return fallback
         try:
             return await call
         except Exception as e:

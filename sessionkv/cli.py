@@ -107,6 +107,8 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("router", help="run the reference router (sessionkv.router)")
     r.add_argument("--config", required=True, help="router.yaml")
     r.add_argument("--log-level", default="INFO")
+    r.add_argument("--admin-token", action="store_true",
+                   help="print the admin routes' bearer token (drain) and exit")
     return p
 
 
@@ -120,6 +122,10 @@ def _router(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"sessionkv router: {e}", file=sys.stderr)
         return 2
+    if args.admin_token:
+        from sessionkv.router.app import admin_token
+        print(admin_token(cfg.secret))
+        return 0
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(serve(cfg, ready=lambda port: print(

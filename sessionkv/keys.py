@@ -6,7 +6,8 @@ Every key the project uses comes from here: the request hints' signatures
 (``HINT_SIG``, ``sessionkv.hints``), the control channel's frames
 (``CONTROL``, ``sessionkv.control``), the control channel's CURVE key pairs
 (``CURVE_SERVER``, ``CURVE_CLIENT``), the router's client names
-(``ROUTER_CLIENT``) and the G3 objects' MAC (``G3_MAC``).
+(``ROUTER_CLIENT``), the router's admin token (``ROUTER_ADMIN``) and the G3
+objects' MAC (``G3_MAC``).
 Every engine process that holds a G3 tier holds the G3 MAC key, so an engine
 that leaks it gives away neither the hint signatures nor the control channel.
 """
@@ -24,6 +25,7 @@ CURVE_SERVER = "curve-server"   # the engines' CURVE secret key (ZMQ socket auth
 CURVE_CLIENT = "curve-client"   # the one CURVE secret key of every client holding the secret
 ROUTER_CLIENT = "router-client" # HMAC-SHA256 naming a router client by its API key (kept
                                 # in Redis instead of the key itself)
+ROUTER_ADMIN = "router-admin"   # the bearer token of the router's admin routes (drain)
 
 
 # Each frame and hint derives its key again: a few secrets, so a small cache.

@@ -21,8 +21,10 @@ import requests
 from sessionkv.devtools.engines import TINY
 from sessionkv.devtools.router_process import RouterProcess, engine_pair
 from sessionkv.devtools.server import free_port
+from sessionkv.router.app import admin_token
 
 SECRET = b"router-e2e-secret-0123456789abcdef"
+ADMIN = {"Authorization": f"Bearer {admin_token(SECRET)}"}
 RNG = np.random.default_rng(5)
 NEW = [RNG.integers(10, 4000, n).tolist() for n in (150, 50, 40, 30, 60, 60)]
 MAX_LOAD = 3
@@ -347,13 +349,19 @@ def test_a_drained_worker_demotes_its_sessions_and_they_move_to_g3_reads(cluster
     """``POST /router/workers/{name}/drain`` before an engine is stopped: the
     session on it is Demoted (outcome accepted), its next turn goes to the
     other worker and reads its prefix from G3, exactly; a new session avoids
-    the draining worker; ``DELETE`` ends the drain."""
+    the draining worker; ``DELETE`` ends the drain. Only with the admin
+    token: a client's own key, or none, gets 401 and drains nothing."""
     _, _, servers, _ = cluster
     router = start_router(cluster, f"r-{uuid.uuid4().hex[:6]}")
     try:
         first = np.random.default_rng(91).integers(10, 4000, 130).tolist()
         w1, out1, _ = turn(router, "leaving", first)
-        r = requests.post(f"{router.url}/router/workers/{w1}/drain", timeout=90)
+        for who in ({}, {"Authorization": "Bearer client-key"}):
+            for call in (requests.post, requests.delete):
+                r = call(f"{router.url}/router/workers/{w1}/drain", headers=who, timeout=10)
+                assert r.status_code == 401, r.text
+        assert not next(w for w in router.status()["workers"] if w["name"] == w1)["draining"]
+        r = requests.post(f"{router.url}/router/workers/{w1}/drain", headers=ADMIN, timeout=90)
         assert r.status_code == 200 and r.json() == {
             "worker": w1, "draining": True, "sessions": 1, "demoted": {"accepted": 1}}, r.text
         assert next(w for w in router.status()["workers"] if w["name"] == w1)["draining"]
@@ -363,9 +371,9 @@ def test_a_drained_worker_demotes_its_sessions_and_they_move_to_g3_reads(cluster
         assert turn(router, "fresh", NEW[4])[0] == w2
         ref = cold(servers[w2], [first, second])
         assert [outputs(out1), outputs(out2)] == [x[0] for x in ref]
-        r = requests.delete(f"{router.url}/router/workers/{w1}/drain", timeout=10)
+        r = requests.delete(f"{router.url}/router/workers/{w1}/drain", headers=ADMIN, timeout=10)
         assert r.json() == {"worker": w1, "draining": False}
-        assert requests.post(f"{router.url}/router/workers/nope/drain",
+        assert requests.post(f"{router.url}/router/workers/nope/drain", headers=ADMIN,
                              timeout=10).status_code == 404
     finally:
         router.stop()
@@ -422,6 +430,77 @@ def test_redis_down_keeps_routing_and_a_restart_without_it_starts(cluster, tmp_p
     for i, ((_, _, out, report), (want, served)) in enumerate(zip(turns, ref)):
         assert served["recomputed"] == report["tokens"]["recomputed"], (i, served, report)
         assert outputs(out) == want, f"turn {i + 1}: {report}"
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.parametrize("warmup", [{}, {"warmup": {"enabled": True, "max_bytes": 32 << 20}}])
+def test_the_router_keeps_request_bodies_only_for_warmups_and_bounded(cluster, warmup):
+    """20 anonymous turns of 16 MiB each (a long ``user`` field) leave the
+    router's memory where it was: no body is kept without warm-ups, and with
+    them at most ``policy.warmup.max_bytes``."""
+    router = start_router(cluster, f"r-{uuid.uuid4().hex[:6]}", **warmup)
+    try:
+        turn(router, "warm", NEW[1])
+        before = rss_mib(router.proc.pid)
+        big = "x" * (16 << 20)
+        for i in range(20):
+            r = requests.post(f"{router.url}/v1/completions", timeout=120,
+                              json={**body(NEW[2][:20], max_tokens=1), "user": big},
+                              headers={"X-Session-ID": f"big-{i}"})
+            assert r.status_code in (200, 400), r.text[:200]
+        grown = rss_mib(router.proc.pid) - before
+        assert grown < 120, f"the router grew {grown:.0f} MiB for 20 bodies of 16 MiB"
+    finally:
+        router.stop()
+
+
+def test_a_stopped_redis_costs_one_timeout_and_health_says_so(cluster, tmp_path):
+    """redis-server stopped (SIGSTOP: a hung or partitioned server, which
+    refuses nothing): each turn waits at most one Redis timeout, not the
+    client's long give-up, ``/health`` says the state store is unreachable,
+    and after SIGCONT the router uses Redis again. A password in the Redis
+    URL never reaches the log."""
+    import os
+    import signal
+    from sessionkv.devtools.services import start_redis
+    d, workers, _, _ = cluster
+    url, redis_server = start_redis(tmp_path)
+    cfg = router_config(workers, url, f"r-{uuid.uuid4().hex[:6]}")
+    cfg["secret_file"] = str(d / "secret")
+    cfg["redis"].update(timeout_s=0.5, retry_s=2.0)
+    router = RouterProcess(cfg, d / f"router-{uuid.uuid4().hex[:6]}.yaml")
+    pid = redis_server.pid()
+    try:
+        prompt = NEW[2]
+        w, out, _ = turn(router, "hung", prompt)
+        os.kill(pid, signal.SIGSTOP)
+        for extra in (NEW[3][:20], NEW[4][:20]):
+            prompt = prompt + tokens(out) + extra
+            t0 = time.monotonic()
+            w2, out, _ = turn(router, "hung", prompt)
+            assert time.monotonic() - t0 < 5 and w2 == w
+        health = requests.get(f"{router.url}/health", timeout=5)
+        assert health.status_code == 200 and health.json()["state_store"] == "unreachable"
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(2.5)
+        turn(router, "hung", prompt + tokens(out) + NEW[5][:20])
+        assert requests.get(f"{router.url}/health", timeout=5).json()["state_store"] == "ok"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        router.stop()
+        redis_server.stop()
+    cfg["redis"]["url"] = f"redis://admin:hunter2-{uuid.uuid4().hex}@127.0.0.1:{free_port()}/0"
+    router = RouterProcess(cfg, d / f"router-{uuid.uuid4().hex[:6]}.yaml")
+    try:
+        turn(router, "no-redis", NEW[1])
+        log = router.read_log()
+        assert "redis://admin:***@" in log and "hunter2" not in log, log[-2000:]
+    finally:
+        router.stop()
 
 
 def test_sessions_are_bound_to_their_client_and_pins_quota_per_client(cluster):
