@@ -67,7 +67,8 @@ class RouterProcess:
 
 
 ENGINE_ARGS = ["--enforce-eager", "--block-size", "32", "--max-model-len", "1024",
-               "--dtype", "float32", "--seed", "0", "--max-num-seqs", "8"]
+               "--dtype", "float32", "--seed", "0", "--max-num-seqs", "8",
+               "--enable-prompt-tokens-details"]   # the cold replays read vLLM's cached_tokens
 
 
 @contextlib.contextmanager

@@ -86,10 +86,13 @@ REPORT_PER_TIER = ("signed", "all")
 class ReportPolicy:
     """What a response's report (``sessionkv.report``) tells the client.
 
-    Per-tier counts say which tier held a prefix: on a shared G3 that tells a
-    client whether someone on another engine sent that prefix, an oracle vLLM's
-    own total (``cached_tokens``) does not give. ``signed``: only requests the
-    router signed get them; ``all``: every request (trusted clients only)."""
+    Per-tier counts, and the report's total ``cached_tokens``, say whether a
+    cache held a prefix: on a shared G3 that tells a client whether someone on
+    another engine sent that prefix. ``signed``: only requests the router
+    signed get them; ``all``: every request (trusted clients only). vLLM's own
+    ``usage.prompt_tokens_details.cached_tokens`` (``--enable-prompt-tokens-details``,
+    off by default) counts the connector's loads too: leave it off for
+    untrusted clients, or give each tenant its own ``cache_salt``."""
 
     per_tier: str = "signed"
 

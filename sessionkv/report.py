@@ -6,10 +6,11 @@ G1 block size; hits are whole blocks, the recomputed tail may end mid-block.
 Only non-streaming responses carry ``kv_transfer_params`` (a vLLM limitation).
 
 ``cached_tokens`` (prompt tokens not recomputed, the total vLLM itself reports
-as ``usage.prompt_tokens_details.cached_tokens``) is always there. The per-tier
-``tokens`` and ``blocks`` are null unless the policy's ``report.per_tier``
-gives them to this request (``signed``, the default: only requests the router
-signed, see ``sessionkv.config.ReportPolicy``).
+as ``usage.prompt_tokens_details.cached_tokens``), the per-tier ``tokens`` and
+``blocks`` are null unless the policy's ``report.per_tier`` gives them to this
+request (``signed``, the default: only requests the router signed, see
+``sessionkv.config.ReportPolicy``): with a shared G3 the total, too, tells a
+client that another engine's client sent its prompt.
 
 Readers tolerate fields they do not know (a newer engine's).
 """
@@ -43,7 +44,7 @@ class RequestReport(msgspec.Struct, frozen=True):
     tokens: TierCounts | None       # None: withheld (``report.per_tier``)
     blocks: TierCounts | None
     hints: tuple[HintOutcome, ...] = ()     # one outcome per hint the request carried
-    cached_tokens: int = 0          # prompt tokens whose KV was not recomputed
+    cached_tokens: int | None = 0   # prompt tokens whose KV was not recomputed; None: withheld
 
     @classmethod
     def build(
@@ -78,8 +79,9 @@ class RequestReport(msgspec.Struct, frozen=True):
                    prompt_tokens - recomputed)
 
     def totals_only(self) -> "RequestReport":
-        """This report without the per-tier counts: what vLLM itself tells."""
-        return msgspec.structs.replace(self, tokens=None, blocks=None)
+        """This report without the counts of what a cache held (per tier and
+        in all): the prompt's length and the hints' outcomes."""
+        return msgspec.structs.replace(self, tokens=None, blocks=None, cached_tokens=None)
 
     def to_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` entry, JSON-ready."""

@@ -12,10 +12,12 @@ from sessionkv.report import RequestReport
 
 BLOCK = 32
 SERVER_ARGS = ["--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", "1024",
-               "--dtype", "float32", "--seed", "0", "--worker-extension-cls", POISON_EXT]
+               "--dtype", "float32", "--seed", "0", "--worker-extension-cls", POISON_EXT,
+               "--enable-prompt-tokens-details"]
 # The server runs its engine core in a child process, as in production.
 SERVER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_SERVER_DEV_MODE": "1"}
 PROMPT = np.random.default_rng(11).integers(10, 4000, 200).tolist()    # 6 full blocks
+LAST_USAGE: dict[str, dict] = {}        # server URL -> the last completion's usage
 
 
 @pytest.fixture(scope="module")
@@ -34,18 +36,27 @@ def complete(srv, prompt, session):
     r = requests.post(srv.url + "/v1/completions", json=body, timeout=120)
     r.raise_for_status()
     out = r.json()
+    LAST_USAGE[srv.url] = out["usage"]
     choice = out["choices"][0]
     lp = choice["logprobs"]
     return (choice["text"], lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]), \
         RequestReport.from_params(out.get("kv_transfer_params"))
 
 
-def test_session_report_counts_cached_tokens_and_output_is_exact(server):
+def usage_cached(srv) -> int:
+    """vLLM's own count of the last completion's cached prompt tokens
+    (``--enable-prompt-tokens-details``): G1 hits and the connector's loads."""
+    return LAST_USAGE[srv.url]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_session_report_withholds_cache_counts_and_output_is_exact(server):
     # No policy file: report.per_tier is "signed" and this engine has no
-    # router secret, so reports carry vLLM's total, never which tier held it.
+    # router secret, so reports say nothing of what a cache held (vLLM's
+    # usage field, enabled here by the operator, does: G2's load is read there).
     cold, rep = complete(server, PROMPT, "sess-http-1")
     assert rep.session_id == "sess-http-1"
-    assert (rep.tokens, rep.blocks, rep.cached_tokens) == (None, None, 0)
+    assert (rep.tokens, rep.blocks, rep.cached_tokens) == (None, None, None)
+    assert usage_cached(server) == 0
 
     assert server.post("/reset_prefix_cache")["success"]
     poisoned = server.post("/collective_rpc", {"method": "poison_kv", "args": ["null", "5"]})
@@ -55,7 +66,7 @@ def test_session_report_counts_cached_tokens_and_output_is_exact(server):
     assert warm == cold                          # tokens and logprobs, exactly
     assert rep.session_id == "sess-http-1"
     # G1 was reset and poisoned: the 6 cached blocks were loaded from G2.
-    assert (rep.tokens, rep.cached_tokens) == (None, 6 * BLOCK)
+    assert (rep.tokens, rep.cached_tokens) == (None, None) and usage_cached(server) == 6 * BLOCK
 
 
 def test_bad_sessionkv_key_fails_server_start():

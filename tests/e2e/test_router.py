@@ -86,9 +86,12 @@ def cold(server, prompts):
                           timeout=300)
         r.raise_for_status()
         rep = r.json()["kv_transfer_params"]["sessionkv"]
-        # Unsigned, so totals only (report.per_tier: signed, the default).
-        assert rep["tokens"] is None, rep
-        out.append((outputs(r.json()), {"recomputed": rep["prompt_tokens"] - rep["cached_tokens"]}))
+        # Unsigned: no cache counts (report.per_tier: signed, the default);
+        # vLLM's usage has them (--enable-prompt-tokens-details).
+        assert rep["tokens"] is None and rep["cached_tokens"] is None, rep
+        usage = r.json()["usage"]
+        out.append((outputs(r.json()), {"recomputed": usage["prompt_tokens"] -
+                                        usage["prompt_tokens_details"]["cached_tokens"]}))
     return out
 
 

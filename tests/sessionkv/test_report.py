@@ -17,11 +17,11 @@ def test_report_caps_hits_at_the_prompt():
     assert rep.blocks == TierCounts(2, 1, 0, 0)
 
 
-def test_totals_only_keeps_what_vllm_reports():
+def test_totals_only_withholds_what_any_cache_held():
     rep = RequestReport.build("s1", 32, prompt_tokens=200, g1_tokens=64, g2_tokens=96, g3_tokens=0)
     assert rep.cached_tokens == 160
     bare = rep.totals_only()
-    assert (bare.tokens, bare.blocks, bare.cached_tokens, bare.prompt_tokens) == (None, None, 160, 200)
+    assert (bare.tokens, bare.blocks, bare.cached_tokens, bare.prompt_tokens) == (None, None, None, 200)
     assert RequestReport.from_params(bare.to_params()) == bare
 
 
