@@ -32,12 +32,13 @@ by at most its share.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -118,10 +119,21 @@ class ControlChannel:
         return self
 
     def write_endpoint_file(self, path: str) -> None:
-        """Publish the endpoints as JSON (atomically: a reader never sees half)."""
-        tmp = Path(f"{path}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"control": self.endpoint, **self.info}))
-        os.replace(tmp, path)
+        """Publish the endpoints as JSON (atomically: a reader never sees half),
+        through a temporary file of an unpredictable name made with
+        ``O_EXCL`` (never one planted, nor a link followed); readable by all,
+        as it holds no secret."""
+        folder, name = os.path.split(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
+        try:
+            with os.fdopen(fd, "w") as f:
+                os.fchmod(f.fileno(), 0o644)
+                f.write(json.dumps({"control": self.endpoint, **self.info}))
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     def close(self) -> None:
         if self._closed:

@@ -355,9 +355,14 @@ class Router:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         arrived = time.monotonic()
         try:
-            body = await request.json()
+            try:
+                body = await request.json()
+            except RecursionError:
+                raise ValueError("the body is nested too deep") from None
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
+            if not isinstance(body.get("kv_transfer_params") or {}, dict):
+                raise ValueError("kv_transfer_params must be a JSON object")
             gap = rules.tool_gap_from_header(request.headers.get(rules.TOOL_GAP_HEADER),
                                              self.cfg.policy)
         except ValueError as e:

@@ -49,7 +49,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from sessionkv.config import MAX_INT, MAX_NUMBER, mapping_of
+from sessionkv.config import MAX_INT, MAX_NUMBER, load_yaml, mapping_of
 from sessionkv.hints import id_problem
 
 END_ACTIONS = ("demote", "free", "none")
@@ -280,7 +280,7 @@ def load_config(path: str) -> RouterConfig:
     """``RouterConfig`` from a YAML file."""
     try:
         with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
+            doc = load_yaml(f)
     except OSError as e:
         raise ValueError(f"router config {path!r}: {e.strerror}") from None
     except yaml.YAMLError as e:

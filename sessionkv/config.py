@@ -316,13 +316,30 @@ def _parse_report(raw: Any, source: str) -> ReportPolicy:
     return ReportPolicy(per_tier=per_tier)
 
 
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` without aliases: 350 bytes of nested ``*refs``
+    (a "billion laughs") cost a parser that walks the document gigabytes."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.events.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, "aliases (*name) are not allowed here", self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+
+def load_yaml(stream: Any) -> Any:
+    """A sessionkv YAML file's document (``yaml.safe_load`` without aliases);
+    raises ``yaml.YAMLError`` or ``RecursionError``."""
+    return yaml.load(stream, Loader=_Loader)
+
+
 def load_policy_file(path: str) -> TierPolicy:
     """Read and parse a YAML tier policy file."""
     if not os.path.isfile(path):
         raise ValueError(f"{SUBKEY}.policy_file: no such file {path!r}")
     with open(path, encoding="utf-8") as f:
         try:
-            doc = yaml.safe_load(f)
+            doc = load_yaml(f)
         except yaml.YAMLError as e:
             raise ValueError(f"{SUBKEY}.policy_file {path!r}: invalid YAML: {e}") from e
         except RecursionError:

@@ -382,9 +382,11 @@ def test_a_drained_worker_demotes_its_sessions_and_they_move_to_g3_reads(cluster
         router.stop()
 
 
-def test_odd_session_ids_get_a_clear_400(cluster):
+def test_odd_session_ids_and_bodies_get_a_clear_400(cluster):
     """A body ``session_id`` with a NUL (which could not be echoed in
-    ``X-Session-ID``: was a 500) or too long gets a 400 naming the field."""
+    ``X-Session-ID``: was a 500) or too long gets a 400 naming the field; so
+    do a body nested too deep and ``kv_transfer_params`` that is no object
+    (both were 500s)."""
     router = start_router(cluster, f"r-{uuid.uuid4().hex[:6]}")
     try:
         for sid, why in [("a\x00b", "control characters"), ("x" * 300, "1..128")]:
@@ -392,6 +394,12 @@ def test_odd_session_ids_get_a_clear_400(cluster):
                               json={**body(NEW[0][:40]), "session_id": sid}, timeout=60)
             assert r.status_code == 400, r.text
             assert "session_id" in r.json()["error"]["message"] and why in r.text
+        deep = "[" * 100_000 + "]" * 100_000
+        for data, why in [(deep, "nested too deep"),
+                          ('{"prompt": [1], "kv_transfer_params": [1]}', "kv_transfer_params")]:
+            r = requests.post(router.url + "/v1/completions", data=data, timeout=60,
+                              headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
     finally:
         router.stop()
 

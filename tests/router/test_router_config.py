@@ -61,6 +61,15 @@ def test_errors_name_the_key(doc, change, message):
         parse_config({**doc, **change})
 
 
+def test_yaml_aliases_are_refused(tmp_path):
+    path = tmp_path / "router.yaml"         # a "billion laughs": 350 bytes took 3 GiB, 50 s
+    path.write_text("version: 1\n" + "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+            f"{n}: &{n} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+            for p, n in zip("abcde", "bcdef")))
+    with pytest.raises(ValueError, match="aliases"):
+        load_config(str(path))
+
+
 def test_deep_yaml_is_a_clear_error(tmp_path):
     path = tmp_path / "router.yaml"
     path.write_text("version: 1\nworkers: " + "[" * 2000 + "]" * 2000 + "\n")

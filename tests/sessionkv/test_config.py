@@ -113,6 +113,9 @@ def test_bad_config_names_the_key(extra, key):
         ("sessions: {idle_timeout_s: 1.0e+300}\n", "sessions.idle_timeout_s"),
         ("version: true\n", "version"),                                 # True == 1 passed
         ("g2: " + "[" * 2000 + "]" * 2000 + "\n", "nested too deep"),   # was a RecursionError
+        ("a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+            f"{n}: &{n} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+            for p, n in zip("abcde", "bcdef")), "aliases"),     # a "billion laughs", 10**6 here
     ],
 )
 def test_bad_policy_file_names_the_key(tmp_path, text, key):
