@@ -382,7 +382,7 @@ class DiskBackend(ObjectBackend):
     def get_chunks(self, names, bufs) -> list[int]:
         return [self._read(n, (b,)) for n, b in zip(names, bufs)]
 
-    def get_small(self, names) -> list[bytes | None]:
+    def get_small(self, names, limit: int | None = None) -> list[bytes | None]:
         out = []
         for n in names:
             fd = self._open_object(self.path_of(n))
@@ -391,6 +391,9 @@ class DiskBackend(ObjectBackend):
                 continue
             try:
                 with os.fdopen(fd, "rb") as f:
+                    if limit is not None and os.fstat(f.fileno()).st_size > limit:
+                        out.append(None)
+                        continue
                     out.append(f.read() or None)
             except OSError:
                 out.append(None)

@@ -132,7 +132,10 @@ class ObjectBackend(ABC):
     def put_small(self, names: Sequence[str], values: Sequence[bytes]) -> list[bool]: ...
 
     @abstractmethod
-    def get_small(self, names: Sequence[str]) -> list[bytes | None]: ...
+    def get_small(self, names: Sequence[str], limit: int | None = None) -> list[bytes | None]:
+        """Each named object's bytes, or None (absent, empty, or longer than
+        ``limit`` bytes: such an object is never read whole, so a store
+        writer cannot make a lookup or load read gigabytes)."""
 
     @abstractmethod
     def remove(self, names: Sequence[str]) -> list[bool]:

@@ -211,7 +211,7 @@ class SumObjects(Layout):
         copied straight into G2: the backend's buffers are its own, so a
         call past its deadline writes nothing of ours."""
         got = self._guard.call(self._backend.get_small,
-                               names + [n + SUM_SUFFIX for n in names],
+                               names + [n + SUM_SUFFIX for n in names], self._chunk,
                                nbytes=len(names) * self._chunk)
         ok, broken = [], []
         for name, slot, value, want in zip(names, slots, got, got[len(names):]):

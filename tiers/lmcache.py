@@ -125,6 +125,20 @@ class Replies:
         self._pos += n
         return bytes(self._buf[self._pos - n:self._pos])
 
+    def skip(self, n: int) -> None:
+        """Read past the next ``n`` bytes, 64 KiB at a time (never held whole)."""
+        here = min(n, len(self._buf) - self._pos)
+        self._pos += here
+        n -= here
+        if self._pos == len(self._buf):
+            self._buf, self._pos = bytearray(), 0
+        scratch = memoryview(bytearray(1 << 16))
+        while n:
+            got = self._sock.recv_into(scratch, min(n, len(scratch)))
+            if not got:
+                raise ConnectionError("the server closed the connection mid-reply")
+            n -= got
+
     def header(self) -> tuple[int, int]:
         """(code, length) of the next reply."""
         self._have(REPLY.size)
@@ -215,7 +229,11 @@ class LMCacheBackend(ObjectBackend):
         return              # no registration: chunks go through the socket
 
     def exists(self, names: Sequence[str]) -> list[bool]:
-        return [v is not None for v in self.get_small(names)]
+        def there(i, r, length):
+            if length > 0:
+                r.skip(length)
+            return length > 0
+        return self._get(names, there)
 
     def put_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
         return self._put(names, bufs)
@@ -242,15 +260,21 @@ class LMCacheBackend(ObjectBackend):
         read past them; the object's size, or -1 (none, or empty: removed)."""
         if length == sum(len(v) for v in views):
             replies.into(*views)
-        elif length > 0:        # the wrong size
-            replies.take(length)
+        elif length > 0:        # the wrong size: read past, never held
+            replies.skip(length)
         return length if length > 0 else -1
 
     def put_small(self, names: Sequence[str], values: Sequence[bytes]) -> list[bool]:
         return self._put(names, values)
 
-    def get_small(self, names: Sequence[str]) -> list[bytes | None]:
-        return self._get(names, lambda i, r, length: r.take(length) if length > 0 else None)
+    def get_small(self, names: Sequence[str], limit: int | None = None) -> list[bytes | None]:
+        def small(i, r, length):
+            if length > 0 and (limit is None or length <= limit):
+                return r.take(length)
+            if length > 0:
+                r.skip(length)
+            return None
+        return self._get(names, small)
 
     def remove(self, names: Sequence[str]) -> list[bool]:
         return self._put(names, [b""] * len(names))
@@ -260,7 +284,7 @@ class LMCacheBackend(ObjectBackend):
         answered by its chunk's checksum object (16 bytes, written after the
         data and removed before it), as lookups are: ``exists`` reads whole
         objects, and asking for the data objects brought every pinned
-        chunk's bytes into the engine."""
+        chunk's bytes into the engine (``exists`` now reads past them)."""
         listed = [n if n.endswith(SUM_SUFFIX) else n + SUM_SUFFIX for n in names]
         asked = list(dict.fromkeys(listed))
         there = dict(zip(asked, self.exists(asked)))

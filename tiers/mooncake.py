@@ -119,10 +119,14 @@ class MooncakeBackend(ObjectBackend):
         ok = self._store.upsert_batch(list(names), list(values)) == 0
         return [ok] * len(names)
 
-    def get_small(self, names: Sequence[str]) -> list[bytes | None]:
+    def get_small(self, names: Sequence[str], limit: int | None = None) -> list[bytes | None]:
+        """``limit`` is applied after the read: Mooncake's batch get returns
+        whole objects (no path here reads Mooncake with it: loads and
+        lookups go through ``get_summed`` into fixed buffers and ``exists``)."""
         if not names:
             return []
-        return [v or None for v in self._store.get_batch(list(names))]
+        return [v if v and (limit is None or len(v) <= limit) else None
+                for v in self._store.get_batch(list(names))]
 
     def remove(self, names: Sequence[str]) -> list[bool]:
         if not names:

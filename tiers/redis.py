@@ -165,8 +165,10 @@ class RedisBackend(ObjectBackend):
         if not names:
             return []
         sizes = []
-        for value, buf in zip(self._pipeline(lambda p: [p.get(n) for n in names]), bufs):
-            if not isinstance(value, bytes):
+        # GETRANGE to one byte past the buffer: a longer object is never read whole.
+        got = self._pipeline(lambda p: [p.getrange(n, 0, len(b)) for n, b in zip(names, bufs)])
+        for value, buf in zip(got, bufs):
+            if not isinstance(value, bytes) or not value:
                 sizes.append(-1)
                 continue
             if len(value) == len(buf):
@@ -180,11 +182,15 @@ class RedisBackend(ObjectBackend):
         res = self._pipeline(lambda p: [p.set(n, v, ex=self._ttl) for n, v in zip(names, values)])
         return [r is True for r in res]
 
-    def get_small(self, names: Sequence[str]) -> list[bytes | None]:
+    def get_small(self, names: Sequence[str], limit: int | None = None) -> list[bytes | None]:
         if not names:
             return []
-        return [v if isinstance(v, bytes) and v else None
-                for v in self._pipeline(lambda p: [p.get(n) for n in names])]
+        if limit is None:
+            got = self._pipeline(lambda p: [p.get(n) for n in names])
+        else:           # one byte past the limit tells a longer object, unread
+            got = self._pipeline(lambda p: [p.getrange(n, 0, limit) for n in names])
+        return [v if isinstance(v, bytes) and v and (limit is None or len(v) <= limit) else None
+                for v in got]
 
     def remove(self, names: Sequence[str]) -> list[bool]:
         if not names:

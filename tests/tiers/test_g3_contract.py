@@ -614,6 +614,29 @@ def test_short_objects_and_missing_checksums_are_misses(make):
     assert look(tier, KEYS[0]) is LookupResult.MISS
 
 
+def test_an_oversized_planted_object_is_a_miss_never_read_whole(make):
+    """A store writer without the key plants 16 MiB under a 4 KiB chunk's
+    name (and its checksum object's): lookups and the load miss, and the
+    engine never holds the object (it read 1.5 GiB to load 32 KiB)."""
+    tier, region = make()
+    fill(region, [0, 1], seed=31)
+    assert run(tier, KEYS[:2], [0, 1], False).success
+    b, big = tier._backend, np.full(16 << 20, 7, np.uint8)
+    for name in tier.objects(KEYS[0]):
+        assert b.remove([name]) == [True] and b.put_small([name], [memoryview(big)]) == [True]
+    fill(region, [8, 9], seed=32)
+    tracemalloc.start()
+    try:
+        look(tier, KEYS[0])
+        res = run(tier, KEYS[:2], [8, 9], True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert not res.success and list(res.successful_keys) == [KEYS[1]]
+    assert np.array_equal(region[9], region[1])
+    assert peak < 4 << 20, f"{peak / 2**20:.1f} MiB held for a 16 MiB planted object"
+
+
 @pytest.mark.parametrize("make", ["lmcache", "redis"], indirect=True)   # checksum objects
 def test_orphaned_objects_are_absent_unlisted_and_stored_again(make):
     """A chunk whose data object is gone while its checksum object stays (what
