@@ -201,6 +201,7 @@ class G3Tier(SecondaryTierManager):
         self.guard = Guard(tier_type, float(timeout_s), float(retry_s),
                            threads=max(8, 2 * int(io_threads) + 2))
         backend.register(self._region)
+        backend.bind(namespace)
         self._layout = layout_for(backend, self.guard, self._chunk, self._seal,
                                   self.quarantine)
         self._pins = pins_for(backend, self.guard, self._layout, time.monotonic, self._region)

@@ -114,6 +114,10 @@ class ObjectBackend(ABC):
     @abstractmethod
     def register(self, buf: memoryview) -> None: ...
 
+    def bind(self, namespace: str) -> None:
+        """The tier's namespace (every name it uses starts ``namespace/``),
+        told once at start: a backend may tidy what it keeps per namespace."""
+
     @abstractmethod
     def exists(self, names: Sequence[str]) -> list[bool]: ...
 

@@ -19,26 +19,36 @@ Capacity: run Redis with ``maxmemory`` and ``maxmemory-policy volatile-lru``
 be evicted, so every object is written with ``ttl_s``. A full Redis refuses
 writes (OOM): a failed store, never an error in the engine.
 
-Pins. A Pin ``PERSIST``s its objects and records a lease in the sorted set
-``LEASES`` (object name -> when its latest pin ends, in the server's clock),
-both in one script. The TTL comes back when the pin lapses, only where no
+Pins. A Pin ``PERSIST``s its objects and records a lease in its namespace's
+sorted set ``<namespace>/pin-leases`` (object name -> when its latest pin
+ends, in the server's clock), both in one script; so an ACL user limited to
+``<namespace>/*`` pins, and no engine touches another namespace's keys for
+a lease someone wrote there. The TTL comes back when the pin lapses, only where no
 other engine's pin on the object lasts longer; at a graceful shutdown for
 the engine's pins still running; and after a crash from whichever engine
-next starts on this server or ends a pin: each sweeps leases that ended
-(``SWEEP_BATCH`` at a time). A Redis key made persistent by a pin so never
-outlives its lease by more than the time until the next engine start or pin
-lapse. One server, not Redis Cluster (the scripts touch several keys).
+next starts on this server's namespace (every lease that ended, in batches
+of ``SWEEP_BATCH``) or ends a pin (one batch). A Redis key made persistent by
+a pin so never outlives its lease by more than the time until the next
+engine start or pin lapse. A script the server refuses (an ACL without
+scripting, a key it may not touch) fails the pin, not the tier. One server,
+not Redis Cluster (the scripts touch several keys).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from vllm.logger import init_logger
+
 from .g3 import G3Tier, ObjectBackend
+
+logger = init_logger(__name__)
 
 # Abandoned calls (past the tier's deadline) still end: the socket times out.
 SOCKET_TIMEOUT_S = 30.0
-LEASES = "sessionkv/pin-leases"     # sorted set: pinned object -> its pins' end (server time)
-SWEEP_BATCH = 1000                  # ended leases released per sweep
+LEASES = "pin-leases"           # <namespace>/pin-leases: pinned object -> its pins' end (server time)
+SWEEP_BATCH = 1000              # ended leases released per sweep call
+MAX_SWEEPS = 1000               # calls of an engine start's sweep (a million leases)
 # A lapse ends leases up to this much past the engine's own expiry: the
 # server's lease began before the pin call returned, so it ends first.
 LAPSE_SLACK_S = 1.0
@@ -90,6 +100,11 @@ return #due
 """
 
 
+def _leases(name: str) -> str:
+    """The lease set of the namespace of the object ``name`` (``ns/...``)."""
+    return f"{name.split('/', 1)[0]}/{LEASES}"
+
+
 def _driver_info(redis) -> dict:
     """The client's name and version for ``CLIENT SETINFO``, given once. Left
     to itself, redis-py (8.x) looks its version up in the installed package
@@ -135,9 +150,18 @@ class RedisBackend(ObjectBackend):
         self._sweep = self._redis.register_script(_SWEEP)
         try:
             self._redis.ping()
-            self.sweep()            # pins a crashed engine left
         except Exception:
             pass
+
+    def bind(self, namespace: str) -> None:
+        """The tier's namespace is known: end every lease in it that ended
+        (pins a crashed engine left), best effort."""
+        try:
+            for _ in range(MAX_SWEEPS):
+                if self.sweep(f"{namespace}/x") < SWEEP_BATCH:
+                    return
+        except Exception as e:      # down, or a key this user may not touch
+            logger.warning("sessionkv: Redis lease sweep of %s failed: %r", namespace, e)
 
     @property
     def lapse_s(self) -> float:
@@ -203,23 +227,30 @@ class RedisBackend(ObjectBackend):
 
     def pin(self, names: Sequence[str], ttl_s: float, values: Sequence | None) -> list[bool]:
         # In parts: a script holds the server while it runs.
+        import redis
         out = []
         for i in range(0, len(names), SWEEP_BATCH):
             part = list(names[i:i + SWEEP_BATCH])
-            out += [r == 1 for r in self._pin(keys=[LEASES, *part], args=[float(ttl_s)])]
+            try:
+                got = self._pin(keys=[_leases(part[0]), *part], args=[float(ttl_s)])
+            except redis.exceptions.ResponseError as e:     # refused (an ACL): not pinned
+                logger.warning("sessionkv: Redis refused a pin: %s", e)
+                got = [0] * len(part)
+            out += [r == 1 for r in got]
         return out
 
     def unpin(self, names: Sequence[str], left_s: Sequence[float]) -> None:
         for i in range(0, len(names), SWEEP_BATCH):
             left = [max(0.0, s) + LAPSE_SLACK_S for s in left_s[i:i + SWEEP_BATCH]]
-            self._unpin(keys=[LEASES, *names[i:i + SWEEP_BATCH]], args=[self._ttl, *left])
+            part = list(names[i:i + SWEEP_BATCH])
+            self._unpin(keys=[_leases(part[0]), *part], args=[self._ttl, *left])
         if names:
-            self.sweep()
+            self.sweep(names[0])
 
-    def sweep(self) -> int:
-        """Give back the TTL of objects whose leases ended (at most
-        ``SWEEP_BATCH``): how many."""
-        return int(self._sweep(keys=[LEASES], args=[self._ttl, SWEEP_BATCH]))
+    def sweep(self, name: str) -> int:
+        """Give back the TTL of objects whose leases ended, in the namespace
+        of the object ``name`` (at most ``SWEEP_BATCH``): how many."""
+        return int(self._sweep(keys=[_leases(name)], args=[self._ttl, SWEEP_BATCH]))
 
     def close(self) -> None:
         self._redis.close()

@@ -490,6 +490,42 @@ def test_redis_pins_persist_then_the_ttl_comes_back(request):
         tier.shutdown()
 
 
+def test_redis_pins_under_a_namespace_acl_and_a_start_sweeps_every_ended_lease(request):
+    """The README's per-tenant ACL (keys ``<namespace>/*`` only): Pins work
+    (the lease set is the namespace's own; one set for every namespace
+    failed NOPERM), and an engine start ends all of a crash's 3,000 ended
+    leases in its namespace (a start ended 1,000), none of another's."""
+    import redis
+    url = request.getfixturevalue("redis_url")
+    admin = redis.Redis.from_url(url)
+    ns, other = f"acl-{uuid.uuid4().hex[:8]}", f"acl-{uuid.uuid4().hex[:8]}"
+    user, password = f"u-{ns}", uuid.uuid4().hex
+    admin.acl_setuser(user, enabled=True, passwords=[f"+{password}"], keys=[f"{ns}/*"],
+                      commands=["+@all"])
+    left = {f"{n}/dead-{i}": 0 for n in (ns, other) for i in range(3000)}
+    admin.mset({k: b"x" for k in left})          # persistent, as a crashed engine's pins left them
+    for n in (ns, other):
+        admin.zadd(f"{n}/pin-leases", {k: 1.0 for k in left if k.startswith(n + "/")})
+    own_url = url.replace("redis://", f"redis://{user}:{password}@")
+    region = np.zeros((N_CHUNKS, CHUNK), np.uint8)
+    tier = Redis.tier(own_url, spec(), memoryview(region), ns, ttl_s=60)
+    try:
+        assert admin.zcard(f"{ns}/pin-leases") == 0 and admin.zcard(f"{other}/pin-leases") == 3000
+        assert all(0 < t <= 60 for t in (admin.ttl(f"{ns}/dead-{i}") for i in range(0, 3000, 97)))
+        assert admin.ttl(f"{other}/dead-0") == -1
+        fill(region, [0], seed=16)
+        assert run(tier, KEYS[:1], [0], False).success
+        done = []
+        tier.pin(KEYS[:1], 30.0, None, done.append)
+        tier.drain_hints()
+        assert done == [[True]] and admin.ttl(tier.name(KEYS[0])) == -1
+        assert not admin.exists("sessionkv/pin-leases")
+    finally:
+        tier.shutdown()
+        admin.acl_deluser(user)
+        admin.delete(*left, f"{ns}/pin-leases", f"{other}/pin-leases")
+
+
 def test_mooncake_soft_pins_survive_eviction(tmp_path):
     from sessionkv.devtools.services import start_mooncake
     ports, master, store = start_mooncake(tmp_path, store_size="16MB")
