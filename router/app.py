@@ -94,6 +94,7 @@ WORKER_HEADER = "X-SessionKV-Worker"
 ROUTED_HEADER = "X-SessionKV-Routed-S"
 DRAIN_CONCURRENCY = 8    # Demotes in flight at once while a worker drains
 KEEPALIVE_S = 4.0        # below the engines' keep-alive (vLLM: 5 s), see start()
+BODY_TIMEOUT_S = 30.0    # a request body that takes longer to arrive is refused
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding",
                "keep-alive"}
 
@@ -356,7 +357,9 @@ class Router:
         arrived = time.monotonic()
         try:
             try:
-                body = await request.json()
+                body = await asyncio.wait_for(request.json(), BODY_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise ValueError(f"the body did not arrive within {BODY_TIMEOUT_S:g} s") from None
             except RecursionError:
                 raise ValueError("the body is nested too deep") from None
             if not isinstance(body, dict):
@@ -709,7 +712,9 @@ async def serve(cfg: RouterConfig, ready=None) -> None:
     """Run the router until SIGINT or SIGTERM; ``ready(port)`` once it listens."""
     router = Router(cfg)
     await router.start()
-    runner = web.AppRunner(router.app, access_log=None)
+    # A client that hangs up cancels its turn's handler, which closes the
+    # engine's connection: vLLM aborts the request (non-streamed ones ran on).
+    runner = web.AppRunner(router.app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()

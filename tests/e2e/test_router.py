@@ -10,6 +10,7 @@ the same prompt (a fresh ``cache_salt``: no cached block matches). A router
 killed mid-run and started again keeps every session on its worker.
 """
 
+import contextlib
 import threading
 import time
 import uuid
@@ -465,6 +466,38 @@ def test_the_router_keeps_request_bodies_only_for_warmups_and_bounded(cluster, w
             assert r.status_code in (200, 400), r.text[:200]
         grown = rss_mib(router.proc.pid) - before
         assert grown < 120, f"the router grew {grown:.0f} MiB for 20 bodies of 16 MiB"
+    finally:
+        router.stop()
+
+
+def running(server) -> float:
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+
+
+def test_a_client_that_hangs_up_aborts_its_turn_on_the_engine(cluster):
+    """Non-streamed turns whose clients hang up stop on the engine at once
+    (they ran to their end: 20 of 20)."""
+    _, _, servers, _ = cluster
+    router = start_router(cluster, f"r-{uuid.uuid4().hex[:6]}")
+    try:
+        def abandon(i):
+            with contextlib.suppress(requests.exceptions.ReadTimeout):
+                requests.post(f"{router.url}/v1/completions", timeout=(5, 2), json={
+                    "model": TINY, "prompt": NEW[1][:20], "max_tokens": 990,
+                    "ignore_eos": True, "temperature": 0},
+                    headers={"X-Session-ID": f"gone-{i}"})
+        threads = [threading.Thread(target=abandon, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: sum(running(s) for s in servers.values()) >= 4, "the turns to run")
+        for t in threads:
+            t.join()                        # each client hung up after 2 s
+        t0 = time.monotonic()
+        wait_for(lambda: sum(running(s) for s in servers.values()) == 0,
+                 "the engines to abort the abandoned turns", timeout_s=5)
+        assert time.monotonic() - t0 < 5
     finally:
         router.stop()
 
