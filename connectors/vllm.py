@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,9 @@ logger = init_logger(__name__)
 SPEC_NAME = SessionTierSpec.__name__
 SPEC_MODULE = SessionTierSpec.__module__
 SESSION_PARAM = "session_id"
+# Sessions a router-signed request named, least recent out past this: an
+# unsigned request naming one runs without a session (it cannot join it).
+MAX_SIGNED_SESSIONS = 65_536
 # Per step: nodes whose G1 copies are re-read from the block pool (vLLM reports
 # no G1 evictions), as many as the blocks the step schedules (each eviction
 # from G1 makes room for one), at least G1_SWEEP_MIN and at most
@@ -284,6 +288,7 @@ class SessionTierConnector(OffloadingConnector):
         self._prompt_only = self.connector_scheduler is not None and \
             self.connector_scheduler.config.offload_prompt_only
         self._tracked: dict[str, _Tracked] = {}
+        self._signed_sessions: OrderedDict[str, None] = OrderedDict()   # scheduler thread
         self._fills = FillWatch()   # which of them to look at in a step (connectors/fills.py)
         self._next_expiry = 0.0
         self._in_pass = False       # the lock is held for the current schedule() pass
@@ -363,12 +368,29 @@ class SessionTierConnector(OffloadingConnector):
         # An invalid id runs without a session; its hints get one rejected outcome.
         session = given if is_id(given) else None
         hints, signed = self._read_hints(request, params, given)
+        session = self._joinable(session, signed)
         # Per-tier counts in its report: always with report.per_tier "all",
         # else only when the router signed it.
         per_tier = signed or self.manager.config.policy.report.per_tier == "all"
         self._tracked[request.request_id] = _Tracked(request, session, hints, per_tier)
         with self._around_vllm():
             super().on_new_request(request)
+
+    def _joinable(self, session: str | None, signed: bool) -> str | None:
+        """The session a request joins: its own, unless it is unsigned and a
+        signed request named that session (then none: a stranger's blocks
+        never join a router's session, where its Pins and Shares would cover
+        them). O(1); at most ``MAX_SIGNED_SESSIONS`` remembered."""
+        if session is None:
+            return None
+        seen = self._signed_sessions
+        if signed:
+            seen[session] = None
+            seen.move_to_end(session)
+            if len(seen) > MAX_SIGNED_SESSIONS:
+                seen.popitem(last=False)
+            return session
+        return None if session in seen else session
 
     def _read_hints(self, request: "Request", params: dict,
                     session: Any) -> tuple[tuple[KvHint | HintOutcome, ...], bool]:

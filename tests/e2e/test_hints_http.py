@@ -73,6 +73,22 @@ def test_unsigned_rejected_signed_resolved_other_session_rejected(server):
     assert rep.hints[0].reason.startswith("unsigned")
 
 
+def test_an_unsigned_turn_cannot_join_a_session_the_router_signed(server):
+    """A stranger's unsigned turn naming a router's session runs without a
+    session: the owner's Pin covers the owner's blocks only (it covered the
+    stranger's too)."""
+    env = envelope()
+    _, rep = complete(server, PROMPTS[2], "s-owned",      # 100 tokens: 3 full blocks
+                      {"kv_hints": env, "kv_hints_sig": sign(env, "s-owned", SECRET)})
+    assert rep.session_id == "s-owned"
+    _, rep = complete(server, PROMPTS[1], "s-owned")      # the stranger's 2 blocks
+    assert rep.session_id is None
+    p = pin("s-owned")
+    _, rep = complete(server, PROMPTS[2], "s-owned",
+                      {"kv_hints": p, "kv_hints_sig": sign(p, "s-owned", SECRET)})
+    assert [(o.status, o.blocks_asked) for o in rep.hints] == [("accepted", 3)], rep.hints
+
+
 def test_per_tier_counts_go_only_to_router_signed_requests(server):
     # report.per_tier: signed (the default). Per-tier counts would tell any
     # client which tier (a shared G3: another engine's traffic) held a prefix.
