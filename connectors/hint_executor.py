@@ -95,6 +95,7 @@ from sessionkv.hints import (
     id_problem,
     parse_envelope,
     parse_kvcr_fetch,
+    signature_problem,
     verify,
 )
 from sessionkv.events import Via
@@ -151,6 +152,7 @@ class TokenBuckets:
 class RequestHints(NamedTuple):
     hints: list[KvHint | HintOutcome]
     signed: bool        # a router signature verified (an envelope of no actions counts)
+    problem: str = ""   # why a signature the request carried did not verify
 
 
 def read_request(
@@ -171,14 +173,21 @@ def read_request(
         return RequestHints([HintOutcome("kv_hints", None, Status.REJECTED, reason=bad)]
                             if raw is not None or params.get(KVCR_PARAM) is not None else [],
                             False)
-    any_signed = False
+    any_signed, problem = False, ""
     if raw is not None:
-        signed = verify(raw, session_id, params.get(SIG_PARAM), secret)
+        sig = params.get(SIG_PARAM)
+        problem = "" if sig is None else signature_problem(raw, session_id, sig, secret)
+        signed = sig is not None and not problem
         any_signed |= signed
         if not signed and _key_count(raw) > MAX_UNSIGNED_KEYS:
             out.append(HintOutcome("kv_hints", None, Status.REJECTED,
                                    reason=f"an unsigned envelope names at most "
                                           f"{MAX_UNSIGNED_KEYS} keys in all"))
+        elif problem:       # a signature that failed: each hint says why, never silently
+            out += [h if isinstance(h, HintOutcome) else HintOutcome(
+                        h.hint_id, h.action.action_type, Status.REJECTED,
+                        reason=f"unsigned: {problem}")
+                    for h in parse_envelope(raw, session_id)]
         else:
             out += [h if isinstance(h, HintOutcome) else _mark(h, signed)
                     for h in parse_envelope(raw, session_id)]
@@ -188,7 +197,7 @@ def read_request(
         signed = verify(kvcr, session_id, params.get(KVCR_SIG_PARAM), secret)
         any_signed |= signed
         out.append(h if isinstance(h, HintOutcome) else _mark(h, signed))
-    return RequestHints(out, any_signed)
+    return RequestHints(out, any_signed, problem)
 
 
 def _key_count(raw: Any) -> int:

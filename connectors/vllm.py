@@ -89,6 +89,7 @@ SESSION_PARAM = "session_id"
 # Sessions a router-signed request named, least recent out past this: an
 # unsigned request naming one runs without a session (it cannot join it).
 MAX_SIGNED_SESSIONS = 65_536
+SIG_WARNING_EVERY_S = 60.0      # a failing router signature is logged this often at most
 # Per step: nodes whose G1 copies are re-read from the block pool (vLLM reports
 # no G1 evictions), as many as the blocks the step schedules (each eviction
 # from G1 makes room for one), at least G1_SWEEP_MIN and at most
@@ -289,6 +290,7 @@ class SessionTierConnector(OffloadingConnector):
             self.connector_scheduler.config.offload_prompt_only
         self._tracked: dict[str, _Tracked] = {}
         self._signed_sessions: OrderedDict[str, None] = OrderedDict()   # scheduler thread
+        self._next_sig_warning = 0.0
         self._fills = FillWatch()   # which of them to look at in a step (connectors/fills.py)
         self._next_expiry = 0.0
         self._in_pass = False       # the lock is held for the current schedule() pass
@@ -399,6 +401,10 @@ class SessionTierConnector(OffloadingConnector):
         try:
             got = read_request(params, request.kv_hints, session,
                                self.manager.config.policy.trust.secret)
+            if got.problem and time.monotonic() >= self._next_sig_warning:
+                self._next_sig_warning = time.monotonic() + SIG_WARNING_EVERY_S
+                logger.warning("sessionkv: request %s: a router signature failed, its hints "
+                               "act as unsigned: %s", request.request_id, got.problem)
             return tuple(got.hints), got.signed
         except Exception:       # a parser bug must cost one hint, never the engine
             logger.exception("sessionkv: hints of request %s unreadable", request.request_id)

@@ -161,20 +161,36 @@ def verify(envelope: Any, session_id: str | None, signature: Any, secret: bytes 
            now: float | None = None) -> bool:
     """Whether ``signature`` is the router's over these and has not expired
     (nor expires more than ``SIG_MAX_AHEAD_S`` ahead). Never raises."""
-    if not secret or not isinstance(signature, str) or not isinstance(session_id, str):
-        return False
+    return not signature_problem(envelope, session_id, signature, secret, now)
+
+
+def signature_problem(envelope: Any, session_id: str | None, signature: Any,
+                      secret: bytes | None, now: float | None = None) -> str:
+    """"" when ``verify`` holds, else why not: a signature outside its time
+    window names the skew, the usual cause being clocks apart. Never raises."""
+    if signature is None:
+        return "no signature"
+    if not secret:
+        return "this engine has no trust.secret_file"
+    if not isinstance(signature, str) or not isinstance(session_id, str):
+        return "a signature needs a string and a session id"
     exp_s, dot, tag = signature.partition(".")
     if not dot or not (exp_s.isascii() and exp_s.isdigit()) or len(exp_s) > 12:
-        return False
+        return "a malformed signature"
     exp, now = int(exp_s), time.time() if now is None else now
     if not now <= exp <= now + SIG_MAX_AHEAD_S:
-        return False
+        late = now - exp if now > exp else exp - now - SIG_MAX_AHEAD_S
+        side = "expired" if now > exp else "expires too far ahead"
+        return (f"the signature {side} by {late:.0f} s on this engine's clock: "
+                f"are the router's and the engine's clocks apart?")
     try:
         want = _sig_mac(envelope, session_id, secret, exp)
     except (TypeError, ValueError, RecursionError):
-        return False
+        return "the envelope is not canonical JSON"
     # As bytes: compare_digest refuses str with non-ASCII characters.
-    return hmac.compare_digest(want.encode(), tag.encode("utf-8", "surrogatepass"))
+    if hmac.compare_digest(want.encode(), tag.encode("utf-8", "surrogatepass")):
+        return ""
+    return "the signature does not match (another secret or session?)"
 
 
 def id_problem(value: Any, field: str, max_len: int = MAX_ID_LEN) -> str:

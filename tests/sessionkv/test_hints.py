@@ -1,5 +1,7 @@
 """Hint wire forms: the vLLM envelope, KVCR's kv.fetch, and the router signature."""
 
+import time
+
 import pytest
 from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 
@@ -12,6 +14,7 @@ from sessionkv.hints import (
     KvHint,
     SessionTarget,
     Status,
+    envelope,
     parse_envelope,
     parse_kvcr_fetch,
     sign,
@@ -126,3 +129,13 @@ def test_kvcr_fetch_is_a_share_into_this_engine():
 def test_bad_kvcr_fetch_is_rejected(raw):
     got = parse_kvcr_fetch(raw)
     assert isinstance(got, HintOutcome) and got.status is Status.REJECTED
+
+
+def test_a_signature_from_a_clock_apart_says_so():
+    from sessionkv.hints import signature_problem
+    env, secret, now = envelope(), b"k" * 32, float(int(time.time()))
+    sig = sign(env, "s", secret, now=now)
+    assert signature_problem(env, "s", sig, secret, now=now) == ""
+    ahead = signature_problem(env, "s", sig, secret, now=now + 301)   # the engine 301 s ahead
+    assert "expired by 1 s" in ahead and "clocks apart" in ahead, ahead
+    assert "another secret" in signature_problem(env, "s", sig, b"j" * 32, now=now)
