@@ -15,11 +15,16 @@ The control channel's handler runs on a real ``ControlChannel`` (loopback
 sockets) over a stand-in manager that answers every op with what a real
 one returns for a valid call: the handler's checks are what is fuzzed here;
 the hint executor's own fuzz is in ``tests/connectors/test_hint_executor.py``.
+The router's HTTP handler runs in a real ``Router`` on a loopback port, its
+Redis unreachable and no worker started: a turn gets a 4xx for bad input, a
+503 or 502 for no worker, never a 500. YAML files go through both config
+files' loaders (anchors and aliases, deep nesting, odd text): a ValueError.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import sys
@@ -33,14 +38,14 @@ from hypothesis import strategies as st
 
 from sessionkv import control as wire
 from sessionkv.client import ControlError, HintClient
-from sessionkv.config import parse_policy
+from sessionkv.config import load_policy_file, parse_policy
 from sessionkv.connectors.hint_executor import read_request
 from sessionkv.connectors.metrics import SessionStats
 from sessionkv.events import EventLog
 from sessionkv.events import decode as decode_event
 from sessionkv.hints import (HintOutcome, KvHint, Status, parse_envelope, parse_kvcr_fetch,
                              sign, verify)
-from sessionkv.router.config import parse_config
+from sessionkv.router.config import load_config, parse_config
 from sessionkv.router.overlap import PROBE_TOKENS, BlockHasher, ProbeMismatch
 from sessionkv.router.workers import _metric_sum
 
@@ -251,6 +256,22 @@ def targets(tmp: Path) -> dict:
         total, bad = _metric_sum(text, "vllm:num_requests_running")
         assert math.isfinite(total) and bad >= 0
 
+    def yaml_files(text):
+        path = tmp / "fuzz.yaml"
+        path.write_text(text, encoding="utf-8", errors="surrogatepass")
+        for load in (load_policy_file, load_config):
+            try:
+                load(str(path))
+            except ValueError:
+                pass
+
+    http = _RouterUnderFuzz(tmp, secret_file)
+
+    def router_handler(ex):
+        path, raw, headers = ex
+        status = http.post(path, raw, headers)
+        assert status < 500 or status in (502, 503), status
+
     sid = st.one_of(st.none(), TEXT, SCALAR)
     metric_line = st.builds(lambda labels, value: f"vllm:num_requests_running{labels} {value}",
                             st.sampled_from(["", "{x}", '{a="b c"}', "{", "}"]),
@@ -276,7 +297,77 @@ def targets(tmp: Path) -> dict:
         "probe_replies": (either(PROBE), probe_replies),
         "metrics_text": (st.lists(st.one_of(metric_line, TEXT), max_size=6).map("\n".join),
                          metrics_text),
-    }, (channel, client)
+        "yaml_files": (yaml_text(), yaml_files),
+        "router_handler": (st.tuples(
+            st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+            st.one_of(either({"model": "m", "prompt": [1, 2, 3], "max_tokens": 1,
+                              "session_id": "s1", "stream": False,
+                              "kv_transfer_params": {"kv_hints": ENVELOPE}}).map(_json_bytes),
+                      st.binary(max_size=64), st.sampled_from(DEEP)),
+            st.dictionaries(st.sampled_from(["X-Session-ID", "X-Session-Tool-Gap",
+                                             "Authorization", "Content-Type"]),
+                            st.one_of(st.sampled_from(["default", "5", "-1", "nan", "1e999",
+                                                       "Bearer k", "application/json"]),
+                                      st.text(st.characters(min_codepoint=32, max_codepoint=126),
+                                              max_size=40)), max_size=4)),
+            router_handler),
+    }, (channel, client, http)
+
+
+DEEP = [b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
+        b'{"kv_transfer_params": [1]}', b'{"session_id": "\\u0000"}', b"null", b'"x"']
+YAML_PARTS = ["version: 1\n", "a: &a [x, x, x]\n", "b: [*a, *a, *a]\n", "c: *a\n",
+              "g2: " + "[" * 200 + "]" * 200 + "\n", "limits: {max_ttl_s: .inf}\n",
+              "- a\n", "? [a]\n: b\n", "x: !!python/object:os.system ls\n", "'\n", "\t\n",
+              "workers: [{name: a, url: 'http://h:1', control: 'tcp://h:2'}]\n",
+              "secret_file: /nonexistent\n", "%YAML 1.1\n---\n", "&a [*a]\n"]
+
+
+def yaml_text():
+    """YAML documents: config-shaped fragments (anchors, aliases, deep
+    nesting, tags) in any order, and odd text."""
+    return st.one_of(st.lists(st.sampled_from(YAML_PARTS), max_size=6).map("".join),
+                     st.lists(st.one_of(st.sampled_from(YAML_PARTS), TEXT), max_size=5)
+                     .map("".join))
+
+
+def _json_bytes(doc) -> bytes:
+    try:
+        return json.dumps(doc).encode("utf-8", "surrogatepass")
+    except (TypeError, ValueError, OverflowError, RecursionError):
+        return b"{}"
+
+
+class _RouterUnderFuzz:
+    """A real ``Router``'s app on a loopback port (aiohttp's test server), its
+    Redis on a closed port and no worker started; ``post`` returns a status."""
+
+    def __init__(self, tmp: Path, secret_file: Path):
+        from aiohttp.test_utils import TestClient, TestServer
+
+        from sessionkv.router.app import Router
+        doc = router_doc(str(secret_file))
+        doc["redis"] = {"url": "redis://127.0.0.1:9/0", "namespace": "fuzz", "timeout_s": 0.2}
+        self._loop = asyncio.new_event_loop()
+
+        async def start():
+            router = Router(parse_config(doc))
+            client = TestClient(TestServer(router.app, handler_cancellation=True))
+            await client.start_server()
+            return router, client
+        self._router, self._client = self._loop.run_until_complete(start())
+
+    def post(self, path: str, raw: bytes, headers: dict) -> int:
+        async def go():
+            async with self._client.post(path, data=raw, headers=headers) as r:
+                await r.read()
+                return r.status
+        return self._loop.run_until_complete(go())
+
+    def close(self) -> None:
+        self._loop.run_until_complete(self._client.close())
+        self._loop.run_until_complete(self._router.store.close())
+        self._loop.close()
 
 
 def _pack(doc) -> bytes:
@@ -311,7 +402,7 @@ def main(argv=None) -> int:
     p.add_argument("--targets", help="a comma list (default: all)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        table, (channel, client) = targets(Path(tmp))
+        table, (channel, client, http) = targets(Path(tmp))
         try:
             names = args.targets.split(",") if args.targets else list(table)
             out = {"examples": args.examples, "targets": {}}
@@ -325,6 +416,7 @@ def main(argv=None) -> int:
         finally:
             channel.close()
             client.close()
+            http.close()
     Path(args.json).write_text(json.dumps(out, indent=1))
     return 0 if all(r["unexpected"] == 0 for r in out["targets"].values()) else 1
 

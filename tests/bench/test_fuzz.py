@@ -14,7 +14,7 @@ def test_every_target_runs_clean(tmp_path):
     assert set(result["targets"]) >= {"envelope", "kv_fetch", "sign_verify", "request_hints",
                                       "control_frames", "client_replies", "event_decoding",
                                       "router_config", "policy_config", "probe_replies",
-                                      "metrics_text"}
+                                      "metrics_text", "yaml_files", "router_handler"}
     bad = {k: v["first"] for k, v in result["targets"].items() if v["unexpected"]}
     assert rc == 0 and not bad, bad
     assert all(v["examples"] == 200 for v in result["targets"].values())
