@@ -110,7 +110,8 @@ logger = init_logger(__name__)
 
 KVCR_SIG_PARAM = "kv_hint_sig"
 MAX_CLIPPED_HINTS = 4096   # clipped outcomes waiting for collect_clipped (one per hint)
-MAX_UNSIGNED_KEYS = MAX_KEYS   # keys in all of an unsigned envelope's targets
+MAX_ENVELOPE_KEYS = MAX_KEYS   # keys in all of a request envelope's targets
+TOO_BIG = f"an envelope has at most {MAX_ACTIONS} actions naming {MAX_ENVELOPE_KEYS} keys in all"
 # A Retain up to a boundary the index no longer holds took the session's
 # deepest branch: clipped, since what was evicted is not held.
 BOUNDARY_GONE = "boundary evicted: the session's deepest branch"
@@ -175,45 +176,48 @@ def read_request(
                             False)
     any_signed, problem = False, ""
     if raw is not None:
-        sig = params.get(SIG_PARAM)
-        problem = "" if sig is None else signature_problem(raw, session_id, sig, secret)
-        signed = sig is not None and not problem
-        any_signed |= signed
-        if not signed and _key_count(raw) > MAX_UNSIGNED_KEYS:
-            out.append(HintOutcome("kv_hints", None, Status.REJECTED,
-                                   reason=f"an unsigned envelope names at most "
-                                          f"{MAX_UNSIGNED_KEYS} keys in all"))
-        elif problem:       # a signature that failed: each hint says why, never silently
-            out += [h if isinstance(h, HintOutcome) else HintOutcome(
-                        h.hint_id, h.action.action_type, Status.REJECTED,
-                        reason=f"unsigned: {problem}")
-                    for h in parse_envelope(raw, session_id)]
+        if _too_big(raw):       # before its signature: that reads the whole envelope
+            out.append(HintOutcome("kv_hints", None, Status.REJECTED, reason=TOO_BIG))
         else:
+            sig = params.get(SIG_PARAM)
+            problem = "" if sig is None else signature_problem(raw, session_id, sig, secret)
+            signed = sig is not None and not problem
+            any_signed |= signed
             out += [h if isinstance(h, HintOutcome) else _mark(h, signed)
                     for h in parse_envelope(raw, session_id)]
     kvcr = params.get(KVCR_PARAM)
     if kvcr is not None:
-        h = parse_kvcr_fetch(kvcr)
-        signed = verify(kvcr, session_id, params.get(KVCR_SIG_PARAM), secret)
-        any_signed |= signed
-        out.append(h if isinstance(h, HintOutcome) else _mark(h, signed))
+        if _too_big(kvcr):
+            out.append(HintOutcome("kv_hint", None, Status.REJECTED, reason=TOO_BIG))
+        else:
+            h = parse_kvcr_fetch(kvcr)
+            signed = verify(kvcr, session_id, params.get(KVCR_SIG_PARAM), secret)
+            any_signed |= signed
+            out.append(h if isinstance(h, HintOutcome) else _mark(h, signed))
     return RequestHints(out, any_signed, problem)
 
 
-def _key_count(raw: Any) -> int:
-    """The keys an envelope's targets name, counted without parsing them:
-    O(actions), so an unsigned envelope is bounded before its keys are read
-    on the scheduler thread (64 actions of ``MAX_KEYS`` took 2 s)."""
-    actions = raw.get("actions") if isinstance(raw, Mapping) else None
+def _too_big(raw: Any) -> bool:
+    """Whether an envelope (ours or KVCR's, a dict or vLLM's struct) has more
+    than ``MAX_ACTIONS`` actions or names more than ``MAX_ENVELOPE_KEYS``
+    keys in all: O(actions), before its signature is checked or its keys are
+    read on the scheduler thread (64 actions of ``MAX_KEYS`` took 2 s)."""
+    actions = raw.get("actions") if isinstance(raw, Mapping) else getattr(raw, "actions", None)
     if not isinstance(actions, list):
-        return 0
+        return False
+    if len(actions) > MAX_ACTIONS:
+        return True
     n = 0
-    for a in actions[:MAX_ACTIONS + 1]:
-        payload = a.get("payload") if isinstance(a, Mapping) else None
-        target = payload.get("target") if isinstance(payload, Mapping) else None
+    for a in actions:
+        payload = a.get("payload") if isinstance(a, Mapping) else getattr(a, "payload", None)
+        if not isinstance(payload, Mapping):
+            continue
+        target = payload.get("target")
         keys = target.get("keys") if isinstance(target, Mapping) else None
-        n += len(keys) if isinstance(keys, list) else 0
-    return n
+        hashes = payload.get("block_hashes")
+        n += (len(keys) if isinstance(keys, list) else 0) + \
+            (len(hashes) if isinstance(hashes, list) else 0)
+    return n > MAX_ENVELOPE_KEYS
 
 
 def read_request_hints(params: Mapping[str, Any] | None, envelope: Any, session_id: Any,

@@ -121,7 +121,8 @@ class Router:
         self._tasks: set[asyncio.Task] = set()
         # Each session's last body and its size, for warm-ups only: at most
         # policy.max_sessions bodies and policy.warmup.max_bytes in all.
-        self._last_body: OrderedDict[str, tuple[str, dict[str, Any], int]] = OrderedDict()
+        self._last_body: OrderedDict[str, tuple[str, dict[str, Any], int, str | None]] = \
+            OrderedDict()
         self._last_bytes = 0
         self.app = web.Application(client_max_size=64 << 20)
         self.app.add_routes([
@@ -386,70 +387,80 @@ class Router:
                                      status=403)
         forward = self._forward_body(body, session_id, gap, client)
         if self.cfg.policy.warmup.enabled:
-            self._keep_body(session_id, request.path, forward, len(await request.read()))
+            self._keep_body(session_id, request.path, forward, len(await request.read()),
+                            request.headers.get("Authorization"))
         await self.store.turn_started(session_id)
-        for attempt in range(len(self.workers)):
-            try:
-                worker = await self._place(session_id, body)
-            except rules.NoWorker as e:
-                return web.json_response({"error": {"message": str(e), "type": "Unavailable"}},
-                                         status=503)
-            headers = {SESSION_HEADER: session_id, WORKER_HEADER: worker.name}
-            self._policy(self.policy.turn_started(session_id, worker.name,
-                                                  await self._prompt_keys(worker, body)))
-            headers[ROUTED_HEADER] = f"{time.monotonic() - arrived:.4f}"
-            worker.inflight += 1
-            try:
-                if body.get("stream"):
-                    resp, tool_call = await self._stream(request, worker, forward, headers,
-                                                         arrived)
-                else:
-                    resp, tool_call = await self._plain(request, worker, forward, headers,
-                                                        session_id, arrived)
-                self.counters.request(worker.name, resp.status)
-                self.counters.sent("request", len(forward["kv_transfer_params"][HINTS_PARAM]
-                                                  ["actions"]))
-                break
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                log.warning("turn of %s on %s failed: %r", session_id, worker.name, e)
-                self.counters.request(worker.name, "error")
-                dead = not isinstance(e, asyncio.TimeoutError) and not await worker.alive()
-                if dead:
-                    worker.mark_dead(repr(e))
-                if isinstance(e, _StreamCut):
-                    self.counters.event("streams_cut")
-                    raise e.__cause__ or e          # aiohttp drops the client's connection
-                # A connection the server dropped before answering, on a live
-                # worker: sent again there (_place keeps the session on it).
-                again = dead or isinstance(e, aiohttp.ServerDisconnectedError)
-                if not (again and self.cfg.routing.retry):
-                    return web.json_response({"error": {"message": f"worker {worker.name}: "
-                                                        f"{e!r}", "type": "BadGateway"}},
-                                             status=502, headers=headers)
-                self.counters.event("retries")
-            finally:
-                worker.inflight -= 1
-        else:
-            return web.json_response({"error": {"message": "every worker failed the turn",
-                                                "type": "BadGateway"}}, status=502)
-        if gap is None and tool_call and self.cfg.policy.tool_call.pin:
-            gap = self.cfg.policy.tool_call.expected_gap_s
-            ttl = rules.pin_ttl(self.cfg.policy, gap)
-            if self._may_pin(client, session_id, ttl):
-                await self._hint(worker, Action.PIN, session_id, ttl_s=ttl)
-        await self.store.turn_ended(session_id, gap)
-        self._policy(self.policy.turn_ended(session_id))
-        if gap is not None and self.cfg.policy.warmup.enabled:
-            self._spawn(self._warmup(session_id, gap))
-        return resp
+        try:
+            for attempt in range(len(self.workers)):
+                try:
+                    worker = await self._place(session_id, body)
+                except rules.NoWorker as e:
+                    return web.json_response(
+                        {"error": {"message": str(e), "type": "Unavailable"}}, status=503)
+                headers = {SESSION_HEADER: session_id, WORKER_HEADER: worker.name}
+                self._policy(self.policy.turn_started(session_id, worker.name,
+                                                      await self._prompt_keys(worker, body)))
+                headers[ROUTED_HEADER] = f"{time.monotonic() - arrived:.4f}"
+                worker.inflight += 1
+                try:
+                    if body.get("stream"):
+                        resp, tool_call = await self._stream(request, worker, forward, headers,
+                                                             arrived)
+                    else:
+                        resp, tool_call = await self._plain(request, worker, forward, headers,
+                                                            session_id, arrived)
+                    self.counters.request(worker.name, resp.status)
+                    self.counters.sent("request", len(forward["kv_transfer_params"][HINTS_PARAM]
+                                                      ["actions"]))
+                    break
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    log.warning("turn of %s on %s failed: %r", session_id, worker.name, e)
+                    self.counters.request(worker.name, "error")
+                    dead = not isinstance(e, asyncio.TimeoutError) and not await worker.alive()
+                    if dead:
+                        worker.mark_dead(repr(e))
+                    if isinstance(e, _StreamCut):
+                        self.counters.event("streams_cut")
+                        raise e.__cause__ or e          # aiohttp drops the client's connection
+                    # A connection the server dropped before answering, on a live
+                    # worker: sent again there (_place keeps the session on it).
+                    again = dead or isinstance(e, aiohttp.ServerDisconnectedError)
+                    if not (again and self.cfg.routing.retry):
+                        return web.json_response({"error": {"message": f"worker {worker.name}: "
+                                                            f"{e!r}", "type": "BadGateway"}},
+                                                 status=502, headers=headers)
+                    self.counters.event("retries")
+                finally:
+                    worker.inflight -= 1
+            else:
+                return web.json_response({"error": {"message": "every worker failed the turn",
+                                                    "type": "BadGateway"}}, status=502)
+            if gap is None and tool_call and self.cfg.policy.tool_call.pin:
+                gap = self.cfg.policy.tool_call.expected_gap_s
+                ttl = rules.pin_ttl(self.cfg.policy, gap)
+                if self._may_pin(client, session_id, ttl):
+                    await self._hint(worker, Action.PIN, session_id, ttl_s=ttl)
+            await self.store.turn_ended(session_id, gap)
+            self._policy(self.policy.turn_ended(session_id))
+            if gap is not None and self.cfg.policy.warmup.enabled:
+                self._spawn(self._warmup(session_id, gap))
+            return resp
+        except asyncio.CancelledError:
+            # The client hung up (handler cancellation): the turn is over for
+            # the policy and the store all the same.
+            self._policy(self.policy.turn_ended(session_id))
+            self._spawn(self.store.turn_ended(session_id, None))
+            raise
 
-    def _keep_body(self, session_id: str, path: str, body: dict[str, Any], size: int) -> None:
-        """Keep the session's last body for its warm-up, least recent out past
+    def _keep_body(self, session_id: str, path: str, body: dict[str, Any], size: int,
+                   auth: str | None) -> None:
+        """Keep the session's last body (``size``: its request's bytes) and
+        the client's ``Authorization`` for its warm-up, least recent out past
         ``policy.max_sessions`` bodies or ``policy.warmup.max_bytes``."""
         self._drop_body(session_id)
         if size > self.cfg.policy.warmup.max_bytes:
             return
-        self._last_body[session_id] = (path, body, size)
+        self._last_body[session_id] = (path, body, size, auth)
         self._last_bytes += size
         while len(self._last_body) > self.cfg.policy.max_sessions or \
                 self._last_bytes > self.cfg.policy.warmup.max_bytes:
@@ -564,19 +575,24 @@ class Router:
         state = await self.store.get(session_id)
         if state is None or before is None or state.turns != before.turns:
             return
-        path, body, _ = self._last_body.get(session_id, (None, None, 0))
+        path, body, _, auth = self._last_body.get(session_id, (None, None, 0, None))
         if body is None:
             return
         warm = {**body, "max_tokens": 1, "stream": False}
-        params = {k: v for k, v in (body.get("kv_transfer_params") or {}).items()
-                  if k not in (HINTS_PARAM, SIG_PARAM)}
-        warm.pop("kv_transfer_params", None)
-        if params:
-            warm["kv_transfer_params"] = params
+        # Signed, with no hint: engines close router sessions to unsigned turns.
+        env = envelope()
+        warm["kv_transfer_params"] = {
+            **{k: v for k, v in (body.get("kv_transfer_params") or {}).items()
+               if k not in (HINTS_PARAM, SIG_PARAM)},
+            HINTS_PARAM: env, SIG_PARAM: sign(env, session_id, self.cfg.secret)}
         worker = self.workers[state.worker]
         try:
-            async with self._http.post(worker.url + path, json=warm) as r:
+            async with self._http.post(worker.url + path, json=warm, headers={
+                    SESSION_HEADER: session_id, **({"Authorization": auth} if auth else {})}) as r:
                 await r.read()
+            if r.status != 200:
+                log.warning("warm-up of %s on %s: HTTP %d", session_id, worker.name, r.status)
+                return
             self.counters.event("warmups")
         except aiohttp.ClientError as e:
             log.warning("warm-up of %s on %s failed: %s", session_id, worker.name, e)
@@ -623,7 +639,8 @@ class Router:
         return await self.store.owner(request.match_info["sid"]) == self._client_of(request)
 
     async def _end_api(self, request: web.Request) -> web.Response:
-        worker = await self.end_session(request.match_info["sid"], "api") \
+        # Shielded: a client that hangs up must not leave the end half done.
+        worker = await asyncio.shield(self.end_session(request.match_info["sid"], "api")) \
             if await self._mine(request) else None
         if worker is None:
             return web.json_response({"error": {"message": "unknown session"}}, status=404)

@@ -248,7 +248,7 @@ class DiskBackend(ObjectBackend):
     def _counting(self) -> Iterator[None]:
         """Hold ``count.lock`` shared (a recount waits): on a descriptor of
         this call's own, as one flock per descriptor is shared by threads."""
-        fd = os.open(self._count_path, os.O_RDONLY)
+        fd = os.open(self._count_path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             yield
@@ -283,12 +283,14 @@ class DiskBackend(ObjectBackend):
                 self._quarantine(path)
             return None
         try:
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                return fd
+            mode = os.fstat(fd).st_mode
         except OSError:
-            pass
+            mode = 0
+        if stat.S_ISREG(mode):
+            return fd
         os.close(fd)
-        self._quarantine(path)
+        if not stat.S_ISDIR(mode):  # a directory cannot be claimed whole: a miss only
+            self._quarantine(path)
         return None
 
     def _quarantine(self, path: str) -> None:

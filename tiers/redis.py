@@ -148,14 +148,18 @@ class RedisBackend(ObjectBackend):
         self._pin = self._redis.register_script(_PIN)
         self._unpin = self._redis.register_script(_UNPIN)
         self._sweep = self._redis.register_script(_SWEEP)
+        self._reachable = False
         try:
-            self._redis.ping()
+            self._reachable = bool(self._redis.ping())
         except Exception:
             pass
 
     def bind(self, namespace: str) -> None:
         """The tier's namespace is known: end every lease in it that ended
-        (pins a crashed engine left), best effort."""
+        (pins a crashed engine left), best effort; not when the server did
+        not answer at start (its next pin lapse sweeps)."""
+        if not self._reachable:
+            return
         try:
             for _ in range(MAX_SWEEPS):
                 if self.sweep(f"{namespace}/x") < SWEEP_BATCH:

@@ -6,7 +6,9 @@ import os
 import time
 import uuid
 
-from sessionkv.connectors.hint_executor import MAX_UNSIGNED_KEYS, read_request
+from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+from sessionkv.connectors.hint_executor import TOO_BIG, read_request
 from sessionkv.connectors.metrics import SessionStats
 from sessionkv.events import Outcome
 from sessionkv.hints import ACTION_VERSION, MAX_ACTIONS, MAX_KEYS, PROTOCOL_VERSION, sign
@@ -23,19 +25,27 @@ def retain(i, keys):
             "payload": {"target": {"keys": keys}}}
 
 
-def test_a_huge_unsigned_envelope_is_refused_before_its_keys_are_read():
+def test_a_huge_envelope_is_refused_before_its_signature_or_keys_are_read():
     keys = [os.urandom(8).hex() for _ in range(MAX_KEYS)]
     big = env([retain(i, keys) for i in range(MAX_ACTIONS)])     # 80 MiB as JSON
-    t0 = time.perf_counter()
-    got = read_request({"kv_hints": big}, None, "s", SECRET)
-    took = time.perf_counter() - t0
-    assert [(o.status.value, o.reason) for o in got.hints] == [
-        ("rejected", f"an unsigned envelope names at most {MAX_UNSIGNED_KEYS} keys in all")]
-    assert took < 0.05, took                # parsing it took 2 s
+    forged = f"{int(time.time()) + 10}.{'0' * 64}"                # a signature in its window
+    struct = KvHintsEnvelope(PROTOCOL_VERSION, "m", [KvHintAction(
+        f"a{i}", "kv.retain", ACTION_VERSION, {"target": {"keys": keys}}) for i in range(2)])
+    fetch = {"protocol_version": "kvcr", "actions": [
+        {"action_type": "kv.fetch", "payload": {"block_hashes": list(range(MAX_KEYS))}}] * 2}
+    for params, envelope_ in [({"kv_hints": big}, None),
+                              ({"kv_hints": big, "kv_hints_sig": forged}, None),
+                              ({}, struct),                   # vLLM's engine API form
+                              ({"kv_hint": fetch, "kv_hint_sig": forged}, None)]:
+        t0 = time.perf_counter()
+        got = read_request(params, envelope_, "s", SECRET)
+        took = time.perf_counter() - t0
+        assert [(o.status.value, o.reason) for o in got.hints] == [("rejected", TOO_BIG)]
+        assert took < 0.5, took             # reading it took 2 s
     small = env([retain(0, keys[:8])])      # within the bound: parsed as before
     assert [h.action.action_type for h in read_request({"kv_hints": small}, None, "s",
                                                        SECRET).hints] == ["kv.retain"]
-    signed = env([retain(0, keys), retain(1, keys[:8])])   # the router's: not bounded here
+    signed = env([retain(0, keys[:MAX_KEYS - 8]), retain(1, keys[:8])])   # the router's
     got = read_request({"kv_hints": signed, "kv_hints_sig": sign(signed, "s", SECRET)},
                        None, "s", SECRET)
     assert got.signed and len(got.hints) == 2 and got.hints[0].signed
