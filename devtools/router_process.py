@@ -20,6 +20,7 @@ class RouterProcess:
 
     def __init__(self, config: dict, path, timeout_s: float = 60):
         path.write_text(yaml.safe_dump(config))
+        self.config = config
         self.url = f"http://127.0.0.1:{config['listen']['port']}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sessionkv-router-", suffix=".log")
         self.proc = subprocess.Popen(

@@ -244,8 +244,11 @@ class ResilientStore:
         return self._remember(state)
 
     async def bind(self, session_id: str, owner: str) -> str:
-        bound = await self._try("bind", self._store.bind(session_id, owner),
-                                self._owners.get(session_id, owner))
+        """The session's owner. An owner this replica remembers is the one
+        bound: a Redis that lost the record (a restart without persistence)
+        gets it back, and the next turn's key does not take the session."""
+        claim = self._owners.get(session_id, owner)
+        bound = await self._try("bind", self._store.bind(session_id, claim), claim)
         self._owners[session_id] = bound
         self._owners.move_to_end(session_id)
         while len(self._owners) > self._max:

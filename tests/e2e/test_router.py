@@ -17,6 +17,7 @@ import uuid
 
 import numpy as np
 import pytest
+import redis
 import requests
 
 from sessionkv.devtools.engines import TINY
@@ -588,6 +589,14 @@ def test_sessions_are_bound_to_their_client_and_pins_quota_per_client(cluster):
             [("kv.pin", True)]          # a signed Pin went with the turn (G3 part deferred)
         events = router.status()["events"]
         assert (events["pins_over_quota"], events["sessions_refused"]) == (1, 2)
+        # Redis loses every record (a restart without persistence): B still
+        # cannot take A's session, which A goes on with.
+        ns = router.config["redis"]["namespace"]
+        store = redis.Redis.from_url(router.config["redis"]["url"])
+        assert store.delete(*store.keys(f"{ns}:*")) > 0
+        r = requests.post(url, json=body(NEW[1]), timeout=60, headers={"X-Session-ID": "a-1", **b})
+        assert r.status_code == 403 and "another client" in r.text
+        assert turn(router, "a-1", NEW[1], a)[0]
         assert requests.post(router.url + "/v1/sessions/a-1/end", headers=a, timeout=10).ok
     finally:
         router.stop()
