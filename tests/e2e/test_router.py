@@ -516,6 +516,35 @@ def test_a_client_that_hangs_up_aborts_its_turn_on_the_engine(cluster):
         router.stop()
 
 
+def test_engines_behind_the_router_can_run_vllms_api_key(cluster, redis_url):
+    """The client's ``Authorization`` goes to the engine with the turn (and
+    with ``/v1/models``): an engine started with ``--api-key`` serves the
+    clients holding the key and refuses the others (it refused everyone)."""
+    from sessionkv.devtools.router_process import ENGINE_ARGS
+    from sessionkv.devtools.server import ServerProcess
+    d = cluster[0]
+    engine = ServerProcess(TINY, [*ENGINE_ARGS, "--api-key", "key-a"])
+    try:
+        cfg = router_config([{"name": "k", "url": engine.url, "plain": True}], redis_url,
+                            f"r-{uuid.uuid4().hex[:6]}")
+        cfg["secret_file"] = str(d / "secret")
+        router = RouterProcess(cfg, d / f"router-{uuid.uuid4().hex[:6]}.yaml")
+        try:
+            url = router.url + "/v1/completions"
+            for key, status in (("key-a", 200), ("key-b", 401)):
+                r = requests.post(url, json=body(NEW[1][:20]), timeout=60,
+                                  headers={"Authorization": f"Bearer {key}",
+                                           "X-Session-ID": f"auth-{key}"})
+                assert r.status_code == status, r.text
+                m = requests.get(router.url + "/v1/models", timeout=10,
+                                 headers={"Authorization": f"Bearer {key}"})
+                assert m.status_code == status, m.text
+        finally:
+            router.stop()
+    finally:
+        engine.stop()
+
+
 def test_a_stopped_redis_costs_one_timeout_and_health_says_so(cluster, tmp_path):
     """redis-server stopped (SIGSTOP: a hung or partitioned server, which
     refuses nothing): each turn waits at most one Redis timeout, not the
