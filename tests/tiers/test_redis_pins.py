@@ -27,9 +27,9 @@ def tiers(request):
     namespace = f"lease-{uuid.uuid4().hex[:8]}"
     made = []
 
-    def build():
+    def build(namespace_=None):
         region = np.zeros((N_CHUNKS, CHUNK), np.uint8)
-        tier = Redis.tier(url, spec(), memoryview(region), namespace, ttl_s=60)
+        tier = Redis.tier(url, spec(), memoryview(region), namespace_ or namespace, ttl_s=60)
         made.append(tier)
         return tier, region
     yield url, build
@@ -114,7 +114,7 @@ def test_after_a_crash_the_next_engine_ends_the_lapsed_pins(tiers, tmp_path):
     r, names = redis.Redis.from_url(url), [name, name + SUM_SUFFIX]
     time.sleep(2.0)                                     # its lease ended; nobody ended the pin
     assert [r.ttl(n) for n in names] == [-1, -1]
-    build()                                             # the next engine on this server
+    build(namespace)                                    # the next engine on the namespace
     assert all(0 < r.ttl(n) <= 60 for n in names)
 
 
