@@ -477,8 +477,7 @@ class Router:
         """Who sends a turn: a name for its API key (``Authorization: Bearer``,
         as OpenAI clients send it; the key itself is never stored), "" for
         clients without one (their sessions are shared among them)."""
-        auth = request.headers.get("Authorization", "")
-        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        token = _bearer(request)
         if not token:
             return ""
         name = hmac.new(derive(self.cfg.secret, ROUTER_CLIENT),
@@ -513,10 +512,7 @@ class Router:
     def _upstream_headers(request: web.Request, session_id: str) -> dict[str, str]:
         """What a turn sends the engine: the session, and the client's
         ``Authorization`` (so engines can run vLLM's ``--api-key``)."""
-        headers = {SESSION_HEADER: session_id}
-        if "Authorization" in request.headers:
-            headers["Authorization"] = request.headers["Authorization"]
-        return headers
+        return {SESSION_HEADER: session_id, **_client_auth(request)}
 
     async def _plain(self, request, worker, body, headers, session_id, arrived):
         async with self._http.post(worker.url + request.path, json=body,
@@ -659,16 +655,13 @@ class Router:
         worker = next((w for w in self.workers.values() if w.healthy), None)
         if worker is None:
             return web.json_response({"error": {"message": "no healthy worker"}}, status=503)
-        auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        async with self._http.get(worker.url + "/v1/models", headers=auth) as r:
+        async with self._http.get(worker.url + "/v1/models", headers=_client_auth(request)) as r:
             return web.Response(body=await r.read(), status=r.status,
                                 content_type="application/json")
 
     def _admin(self, request: web.Request) -> bool:
         """Whether the request carries the admin token (``admin_token``)."""
-        auth = request.headers.get("Authorization", "")
-        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        return hmac.compare_digest(token.encode("utf-8", "replace"),
+        return hmac.compare_digest(_bearer(request).encode("utf-8", "replace"),
                                    admin_token(self.cfg.secret).encode())
 
     async def _drain_api(self, request: web.Request) -> web.Response:
@@ -719,6 +712,18 @@ class Router:
         return web.json_response(
             {"ok": ok, "state_store": "ok" if self.store.usable() else "unreachable"},
             status=200 if ok else 503)
+
+
+def _bearer(request: web.Request) -> str:
+    """The token of the request's ``Authorization: Bearer``, "" without one."""
+    auth = request.headers.get("Authorization", "")
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+
+
+def _client_auth(request: web.Request) -> dict[str, str]:
+    """The client's ``Authorization`` header, to forward to an engine."""
+    auth = request.headers.get("Authorization")
+    return {} if auth is None else {"Authorization": auth}
 
 
 def admin_token(secret: bytes) -> str:
