@@ -27,7 +27,10 @@ and stores ask whether the chunk is there (``Layout.asked``): Redis, which
 evicts the two objects one by one, for both; LMCache, which never evicts,
 for the checksum object; Mooncake for the data object. Stores of
 vLLM's cascades (chunks just computed) ask only where a second put could
-hurt: with checksum objects, which loads check (Redis).
+hurt: with checksum objects, which loads check (Redis). A chunk found there
+is kept only if this tier wrote or verified its object (the last
+``MAX_MINE``); any other object under its name is replaced, so a hint copy
+that reports a chunk stored stored its bytes.
 
 The backend's modes are strategy objects chosen once (``tiers/g3_layout``):
 its ``Layout`` (``InlineSums`` or ``SumObjects``: where checksums live, how
@@ -93,15 +96,15 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .fingerprint import fingerprint, plain
-from .g3_backend import SUM_SUFFIX, ObjectBackend, Seal, address_of, checksum
+from .g3_backend import KEPT, SUM_SUFFIX, ObjectBackend, Seal, address_of, checksum
 from .g3_backpressure import CascadeQueue
 from .g3_events import StorageEvents
 from .g3_io import BackendDown, Guard, Quarantine, Staging
 from .g3_layout import layout_for, pins_for
 from .g3_spec import spec_identity
 
-__all__ = ["SUM_SUFFIX", "BackendDown", "G3Tier", "Guard", "ObjectBackend", "Quarantine",
-           "Staging", "address_of", "checksum"]
+__all__ = ["KEPT", "SUM_SUFFIX", "BackendDown", "G3Tier", "Guard", "ObjectBackend",
+           "Quarantine", "Staging", "address_of", "checksum"]
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -113,6 +116,10 @@ logger = init_logger(__name__)
 Observer = Callable[[bool, list[OffloadKey], list[bool]], None]
 MISS_AFTER_FAILURE_S = 30.0
 MAX_FAILED = 65_536
+# Chunks whose objects this tier wrote or verified, remembered so a hint's
+# store of them sends nothing (``_store``); one forgotten is written again.
+# 262,144 names (as hashes: about 25 MiB) cover a production G2.
+MAX_MINE = 1 << 18
 # KV events: chunks announced stored at most, per G2 chunk (``StorageEvents``:
 # past it the oldest are reported removed; vLLM's tracker keeps a payload each).
 ANNOUNCED_PER_G2_CHUNK = 2
@@ -231,6 +238,7 @@ class G3Tier(SecondaryTierManager):
             getattr(backend, "lapse_s", None),
         ) if events is not None and events.enable_kv_cache_events else None
         self._failed: dict[str, float] = {}     # name -> until when it is a miss
+        self._own: dict[int, None] = {}         # hash(name) of chunks vouched for, LRU
         self._lock = threading.Lock()
         self._lookups = _Lookups(self)
 
@@ -529,6 +537,7 @@ class G3Tier(SecondaryTierManager):
         self._hint_job(run, chunk_ids)
 
     def _remember_failed(self, names: list[str]) -> None:
+        self._disown(names)
         until = time.monotonic() + MISS_AFTER_FAILURE_S
         with self._lock:
             for n in names:
@@ -541,30 +550,63 @@ class G3Tier(SecondaryTierManager):
         return [self._region[o:o + self._chunk] for o in offsets]
 
     def _store(self, names: list[str], offsets: list[int], ask: bool) -> list[bool]:
-        """Store chunks; ``ask``: those the backend has already are kept, not
-        sent (hint moves ask: vLLM has most often stored them already)."""
+        """Store chunks; ``ask``: those the backend has already, and that this
+        tier wrote or verified (``_mine``), are kept, not sent (hint moves
+        ask: vLLM has most often stored them already). An object there that
+        this tier cannot vouch for (a store writer's, planted before a
+        Demote) is removed and written anew: a copy that says it stored a
+        chunk stored these bytes."""
         b, g = self._backend, self.guard
         # Sealed after the existence check: a hint's chunks are most often
         # there already, and a seal reads the whole chunk (a Demote of what
         # write-through stored took the engine's core for a MAC of each).
-        have = self._layout.present(g.start(b.exists, self._layout.asked(names))()) \
-            if ask else [False] * len(names)
+        if ask:
+            there = self._layout.present(g.start(b.exists, self._layout.asked(names))())
+            have = [t and m for t, m in zip(there, self._mine(names))]
+            stale = [n for n, t, h in zip(names, there, have) if t and not h]
+            if stale:
+                g.call(b.remove, [o for n in stale for o in reversed(self._layout.objects(n))])
+        else:
+            have = [False] * len(names)
         chunks = self._chunks(offsets)
         seal = self._layout.seal
         todo = [i for i, h in enumerate(have) if not h]
-        ok = list(have)
+        ok: list[bool] = list(have)
         if todo:
             put = self._layout.put([names[i] for i in todo], [chunks[i] for i in todo],
                                    [seal(names[i], chunks[i]) for i in todo])
             for i, done in zip(todo, put):
-                ok[i] = done
+                # Asked, a kept object is someone else's, written since.
+                ok[i] = bool(done) and not (ask and done is KEPT)
+            self._vouch([names[i] for i, done in zip(todo, put) if done is True])
         return ok
 
     def _load(self, names: list[str], offsets: list[int]) -> list[bool]:
         ok, broken = self._layout.load(names, self._chunks(offsets),
                                        [o // self._chunk for o in offsets])
+        self._vouch([n for n, o in zip(names, ok) if o])
         self._unlist(broken)
         return ok
+
+    def _vouch(self, names: list[str]) -> None:
+        """Remember that these chunks' objects hold what their seal says (this
+        tier wrote or verified them), the last ``MAX_MINE`` names."""
+        with self._lock:
+            for n in names:
+                h = hash(n)
+                self._own.pop(h, None)
+                self._own[h] = None
+            while len(self._own) > MAX_MINE:
+                del self._own[next(iter(self._own))]
+
+    def _mine(self, names: list[str]) -> list[bool]:
+        with self._lock:
+            return [hash(n) in self._own for n in names]
+
+    def _disown(self, names: list[str]) -> None:
+        with self._lock:
+            for n in names:
+                self._own.pop(hash(n), None)
 
     def _unlist(self, broken: list[str]) -> None:
         if broken:

@@ -18,6 +18,11 @@ import xxhash
 
 SUM = struct.Struct("<QQ")          # xxh3-64 of the chunk, its length
 SUM_SUFFIX = ".sum"
+#: A put's answer for a name whose object was there already and was kept,
+#: not written (Mooncake refuses to overwrite): truthy, since the chunk is
+#: there for lookups, but not necessarily these bytes (``G3Tier`` trusts
+#: only objects it wrote or verified).
+KEPT = 2
 
 
 def checksum(data) -> bytes:
@@ -81,8 +86,8 @@ class ObjectBackend(ABC):
     #: straight into G2 slots and verify them there; the slots are held in
     #: quarantine while a call past its deadline may still write them. A
     #: ``put_summed`` of a name that exists keeps one whole object, the old
-    #: one (Mooncake) or the new (LMCache), so vLLM's cascades put without
-    #: asking first.
+    #: one (Mooncake, which answers ``KEPT``) or the new (LMCache), so vLLM's
+    #: cascades put without asking first.
     inline_sums: ClassVar[bool] = False
 
     #: Each chunk also has a checksum object (``name + SUM_SUFFIX``), written
@@ -124,7 +129,8 @@ class ObjectBackend(ABC):
     @abstractmethod
     def put_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
         """Store each buffer as the named object (zero-copy where the backend
-        can). An existing object of that name may be kept."""
+        can): True where written. An existing object of that name may be
+        kept: then ``KEPT``."""
 
     @abstractmethod
     def get_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:

@@ -33,11 +33,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from .g3 import G3Tier, ObjectBackend, address_of
+from .g3 import KEPT, G3Tier, ObjectBackend, address_of
 
 # Mooncake ErrorCodes (mooncake-store/include/types.h).
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -706
+
+
+def _put_results(rcs: Sequence[int]) -> list:
+    """A put's answers: an object that was there is kept (Mooncake never
+    overwrites on put), which the tier must tell from one it wrote."""
+    return [True if rc == 0 else KEPT if rc == OBJECT_ALREADY_EXISTS else False for rc in rcs]
 
 
 class MooncakeBackend(ObjectBackend):
@@ -83,7 +89,7 @@ class MooncakeBackend(ObjectBackend):
             return []
         rcs = self._store.batch_put_from(list(names), [address_of(b) for b in bufs],
                                          [len(b) for b in bufs])
-        return [rc == 0 or rc == OBJECT_ALREADY_EXISTS for rc in rcs]
+        return _put_results(rcs)
 
     def get_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:
         if not names:
@@ -98,7 +104,7 @@ class MooncakeBackend(ObjectBackend):
     def put_summed(self, names: Sequence[str], bufs: Sequence[memoryview],
                    sums: Sequence[memoryview]) -> list[bool]:
         rcs = self._scatter_gather(self._store.batch_put_from_multi_buffers, names, bufs, sums)
-        return [rc == 0 or rc == OBJECT_ALREADY_EXISTS for rc in rcs]
+        return _put_results(rcs)
 
     def get_summed(self, names: Sequence[str], bufs: Sequence[memoryview],
                    sums: Sequence[memoryview]) -> list[int]:
