@@ -14,14 +14,16 @@ measures the router process's resident set after each phase:
    ``user`` field) in two halves, with warm-ups on, so the last bodies are
    kept up to ``warmup.max_bytes``: the second half must not grow the router;
 3. **slow clients**: ``--slow`` connections that send half a request's
-   headers and then nothing, held for 10 s.
+   headers and then nothing, under ``listen.header_timeout_s`` of
+   ``HEADER_TIMEOUT_S``: counted still open after 2 s (``slow_clients_held``)
+   and closed by the router 3 s past its deadline (``slow_clients_closed``).
 
 Keys: ``{"config": {...}, "phases": {name: {"rss_mib", "growth_mib", "s"}},
 "rss_start_mib", "goals": {...}, "ok"}``; the goals: the sessions phase grows
 the router by at most 64 MiB for 10,000 sessions, the first bodies by at most
 ``warmup.max_bytes`` plus six bodies (one turn's copies in flight), the second
-half by at most one body, and slow clients by at most 64 MiB. ``ok`` says all
-hold. Exit status 0 either way (the JSON is the verdict).
+half by at most one body, and slow clients by at most 64 MiB, every one of
+them closed by the router. ``ok`` says all hold. Exit status 0 either way (the JSON is the verdict).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ SECRET = b"router-flood-bench-secret-0123456789"
 MIB = 1 << 20
 WARMUP_BYTES = 64 * MIB
 BODY_MIB = 16
+HEADER_TIMEOUT_S = 5           # listen.header_timeout_s, short so the bench sees it
 # A turn in flight holds its body a few times over (the request's bytes, its
 # parsed document, the forwarded JSON, the engine's reply): the allocator
 # keeps that high-water mark, once.
@@ -74,7 +77,8 @@ def run(sessions: int, bodies: int, slow: int, d: Path) -> dict:
     try:
         url, redis_server = start_redis(d)
         engine = ServerProcess(TINY, ENGINE_ARGS)
-        cfg = {"version": 1, "listen": {"host": "127.0.0.1", "port": free_port()},
+        cfg = {"version": 1, "listen": {"host": "127.0.0.1", "port": free_port(),
+                                        "header_timeout_s": HEADER_TIMEOUT_S},
                "secret_file": str(d / "secret"), "redis": {"url": url, "namespace": "flood"},
                "workers": [{"name": "a", "url": engine.url, "plain": True}],
                "policy": {"strategy": "plain", "max_sessions": sessions // 2,
@@ -105,8 +109,10 @@ def run(sessions: int, bodies: int, slow: int, d: Path) -> dict:
                 s = socket.create_connection((host, port), timeout=5)
                 s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Len")
                 socks.append(s)
-            time.sleep(10)
+            time.sleep(2)
             phases["slow_clients_held"] = sum(1 for s in socks if _open(s))
+            time.sleep(HEADER_TIMEOUT_S + 1)
+            phases["slow_clients_closed"] = sum(1 for s in socks if not _open(s))
             for s in socks:
                 s.close()
 
@@ -125,7 +131,8 @@ def run(sessions: int, bodies: int, slow: int, d: Path) -> dict:
              "bodies_more_growth_mib_max": BODY_MIB,
              "slow_clients_growth_mib_max": 64}
     ok = all(phases[name]["growth_mib"] <= goals[f"{name}_growth_mib_max"]
-             for name in ("sessions", "bodies", "bodies_more", "slow_clients"))
+             for name in ("sessions", "bodies", "bodies_more", "slow_clients")) \
+        and phases["slow_clients_closed"] == slow
     return {"config": {"sessions": sessions, "bodies": bodies, "body_mib": BODY_MIB, "slow": slow,
                        "max_sessions": cfg["policy"]["max_sessions"],
                        "warmup_max_bytes": WARMUP_BYTES},

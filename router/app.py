@@ -94,7 +94,6 @@ WORKER_HEADER = "X-SessionKV-Worker"
 ROUTED_HEADER = "X-SessionKV-Routed-S"
 DRAIN_CONCURRENCY = 8    # Demotes in flight at once while a worker drains
 KEEPALIVE_S = 4.0        # below the engines' keep-alive (vLLM: 5 s), see start()
-BODY_TIMEOUT_S = 30.0    # a request body that takes longer to arrive is refused
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding",
                "keep-alive"}
 
@@ -360,9 +359,11 @@ class Router:
             try:
                 # Bytes, not request.json(): a malformed Content-Type charset
                 # raised in aiohttp's parser (a 500, found by bench/fuzz.py).
-                body = json.loads(await asyncio.wait_for(request.read(), BODY_TIMEOUT_S))
+                body = json.loads(await asyncio.wait_for(request.read(),
+                                                         self.cfg.body_timeout_s))
             except asyncio.TimeoutError:
-                raise ValueError(f"the body did not arrive within {BODY_TIMEOUT_S:g} s") from None
+                raise ValueError(f"the body did not arrive within "
+                                 f"{self.cfg.body_timeout_s:g} s") from None
             except RecursionError:
                 raise ValueError("the body is nested too deep") from None
             if not isinstance(body, dict):
@@ -738,7 +739,12 @@ async def serve(cfg: RouterConfig, ready=None) -> None:
     await router.start()
     # A client that hangs up cancels its turn's handler, which closes the
     # engine's connection: vLLM aborts the request (non-streamed ones ran on).
-    runner = web.AppRunner(router.app, access_log=None, handler_cancellation=True)
+    # aiohttp's keep-alive deadline runs from the connection's start and from
+    # each response, and closes a connection still waiting for a whole request
+    # head at it: the header timeout (its default, 3,630 s, held every
+    # half-sent request).
+    runner = web.AppRunner(router.app, access_log=None, handler_cancellation=True,
+                           keepalive_timeout=cfg.header_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()

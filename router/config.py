@@ -3,7 +3,10 @@
 ::
 
     version: 1
-    listen: {host: 127.0.0.1, port: 8100}
+    listen: {host: 127.0.0.1, port: 8100,
+             header_timeout_s: 30,  # a connection without a whole request head by then
+                                    # (after it opened, or after its last response) closes
+             body_timeout_s: 30}    # a body that has not arrived by then is a 400
     secret_file: router.key        # the engines' trust.secret_file key (>= 16 bytes)
     redis: {url: "redis://127.0.0.1:6379/0", namespace: sessionkv-router, state_ttl_s: 86400,
             timeout_s: 1.0,        # every call's connect and socket timeout
@@ -129,6 +132,8 @@ class RouterConfig:
     workers: tuple[WorkerConfig, ...]
     host: str = "127.0.0.1"
     port: int = 8100
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0
     routing: RoutingConfig = RoutingConfig()
     policy: HintPolicy = HintPolicy()
 
@@ -227,11 +232,14 @@ def parse_config(doc: Any) -> RouterConfig:
     if "secret_file" not in doc:
         raise ValueError("secret_file is required (the engines' trust.secret_file key)")
     listen = mapping_of(doc.get("listen"), "listen")
-    _known(listen, ("host", "port"), "listen")
+    _known(listen, ("host", "port", "header_timeout_s", "body_timeout_s"), "listen")
     host = _string(listen.get("host", "127.0.0.1"), "listen.host")
     port = listen.get("port", 8100)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"listen.port must be an integer in [0, 65535], got {port!r}")
+    header_timeout_s, body_timeout_s = (
+        _positive(listen.get(k, 30.0), f"listen.{k}") for k in ("header_timeout_s",
+                                                                "body_timeout_s"))
     if "url" not in mapping_of(doc.get("redis"), "redis"):
         raise ValueError("redis.url is required (session state lives in Redis)")
     redis_cfg = _section(doc, "redis", RedisConfig, {
@@ -273,7 +281,7 @@ def parse_config(doc: Any) -> RouterConfig:
                                      "max_bytes": lambda v, w: _positive(v, w, integer=True)})
     policy = dataclasses.replace(policy, tool_call=tool_call, warmup=warmup)
     return RouterConfig(_secret(doc["secret_file"]), redis_cfg, parsed, host, port,
-                        routing, policy)
+                        header_timeout_s, body_timeout_s, routing, policy)
 
 
 def load_config(path: str) -> RouterConfig:

@@ -12,7 +12,8 @@ def test_a_small_router_flood_writes_every_key(tmp_path):
                               "--slow", "20"]) == 0
     doc = json.loads(out.read_text())
     assert doc["router_requests"]["a"] == {"400": 200, "200": 4}   # the engine answered all
-    assert doc["phases"]["slow_clients_held"] == 20
+    assert doc["phases"]["slow_clients_held"] == 20         # before the header timeout
+    assert doc["phases"]["slow_clients_closed"] == 20       # closed by the router after it
     for name in ("sessions", "bodies", "bodies_more", "slow_clients"):
         p = doc["phases"][name]
         assert p["rss_mib"] > 0 and p["s"] > 0 and f"{name}_growth_mib_max" in doc["goals"]

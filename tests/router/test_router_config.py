@@ -46,6 +46,8 @@ def test_defaults_and_overrides(doc):
     ({"policy": {"tool_call": {"pin": "yes"}}}, "policy.tool_call.pin must be true or false"),
     ({"policy": {"warmup": {"lead": 1}}}, "policy.warmup.lead: unknown key"),
     ({"listen": {"port": 70000}}, "listen.port"),
+    ({"listen": {"header_timeout_s": 0}}, "listen.header_timeout_s must be a positive number"),
+    ({"listen": {"body_timeout": 5}}, "listen.body_timeout: unknown key"),
     ({"version": 2}, "version must be 1"),
     ({"bogus": 1}, "router config.bogus: unknown key"),
     ({"version": True}, "version must be 1"),                       # True == 1 passed
