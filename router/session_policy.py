@@ -72,6 +72,16 @@ SHARED_CLASSES = (2, 3, 5, 9)       # sessions so far through a shared block -> 
 HEAD_FRACTION = 0.25                # of an ended session's blocks, watched for branches
 HEAD_BOOST = 12                     # priority steps a session's first-turn prefix gets over its growth
 RATE_SHARE = 0.8                    # of an engine's hint rate the policy uses
+RERANK_STEPS = 8                    # priority steps (4x its density) that re-send an idle session
+
+
+def _reranked(sent: int, p: int) -> bool:
+    """Whether an idle session's Retain at ``sent`` (-1, -2: none yet) is
+    re-sent at ``p``: on a move to or from plain, or by ``RERANK_STEPS``
+    (its density changed fourfold). Within a band, vLLM's LRU order among
+    chunks of one priority already ranks older sessions first, as a finer
+    priority would; a re-send at each step took 2-4 hints per turn."""
+    return sent < 0 or (p == 0) != (sent == 0) or abs(p - sent) >= RERANK_STEPS
 
 
 def _router_holds(strategy: str) -> bool:
@@ -333,12 +343,12 @@ class SessionHints:
                 continue
             for name, sh in eng.shadows.items():
                 p = self._priority(name, s, now)
-                if s.shadow.get(name) != p:
+                if _reranked(s.shadow.get(name, -1), p):
                     s.shadow[name] = p
                     self._shadow_retain(sh, sid, s, p)
-            if self._session_claims(s, eng, now):
+            if self._session_claims(s, eng, now, rerank=True):
                 claimed.extend(s.keys[:s.head])
-            if self._priority(eng.selector.current, s, now) != s.sent:
+            if _reranked(s.sent, self._priority(eng.selector.current, s, now)):
                 eng.reranked += 1
                 self._retain_session(sid, s, now, shadows=False)
                 claimed.extend(s.keys[:s.head])
@@ -471,16 +481,19 @@ class SessionHints:
         if p and 0 < s.first < len(s.keys):
             sh.set(sh.keys_of(s.keys[:s.first]), p + HEAD_BOOST, sid)
 
-    def _session_claims(self, s: _Live, eng: _Engine, now: float) -> bool:
+    def _session_claims(self, s: _Live, eng: _Engine, now: float, rerank: bool = False) -> bool:
         """Record, per router-holding strategy, what idle session ``s`` claims
         its shared head at: its rank there, with the first-turn boost (its
         shared head lies in its first-turn prefix: the router's re-claim
-        never ranks a head below what follows it); whether any changed."""
+        never ranks a head below what follows it); whether any changed.
+        ``rerank``: a tick's, changed only as ``_reranked`` says."""
         grown = HEAD_BOOST and 0 < s.first < len(s.keys)
         changed = False
         for name in eng.holders:
             p = self._priority(name, s, now)
-            changed |= self._set_claim(s, name, p + HEAD_BOOST if grown and p else p)
+            p = p + HEAD_BOOST if grown and p else p
+            if not rerank or _reranked(s.claimed.get(name, 0), p):
+                changed |= self._set_claim(s, name, p)
         return changed
 
     def _clear_claims(self, s: _Live) -> None:
