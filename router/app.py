@@ -742,7 +742,8 @@ async def serve(cfg: RouterConfig, ready=None) -> None:
     # aiohttp's keep-alive deadline runs from the connection's start and from
     # each response, and closes a connection still waiting for a whole request
     # head at it: the header timeout (its default, 3,630 s, held every
-    # half-sent request).
+    # half-sent request). Never while a handler runs. 75 s, as nginx's
+    # keep-alive: proxies in front (nginx, ALB: 60 s) idle out first.
     runner = web.AppRunner(router.app, access_log=None, handler_cancellation=True,
                            keepalive_timeout=cfg.header_timeout_s)
     await runner.setup()

@@ -4,8 +4,9 @@
 
     version: 1
     listen: {host: 127.0.0.1, port: 8100,
-             header_timeout_s: 30,  # a connection without a whole request head by then
-                                    # (after it opened, or after its last response) closes
+             header_timeout_s: 75,  # a connection without a whole request head by then
+                                    # (after it opened, or idle after its last response)
+                                    # closes: a proxy in front must idle out sooner
              body_timeout_s: 30}    # a body that has not arrived by then is a 400
     secret_file: router.key        # the engines' trust.secret_file key (>= 16 bytes)
     redis: {url: "redis://127.0.0.1:6379/0", namespace: sessionkv-router, state_ttl_s: 86400,
@@ -132,7 +133,7 @@ class RouterConfig:
     workers: tuple[WorkerConfig, ...]
     host: str = "127.0.0.1"
     port: int = 8100
-    header_timeout_s: float = 30.0
+    header_timeout_s: float = 75.0
     body_timeout_s: float = 30.0
     routing: RoutingConfig = RoutingConfig()
     policy: HintPolicy = HintPolicy()
@@ -237,9 +238,8 @@ def parse_config(doc: Any) -> RouterConfig:
     port = listen.get("port", 8100)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"listen.port must be an integer in [0, 65535], got {port!r}")
-    header_timeout_s, body_timeout_s = (
-        _positive(listen.get(k, 30.0), f"listen.{k}") for k in ("header_timeout_s",
-                                                                "body_timeout_s"))
+    header_timeout_s = _positive(listen.get("header_timeout_s", 75.0), "listen.header_timeout_s")
+    body_timeout_s = _positive(listen.get("body_timeout_s", 30.0), "listen.body_timeout_s")
     if "url" not in mapping_of(doc.get("redis"), "redis"):
         raise ValueError("redis.url is required (session state lives in Redis)")
     redis_cfg = _section(doc, "redis", RedisConfig, {

@@ -27,10 +27,11 @@ and stores ask whether the chunk is there (``Layout.asked``): Redis, which
 evicts the two objects one by one, for both; LMCache, which never evicts,
 for the checksum object; Mooncake for the data object. Stores of
 vLLM's cascades (chunks just computed) ask only where a second put could
-hurt: with checksum objects, which loads check (Redis). A chunk found there
-is kept only if this tier wrote or verified its object (the last
-``MAX_MINE``); any other object under its name is replaced, so a hint copy
-that reports a chunk stored stored its bytes.
+hurt: with checksum objects, which loads check (Redis), or where a put keeps
+an object already there and says nothing (Mooncake). A hint's copy keeps a
+chunk found there only if this tier wrote or verified its object (the last
+``MAX_MINE``) and replaces any other, so a copy that reports a chunk stored
+stored its bytes.
 
 The backend's modes are strategy objects chosen once (``tiers/g3_layout``):
 its ``Layout`` (``InlineSums`` or ``SumObjects``: where checksums live, how
@@ -78,6 +79,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -96,15 +98,15 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .fingerprint import fingerprint, plain
-from .g3_backend import KEPT, SUM_SUFFIX, ObjectBackend, Seal, address_of, checksum
+from .g3_backend import SUM_SUFFIX, ObjectBackend, Seal, address_of, checksum
 from .g3_backpressure import CascadeQueue
 from .g3_events import StorageEvents
 from .g3_io import BackendDown, Guard, Quarantine, Staging
 from .g3_layout import layout_for, pins_for
 from .g3_spec import spec_identity
 
-__all__ = ["KEPT", "SUM_SUFFIX", "BackendDown", "G3Tier", "Guard", "ObjectBackend",
-           "Quarantine", "Staging", "address_of", "checksum"]
+__all__ = ["SUM_SUFFIX", "BackendDown", "G3Tier", "Guard", "ObjectBackend", "Quarantine",
+           "Staging", "address_of", "checksum"]
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -238,7 +240,7 @@ class G3Tier(SecondaryTierManager):
             getattr(backend, "lapse_s", None),
         ) if events is not None and events.enable_kv_cache_events else None
         self._failed: dict[str, float] = {}     # name -> until when it is a miss
-        self._own: dict[int, None] = {}         # hash(name) of chunks vouched for, LRU
+        self._own: OrderedDict[int, None] = OrderedDict()   # hash(name): chunks vouched for, LRU
         self._lock = threading.Lock()
         self._lookups = _Lookups(self)
 
@@ -428,8 +430,7 @@ class G3Tier(SecondaryTierManager):
     def _run(self, load: bool, job_id: int, keys: list[OffloadKey], names: list[str],
              offsets: list[int]) -> None:
         start = time.monotonic()
-        ok = self._copy(load, f"job {job_id}", keys, names, offsets,
-                        ask=self._layout.cascade_asks)
+        ok = self._copy(load, f"job {job_id}", keys, names, offsets, cascade=True)
         good = [k for k, o in zip(keys, ok) if o]
         failed_loads = [k for k, o in zip(keys, ok) if not o] if load else []
         result = JobResult(job_id=job_id, success=len(good) == len(keys),
@@ -442,15 +443,15 @@ class G3Tier(SecondaryTierManager):
             self._events.stored(good)
 
     def _copy(self, load: bool, what: str, keys: list[OffloadKey], names: list[str],
-              offsets: list[int], ask: bool = True) -> list[bool]:
-        """One load, or a store (``ask``: of chunks the backend does not have
-        yet), in calls of at most ``BATCH_BYTES``; ok per key, never raises.
+              offsets: list[int], cascade: bool = False) -> list[bool]:
+        """One load, or a store (``cascade``: vLLM's, else a hint's; see
+        ``_store``), in calls of at most ``BATCH_BYTES``; ok per key, never raises.
         Once the backend is down, the rest of the copy fails without a call."""
         step, ok = max(1, BATCH_BYTES // self._chunk), []
         for i in range(0, len(keys), step):
             part = slice(i, i + step)
             done, down = self._copy_batch(load, what, keys[part], names[part], offsets[part],
-                                          ask)
+                                          cascade)
             ok += done
             if down:
                 break
@@ -462,12 +463,12 @@ class G3Tier(SecondaryTierManager):
         return ok
 
     def _copy_batch(self, load: bool, what: str, keys: list[OffloadKey], names: list[str],
-                    offsets: list[int], ask: bool) -> tuple[list[bool], bool]:
+                    offsets: list[int], cascade: bool) -> tuple[list[bool], bool]:
         """One backend call's worth of ``_copy``: (ok per key, backend down).
         A load that failed with the backend up is remembered (a miss for a while)."""
         down = False
         try:
-            ok = self._load(names, offsets) if load else self._store(names, offsets, ask)
+            ok = self._load(names, offsets) if load else self._store(names, offsets, cascade)
         except BackendDown as e:    # the breaker covers it: no per-chunk memory
             logger.debug("sessionkv: G3 %s: %s", what, e)
             ok, down = [False] * len(keys), True
@@ -549,36 +550,41 @@ class G3Tier(SecondaryTierManager):
     def _chunks(self, offsets: list[int]) -> list[memoryview]:
         return [self._region[o:o + self._chunk] for o in offsets]
 
-    def _store(self, names: list[str], offsets: list[int], ask: bool) -> list[bool]:
-        """Store chunks; ``ask``: those the backend has already, and that this
-        tier wrote or verified (``_mine``), are kept, not sent (hint moves
-        ask: vLLM has most often stored them already). An object there that
-        this tier cannot vouch for (a store writer's, planted before a
-        Demote) is removed and written anew: a copy that says it stored a
-        chunk stored these bytes."""
+    def _store(self, names: list[str], offsets: list[int], cascade: bool) -> list[bool]:
+        """Store chunks. vLLM's ``cascade`` asks first where a second put could
+        hurt (``Layout.cascade_asks``) or could keep another object without
+        saying so (a backend that does not ``put_replaces``), and keeps what
+        is there. A hint's copy asks, keeps the chunks this tier wrote or
+        verified (``_mine``: vLLM has most often stored them already), and
+        replaces any other object under their names (a store writer's,
+        planted before a Demote): a copy that says it stored a chunk stored
+        these bytes."""
         b, g = self._backend, self.guard
+        ask = not cascade or self._layout.cascade_asks or not b.put_replaces
         # Sealed after the existence check: a hint's chunks are most often
         # there already, and a seal reads the whole chunk (a Demote of what
         # write-through stored took the engine's core for a MAC of each).
         if ask:
             there = self._layout.present(g.start(b.exists, self._layout.asked(names))())
-            have = [t and m for t, m in zip(there, self._mine(names))]
+            have = there if cascade else [t and m for t, m in zip(there, self._mine(names))]
+            # Mooncake keeps an object a put names: the others go first (a
+            # put that then fails leaves the chunk absent: a miss).
             stale = [n for n, t, h in zip(names, there, have) if t and not h]
-            if stale:
+            if stale and not b.put_replaces:
                 g.call(b.remove, [o for n in stale for o in reversed(self._layout.objects(n))])
         else:
             have = [False] * len(names)
         chunks = self._chunks(offsets)
         seal = self._layout.seal
         todo = [i for i, h in enumerate(have) if not h]
-        ok: list[bool] = list(have)
+        ok = list(have)
         if todo:
             put = self._layout.put([names[i] for i in todo], [chunks[i] for i in todo],
                                    [seal(names[i], chunks[i]) for i in todo])
             for i, done in zip(todo, put):
-                # Asked, a kept object is someone else's, written since.
-                ok[i] = bool(done) and not (ask and done is KEPT)
-            self._vouch([names[i] for i, done in zip(todo, put) if done is True])
+                ok[i] = bool(done)
+            # Written: asked and absent (or removed), or over whatever was there.
+            self._vouch([names[i] for i, done in zip(todo, put) if done])
         return ok
 
     def _load(self, names: list[str], offsets: list[int]) -> list[bool]:
@@ -592,12 +598,15 @@ class G3Tier(SecondaryTierManager):
         """Remember that these chunks' objects hold what their seal says (this
         tier wrote or verified them), the last ``MAX_MINE`` names."""
         with self._lock:
+            own = self._own
             for n in names:
                 h = hash(n)
-                self._own.pop(h, None)
-                self._own[h] = None
-            while len(self._own) > MAX_MINE:
-                del self._own[next(iter(self._own))]
+                if h in own:
+                    own.move_to_end(h)
+                else:
+                    own[h] = None
+            while len(own) > MAX_MINE:
+                own.popitem(last=False)
 
     def _mine(self, names: list[str]) -> list[bool]:
         with self._lock:

@@ -18,11 +18,6 @@ import xxhash
 
 SUM = struct.Struct("<QQ")          # xxh3-64 of the chunk, its length
 SUM_SUFFIX = ".sum"
-#: A put's answer for a name whose object was there already and was kept,
-#: not written (Mooncake refuses to overwrite): truthy, since the chunk is
-#: there for lookups, but not necessarily these bytes (``G3Tier`` trusts
-#: only objects it wrote or verified).
-KEPT = 2
 
 
 def checksum(data) -> bytes:
@@ -86,9 +81,14 @@ class ObjectBackend(ABC):
     #: straight into G2 slots and verify them there; the slots are held in
     #: quarantine while a call past its deadline may still write them. A
     #: ``put_summed`` of a name that exists keeps one whole object, the old
-    #: one (Mooncake, which answers ``KEPT``) or the new (LMCache), so vLLM's
-    #: cascades put without asking first.
+    #: one (Mooncake) or the new (LMCache), so vLLM's cascades put without
+    #: asking first.
     inline_sums: ClassVar[bool] = False
+
+    #: A put of a name that exists writes the new object (Redis, LMCache,
+    #: the disk). Mooncake keeps the old one and answers success alike, so
+    #: the tier asks before its puts and removes what it must replace.
+    put_replaces: ClassVar[bool] = True
 
     #: Each chunk also has a checksum object (``name + SUM_SUFFIX``), written
     #: after its data object: what lookups and stores ask for. Without it
@@ -129,8 +129,8 @@ class ObjectBackend(ABC):
     @abstractmethod
     def put_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
         """Store each buffer as the named object (zero-copy where the backend
-        can): True where written. An existing object of that name may be
-        kept: then ``KEPT``."""
+        can). An existing object of that name is replaced, or, where the
+        backend does not ``put_replaces``, may be kept (True either way)."""
 
     @abstractmethod
     def get_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:

@@ -33,17 +33,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from .g3 import KEPT, G3Tier, ObjectBackend, address_of
+from .g3 import G3Tier, ObjectBackend, address_of
 
 # Mooncake ErrorCodes (mooncake-store/include/types.h).
 OBJECT_NOT_FOUND = -704
-OBJECT_ALREADY_EXISTS = -706
-
-
-def _put_results(rcs: Sequence[int]) -> list:
-    """A put's answers: an object that was there is kept (Mooncake never
-    overwrites on put), which the tier must tell from one it wrote."""
-    return [True if rc == 0 else KEPT if rc == OBJECT_ALREADY_EXISTS else False for rc in rcs]
+OBJECT_ALREADY_EXISTS = -705
 
 
 class MooncakeBackend(ObjectBackend):
@@ -89,7 +83,7 @@ class MooncakeBackend(ObjectBackend):
             return []
         rcs = self._store.batch_put_from(list(names), [address_of(b) for b in bufs],
                                          [len(b) for b in bufs])
-        return _put_results(rcs)
+        return [rc == 0 or rc == OBJECT_ALREADY_EXISTS for rc in rcs]
 
     def get_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:
         if not names:
@@ -100,11 +94,12 @@ class MooncakeBackend(ObjectBackend):
 
     inline_sums = True
     sum_objects = False     # Mooncake shows an object only once whole: lookups ask for it
+    put_replaces = False    # a put keeps an object already there (0.3.13 answers 0)
 
     def put_summed(self, names: Sequence[str], bufs: Sequence[memoryview],
                    sums: Sequence[memoryview]) -> list[bool]:
         rcs = self._scatter_gather(self._store.batch_put_from_multi_buffers, names, bufs, sums)
-        return _put_results(rcs)
+        return [rc == 0 or rc == OBJECT_ALREADY_EXISTS for rc in rcs]
 
     def get_summed(self, names: Sequence[str], bufs: Sequence[memoryview],
                    sums: Sequence[memoryview]) -> list[int]:

@@ -734,21 +734,24 @@ def test_with_the_cluster_key_a_writer_without_it_plants_nothing(make):
 
 def test_an_object_planted_before_a_hint_copy_is_replaced(make):
     """A store writer without the key plants a chunk's object before the
-    engine stores it; a Demote of that chunk must not take it for the
-    engine's own: the copy replaces it, and another engine loads the real
-    bytes. A chunk another engine wrote and this one verified by a load is
+    engine stores it (or before vLLM's cascade of it, which Mooncake answers
+    with success while keeping the planted object); a Demote of that chunk
+    must not take it for the engine's own: the copy replaces it, and another
+    engine loads the real bytes. A chunk another engine wrote and this one verified by a load is
     not written again (its bytes stay the first engine's)."""
     tier, region = make(seal_key=MAC_KEY)
-    fill(region, [0, 1, 3], seed=41)
+    fill(region, [0, 1, 2, 3], seed=41)
     seed(tier, KEYS[0], region[3])                          # planted, before any store
+    seed(tier, KEYS[2], region[3])                          # and before vLLM's cascade of it
+    assert run(tier, KEYS[2:3], [2], False).success         # Mooncake keeps what is there
     done = []
-    tier.move(False, KEYS[:2], [0, 1], done.append)         # a Demote
+    tier.move(False, KEYS[:3], [0, 1, 2], done.append)      # a Demote
     tier.drain_hints()
-    assert done == [[True, True]]
+    assert done == [[True, True, True]]
     other, oregion = make(seal_key=MAC_KEY)
-    fill(oregion, [4, 5, 6, 7], seed=42)                    # poison the destinations
-    assert run(other, KEYS[:2], [4, 5], True).success
-    assert np.array_equal(oregion[4:6], region[0:2])
+    fill(oregion, [4, 5, 6, 7, 8], seed=42)                 # poison the destinations
+    assert run(other, KEYS[:3], [4, 5, 8], True).success
+    assert np.array_equal(oregion[[4, 5, 8]], region[0:3])
     tier.move(False, KEYS[:2], [6, 7], done.append)         # verified there: kept
     other.move(False, KEYS[:2], [6, 7], done.append)
     tier.drain_hints()
