@@ -41,7 +41,10 @@ Retains, paced.
 Hint traffic: hints wait in a per-engine queue (one entry per session and
 per router priority group, so bounded by the live sessions) and leave at
 most at the engine's per-client rate (a local token bucket at 80 % of it),
-batched per session. Nothing is sent twice for the same priority.
+batched per session. Nothing is sent twice for the same priority. An idle
+session's Retain follows its falling rank step by step only while G2 is
+choosing among retained blocks (the followed shadow evicted some lately),
+else by bands of ``RERANK_STEPS`` (``_Engine.rerank_steps``).
 
 Memory: ``max_sessions`` live sessions and ``max_blocks`` first-seen blocks
 (least recently seen forgotten first); per engine, shadows of at most
@@ -73,15 +76,13 @@ HEAD_FRACTION = 0.25                # of an ended session's blocks, watched for 
 HEAD_BOOST = 12                     # priority steps a session's first-turn prefix gets over its growth
 RATE_SHARE = 0.8                    # of an engine's hint rate the policy uses
 RERANK_STEPS = 8                    # priority steps (4x its density) that re-send an idle session
+PRESSURE_TICKS = 10                 # ticks a retained eviction keeps re-ranking step by step
 
 
-def _reranked(sent: int, p: int) -> bool:
+def _reranked(sent: int, p: int, steps: int) -> bool:
     """Whether an idle session's Retain at ``sent`` (-1, -2: none yet) is
-    re-sent at ``p``: on a move to or from plain, or by ``RERANK_STEPS``
-    (its density changed fourfold). Within a band, vLLM's LRU order among
-    chunks of one priority already ranks older sessions first, as a finer
-    priority would; a re-send at each step took 2-4 hints per turn."""
-    return sent < 0 or (p == 0) != (sent == 0) or abs(p - sent) >= RERANK_STEPS
+    re-sent at ``p``: on a move to or from plain, or by ``steps``."""
+    return sent < 0 or (p == 0) != (sent == 0) or abs(p - sent) >= steps
 
 
 def _router_holds(strategy: str) -> bool:
@@ -174,6 +175,25 @@ class _Engine:
         self.reranked = 0               # session Retains re-sent because their priority changed
         self.requests = 0
         self.first_t: float | None = None
+        self.evictions_seen = 0
+        self.pressed_until = -math.inf
+
+    def rerank_steps(self, now: float, tick_s: float) -> int:
+        """How far an idle session's priority moves before its Retain is
+        re-sent. Step by step while the followed strategy's shadow evicted
+        retained blocks within ``PRESSURE_TICKS`` ticks (G2 chooses among
+        idle sessions: their order matters); else ``RERANK_STEPS`` (a
+        fourfold change of density): within a band, vLLM's LRU order among
+        chunks of one priority ranks older sessions first, and a re-send at
+        each step took 2-4 hints per turn where every session fitted.
+        Without shadows (one strategy configured), step by step."""
+        sh = self.shadows.get(self.selector.current)
+        if sh is None:
+            return 1
+        if sh.retained_evictions != self.evictions_seen:
+            self.evictions_seen = sh.retained_evictions
+            self.pressed_until = now + PRESSURE_TICKS * tick_s
+        return 1 if now < self.pressed_until else RERANK_STEPS
 
     def take(self, now: float) -> bool:
         self.tokens = min(self.rate, self.tokens + (now - self.stamp) * self.rate)
@@ -335,20 +355,22 @@ class SessionHints:
                 del self._heads[k]
                 lapsed.setdefault(w, []).append(k)
         claimed: list[bytes] = []
+        steps = {name: e.rerank_steps(now, self.cfg.tick_s) for name, e in self._engines.items()}
         for sid, s in self._live.items():
             if s.active:
                 continue
             eng = self._engines.get(s.worker)
             if eng is None:
                 continue
+            step = steps[eng.name]
             for name, sh in eng.shadows.items():
                 p = self._priority(name, s, now)
-                if _reranked(s.shadow.get(name, -1), p):
+                if _reranked(s.shadow.get(name, -1), p, step):
                     s.shadow[name] = p
                     self._shadow_retain(sh, sid, s, p)
-            if self._session_claims(s, eng, now, rerank=True):
+            if self._session_claims(s, eng, now, rerank=step):
                 claimed.extend(s.keys[:s.head])
-            if _reranked(s.sent, self._priority(eng.selector.current, s, now)):
+            if _reranked(s.sent, self._priority(eng.selector.current, s, now), step):
                 eng.reranked += 1
                 self._retain_session(sid, s, now, shadows=False)
                 claimed.extend(s.keys[:s.head])
@@ -481,18 +503,18 @@ class SessionHints:
         if p and 0 < s.first < len(s.keys):
             sh.set(sh.keys_of(s.keys[:s.first]), p + HEAD_BOOST, sid)
 
-    def _session_claims(self, s: _Live, eng: _Engine, now: float, rerank: bool = False) -> bool:
+    def _session_claims(self, s: _Live, eng: _Engine, now: float, rerank: int = 1) -> bool:
         """Record, per router-holding strategy, what idle session ``s`` claims
         its shared head at: its rank there, with the first-turn boost (its
         shared head lies in its first-turn prefix: the router's re-claim
         never ranks a head below what follows it); whether any changed.
-        ``rerank``: a tick's, changed only as ``_reranked`` says."""
+        ``rerank``: a tick's steps (``_Engine.rerank_steps``)."""
         grown = HEAD_BOOST and 0 < s.first < len(s.keys)
         changed = False
         for name in eng.holders:
             p = self._priority(name, s, now)
             p = p + HEAD_BOOST if grown and p else p
-            if not rerank or _reranked(s.claimed.get(name, 0), p):
+            if _reranked(s.claimed.get(name, 0), p, rerank):
                 changed |= self._set_claim(s, name, p)
         return changed
 

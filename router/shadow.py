@@ -85,6 +85,7 @@ class ShadowCache:
         self._open: OrderedDict[str, list[bytes]] = OrderedDict()
         self._open_blocks = 0
         self._open_max = max_blocks
+        self.retained_evictions = 0           # evicted blocks that had a priority above 0
 
     def __len__(self) -> int:
         return len(self._prio)
@@ -258,6 +259,8 @@ class ShadowCache:
             victim = self._victim(protect)
             if victim is None:
                 return          # only the request's own blocks left: it is larger than G2
+            if self._prio[victim] > 0:
+                self.retained_evictions += 1
             self._move(victim, self._prio[victim], None)
 
 

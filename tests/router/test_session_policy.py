@@ -80,21 +80,50 @@ def test_a_retry_from_an_earlier_turn_releases_the_chain_it_left():
     assert h.target.boundary == key(9) and h.bounds.priority > 0
 
 
-def test_an_idle_retain_is_re_sent_only_when_its_priority_left_its_band():
-    """Idle, a session's rank falls four steps per doubling of (median +
-    idle); its Retain is re-sent only once it fell ``RERANK_STEPS``, not at
-    each step (2-4 hints per turn on the replay's traces)."""
+def test_a_retain_is_re_sent_only_when_its_priority_changes():
     p, clock = policy(strategy="recency", tick_s=1.0, prior_gap_s=10.0)
     p.turn_started("s1", "a", chain(1, 2))
     (first,) = retains(p.turn_ended("s1"))
     sent = [first[2].bounds.priority]
-    for _ in range(600):                      # ten minutes idle, a tick a second
+    for _ in range(60):                       # a minute idle, a tick a second
         clock.now += 1.01
         sent += [h.bounds.priority for *_, h in retains(p.tick())]
-    # 10 s -> 616 s is about 24 steps: re-sent after 8 and 16 (and 24) of them
+    # four steps per doubling of (median + idle): 10 s -> 70 s is about 11 steps
+    assert 5 <= len(sent) - 1 <= 14, sent
+    assert all(a > b for a, b in zip(sent, sent[1:])), sent   # each re-send a new, lower rank
+    assert p.status()["engines"]["a"]["reranked"] == len(sent) - 1
+
+
+def test_idle_retains_move_by_bands_until_g2_evicts_retained_blocks():
+    """With shadows (``auto``), an idle session's Retain is re-sent once its
+    priority moved ``RERANK_STEPS`` while every session fits; once the
+    followed strategy's shadow evicts retained blocks, step by step for
+    ``PRESSURE_TICKS`` ticks (G2 then chooses among idle sessions, and
+    their order matters)."""
+    p, clock = policy(tick_s=1.0, prior_gap_s=10.0)
+
+    def idle(seconds, sid):
+        sent = []
+        for _ in range(seconds):
+            clock.now += 1.01
+            sent += [h.bounds.priority for _, s, h in retains(p.tick()) if s == sid]
+        return sent
+
+    def served(sid, keys):
+        p.turn_started(sid, "a", keys)
+        return [h.bounds.priority for _, s, h in retains(p.turn_ended(sid)) if s == sid]
+
+    sent = served("s1", chain(1, 2)) + idle(600, "s1")
+    # ten minutes: 10 s -> 616 s is about 24 steps, re-sent after 8 and 16 (and 24)
     assert 2 <= len(sent) - 1 <= 3, sent
     assert all(a - b >= session_policy.RERANK_STEPS for a, b in zip(sent, sent[1:])), sent
-    assert p.status()["engines"]["a"]["reranked"] == len(sent) - 1
+    for i in range(80):                       # 2,560 blocks retained: G2 holds 1,024
+        served(f"t{i}", chain(*range(1000 + 100 * i, 1032 + 100 * i)))
+    sent = served("s2", chain(3, 4)) + idle(60, "s2")
+    steps = [a - b for a, b in zip(sent, sent[1:])]
+    # step by step for PRESSURE_TICKS ticks after the last retained eviction,
+    # then, with no turn evicting anything, by bands again
+    assert steps[:3] == [1, 1, 1] and steps[-1] >= session_policy.RERANK_STEPS, sent
 
 
 def test_a_shared_prefix_is_retained_by_the_router_for_its_watch():
