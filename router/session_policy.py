@@ -43,8 +43,8 @@ per router priority group, so bounded by the live sessions) and leave at
 most at the engine's per-client rate (a local token bucket at 80 % of it),
 batched per session. Nothing is sent twice for the same priority. An idle
 session's Retain follows its falling rank step by step only while G2 is
-choosing among retained blocks (the followed shadow evicted some lately),
-else by bands of ``RERANK_STEPS`` (``_Engine.rerank_steps``).
+choosing among Retained sessions (its shadow evicted some lately), else
+by bands of ``RERANK_STEPS`` (``_Engine.rerank_steps``, per strategy).
 
 Memory: ``max_sessions`` live sessions and ``max_blocks`` first-seen blocks
 (least recently seen forgotten first); per engine, shadows of at most
@@ -164,8 +164,8 @@ class _Engine:
         self.tokens = self.rate
         self.stamp = now
         names = STRATEGIES if cfg.strategy == "auto" else (cfg.strategy,)
-        self.shadows = {n: ShadowCache(g2_blocks, g1_blocks, cfg.shadow_blocks) for n in names} \
-            if len(names) > 1 else {}
+        self.shadows = {n: ShadowCache(g2_blocks, g1_blocks, cfg.shadow_blocks, ROUTER_OWNER)
+                        for n in names} if len(names) > 1 else {}
         self.holders = tuple(n for n in names if _router_holds(n))
         self.selector = Selector(names, half_life_refs=64.0 * g2_blocks)
         # (owner, tag) -> the Retain to send; a re-queued entry moves last, so
@@ -175,25 +175,28 @@ class _Engine:
         self.reranked = 0               # session Retains re-sent because their priority changed
         self.requests = 0
         self.first_t: float | None = None
-        self.evictions_seen = 0
-        self.pressed_until = -math.inf
+        self._evictions_seen: dict[str, int] = {}
+        self._pressed_until: dict[str, float] = {}
 
-    def rerank_steps(self, now: float, tick_s: float) -> int:
-        """How far an idle session's priority moves before its Retain is
-        re-sent. Step by step while the followed strategy's shadow evicted
-        retained blocks within ``PRESSURE_TICKS`` ticks (G2 chooses among
-        idle sessions: their order matters); else ``RERANK_STEPS`` (a
+    def rerank_steps(self, now: float, tick_s: float) -> dict[str, int]:
+        """Per strategy, how far an idle session's priority moves before its
+        Retain is re-sent (in that strategy's shadow; the followed one's
+        for the engine). Step by step while that strategy's shadow evicted
+        blocks sessions Retained within ``PRESSURE_TICKS`` ticks (G2 chooses
+        among idle sessions: their order matters); else ``RERANK_STEPS`` (a
         fourfold change of density): within a band, vLLM's LRU order among
         chunks of one priority ranks older sessions first, and a re-send at
         each step took 2-4 hints per turn where every session fitted.
         Without shadows (one strategy configured), step by step."""
-        sh = self.shadows.get(self.selector.current)
-        if sh is None:
-            return 1
-        if sh.retained_evictions != self.evictions_seen:
-            self.evictions_seen = sh.retained_evictions
-            self.pressed_until = now + PRESSURE_TICKS * tick_s
-        return 1 if now < self.pressed_until else RERANK_STEPS
+        if not self.shadows:
+            return {self.selector.current: 1}
+        steps = {}
+        for name, sh in self.shadows.items():
+            if sh.retained_evictions != self._evictions_seen.get(name, 0):
+                self._evictions_seen[name] = sh.retained_evictions
+                self._pressed_until[name] = now + PRESSURE_TICKS * tick_s
+            steps[name] = 1 if now < self._pressed_until.get(name, -math.inf) else RERANK_STEPS
+        return steps
 
     def take(self, now: float) -> bool:
         self.tokens = min(self.rate, self.tokens + (now - self.stamp) * self.rate)
@@ -365,12 +368,13 @@ class SessionHints:
             step = steps[eng.name]
             for name, sh in eng.shadows.items():
                 p = self._priority(name, s, now)
-                if _reranked(s.shadow.get(name, -1), p, step):
+                if _reranked(s.shadow.get(name, -1), p, step[name]):
                     s.shadow[name] = p
                     self._shadow_retain(sh, sid, s, p)
             if self._session_claims(s, eng, now, rerank=step):
                 claimed.extend(s.keys[:s.head])
-            if _reranked(s.sent, self._priority(eng.selector.current, s, now), step):
+            if _reranked(s.sent, self._priority(eng.selector.current, s, now),
+                         step[eng.selector.current]):
                 eng.reranked += 1
                 self._retain_session(sid, s, now, shadows=False)
                 claimed.extend(s.keys[:s.head])
@@ -503,18 +507,20 @@ class SessionHints:
         if p and 0 < s.first < len(s.keys):
             sh.set(sh.keys_of(s.keys[:s.first]), p + HEAD_BOOST, sid)
 
-    def _session_claims(self, s: _Live, eng: _Engine, now: float, rerank: int = 1) -> bool:
+    def _session_claims(self, s: _Live, eng: _Engine, now: float,
+                        rerank: dict[str, int] | None = None) -> bool:
         """Record, per router-holding strategy, what idle session ``s`` claims
         its shared head at: its rank there, with the first-turn boost (its
         shared head lies in its first-turn prefix: the router's re-claim
         never ranks a head below what follows it); whether any changed.
-        ``rerank``: a tick's steps (``_Engine.rerank_steps``)."""
+        ``rerank``: a tick's steps per strategy (``_Engine.rerank_steps``);
+        else every change counts."""
         grown = HEAD_BOOST and 0 < s.first < len(s.keys)
         changed = False
         for name in eng.holders:
             p = self._priority(name, s, now)
             p = p + HEAD_BOOST if grown and p else p
-            if _reranked(s.claimed.get(name, 0), p, rerank):
+            if _reranked(s.claimed.get(name, 0), p, rerank.get(name, 1) if rerank else 1):
                 changed |= self._set_claim(s, name, p)
         return changed
 

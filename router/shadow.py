@@ -65,7 +65,10 @@ def sampled(key: bytes, rate: float) -> bool:
 class ShadowCache:
     """One strategy's model of one engine's G2 (see the module docstring)."""
 
-    def __init__(self, capacity_blocks: int, g1_blocks: int = 0, max_blocks: int = 65_536):
+    def __init__(self, capacity_blocks: int, g1_blocks: int = 0, max_blocks: int = 65_536,
+                 exempt_owner: str | None = None):
+        """``exempt_owner``: whose Retained blocks ``retained_evictions`` does
+        not count (the router's own watches, meant to go first)."""
         if capacity_blocks < 1 or g1_blocks < 0:
             raise ValueError("a shadow cache needs a G2 of at least one block and a G1 >= 0")
         self.rate = min(1.0, max_blocks / (capacity_blocks + g1_blocks))
@@ -85,7 +88,8 @@ class ShadowCache:
         self._open: OrderedDict[str, list[bytes]] = OrderedDict()
         self._open_blocks = 0
         self._open_max = max_blocks
-        self.retained_evictions = 0           # evicted blocks that had a priority above 0
+        self.retained_evictions = 0           # evicted blocks Retained above 0 by a session
+        self._exempt = exempt_owner
 
     def __len__(self) -> int:
         return len(self._prio)
@@ -259,7 +263,7 @@ class ShadowCache:
             victim = self._victim(protect)
             if victim is None:
                 return          # only the request's own blocks left: it is larger than G2
-            if self._prio[victim] > 0:
+            if self._prio[victim] > 0 and self._owner.get(victim) != self._exempt:
                 self.retained_evictions += 1
             self._move(victim, self._prio[victim], None)
 

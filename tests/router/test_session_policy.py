@@ -231,6 +231,22 @@ def test_shadow_evicts_plain_then_low_priorities_and_never_the_request_itself():
     assert sh.request(chain(*range(20, 30))) == 0 and len(sh) == 10   # larger than G2: kept whole
 
 
+def test_shadow_counts_the_evictions_of_session_retains_only():
+    """Pressure for re-ranking: blocks a session Retained and G2 evicted;
+    plain blocks and the router's own watches (meant to go first) do not count."""
+    sh = ShadowCache(2, exempt_owner=ROUTER_OWNER)
+    sh.request(chain(1))
+    sh.set(chain(1), 5, ROUTER_OWNER)
+    sh.request(chain(2))
+    sh.set(chain(2), 5, "s1")
+    sh.request(chain(3))                     # 1 goes: the router's watch
+    sh.request(chain(4))                     # 3 goes: plain
+    assert chain(1)[0] not in sh and chain(3)[0] not in sh and sh.retained_evictions == 0
+    sh.set(chain(4), 5, "s2")
+    sh.request(chain(5))                     # 2 goes: s1's, the older Retained one
+    assert chain(2)[0] not in sh and sh.retained_evictions == 1
+
+
 def test_shadow_retains_keep_recency_and_the_last_owner_releases():
     """As SessionCachePolicy: a Retain changes a block's priority, not its
     recency; a session's end releases only what it retained last."""
