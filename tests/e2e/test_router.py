@@ -494,6 +494,7 @@ def test_a_client_that_hangs_up_aborts_its_turn_on_the_engine(cluster):
     _, _, servers, _ = cluster
     router = start_router(cluster, f"r-{uuid.uuid4().hex[:6]}")
     before = finished_by_length(servers)
+    prompted = sum(engine_metric(s, ("vllm:prompt_tokens_total",)) for s in servers.values())
     try:
         def abandon(i):
             with contextlib.suppress(requests.exceptions.ReadTimeout):
@@ -504,7 +505,14 @@ def test_a_client_that_hangs_up_aborts_its_turn_on_the_engine(cluster):
         threads = [threading.Thread(target=abandon, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
-        wait_for(lambda: sum(running(s) for s in servers.values()) >= 4, "the turns to run")
+        # All four reached the engines: their prompts were prefilled (a count
+        # that only grows; the number running can be missed between polls).
+        try:
+            wait_for(lambda: sum(engine_metric(s, ("vllm:prompt_tokens_total",))
+                                 for s in servers.values()) >= prompted + 4 * 20,
+                     "the turns to start")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; router log:\n{router.read_log()[-3000:]}") from None
         for t in threads:
             t.join()                        # each client hung up after 6 s
         t0 = time.monotonic()
