@@ -551,16 +551,15 @@ class G3Tier(SecondaryTierManager):
         return [self._region[o:o + self._chunk] for o in offsets]
 
     def _store(self, names: list[str], offsets: list[int], cascade: bool) -> list[bool]:
-        """Store chunks. vLLM's ``cascade`` asks first where a second put could
-        hurt (``Layout.cascade_asks``) or could keep another object without
-        saying so (a backend that does not ``put_replaces``), and keeps what
-        is there. A hint's copy asks, keeps the chunks this tier wrote or
+        """Store chunks. vLLM's ``cascade`` asks first where the layout says
+        (``Layout.cascade_asks``: a second put could hurt, or could keep
+        another object and say nothing), and keeps what is there. A hint's copy asks, keeps the chunks this tier wrote or
         verified (``_mine``: vLLM has most often stored them already), and
         replaces any other object under their names (a store writer's,
         planted before a Demote): a copy that says it stored a chunk stored
         these bytes."""
         b, g = self._backend, self.guard
-        ask = not cascade or self._layout.cascade_asks or not b.put_replaces
+        ask = not cascade or self._layout.cascade_asks
         # Sealed after the existence check: a hint's chunks are most often
         # there already, and a seal reads the whole chunk (a Demote of what
         # write-through stored took the engine's core for a MAC of each).

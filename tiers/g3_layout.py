@@ -58,6 +58,8 @@ class Layout:
         self._chunk = chunk
         self.seal = seal
         self.listing = SUM_SUFFIX if backend.sum_objects else ""
+        # Cascades ask too where a put may keep another object and say nothing.
+        self.cascade_asks = type(self).cascade_asks or not backend.put_replaces
 
     def objects(self, name: str) -> list[str]:
         """Every object that holds the chunk ``name``, the data object first."""
