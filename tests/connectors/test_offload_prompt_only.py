@@ -3,7 +3,7 @@
 down to G3, though a reasoning model's next turn (whose chat template drops
 the reasoning) never reads it. The default is vLLM's again: a turn stores
 its prompt's chunks, and its output's once the next turn's prompt carries
-them (bench/README.md, "Defaults a GPU fleet can run"); a user's setting
+them (bench/results/2026-12-07-offload-defaults.md); a user's setting
 still wins.
 
 A real vLLM ``Scheduler`` (no model: ``bench/scale_steps.py`` makes one
