@@ -1,4 +1,4 @@
-"""The layer contract of ARCHITECTURE.md, read from the source: every import
+"""The layer contract of docs/design/architecture.md, read from the source: every import
 (at the top of a module or inside a function) of every product module.
 
 ``import-linter`` walks the ``sessionkv/`` folder only and does not see the

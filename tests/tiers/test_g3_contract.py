@@ -491,7 +491,7 @@ def test_redis_pins_persist_then_the_ttl_comes_back(request):
 
 
 def test_redis_pins_under_a_namespace_acl_and_a_start_sweeps_every_ended_lease(request):
-    """The README's per-tenant ACL (keys ``<namespace>/*`` only): Pins work
+    """docs/guides/security.md's per-tenant ACL (keys ``<namespace>/*`` only): Pins work
     (the lease set is the namespace's own; one set for every namespace
     failed NOPERM), and an engine start ends all of a crash's 3,000 ended
     leases in its namespace (a start ended 1,000), none of another's."""
