@@ -152,7 +152,7 @@ def engine(a, d: Path, name: str, mode: str, cores: str, mooncake=None,
     if mode != "plain":
         engine_id = new_engine_id()
         tiers = [] if mode not in G3_MODES else [{
-            "type": "MooncakeTier", "module_path": "sessionkv.tiers.mooncake",
+            "type": "MooncakeTier", "module_path": "sessionkv.tiers.g3.backends.mooncake",
             "master": mooncake.master, "metadata_server": mooncake.metadata_url,
             "local_hostname": lan_address(), "namespace": f"agents-{tag}", "timeout_s": 10.0}]
         policy = d / ("lru.yaml" if mode in HINTLESS else "tiers.yaml")

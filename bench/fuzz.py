@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from sessionkv import control as wire
 from sessionkv.client import ControlError, HintClient
 from sessionkv.config import load_policy_file, parse_policy
-from sessionkv.connectors.hint_executor import read_request
+from sessionkv.engine.executor import read_request
 from sessionkv.connectors.metrics import SessionStats
 from sessionkv.events import EventLog
 from sessionkv.events import decode as decode_event
@@ -174,7 +174,7 @@ def targets(tmp: Path) -> dict:
     """name -> (strategy, check(example)); check raises on an unexpected result."""
     secret_file = tmp / "secret"
     secret_file.write_bytes(SECRET)
-    from sessionkv.connectors.control import ControlChannel
+    from sessionkv.engine.control import ControlChannel
     channel = ControlChannel(_StandInManager(), SECRET)   # sockets only: no thread started
 
     def envelope(ex):

@@ -53,7 +53,7 @@ from vllm.v1.request import Request
 import scale_steps as steps
 from sessionkv.connectors.vllm import SessionTierConnector
 from sessionkv.devtools.services import start_redis
-from sessionkv.tiers.g3_backpressure import CascadeQueue
+from sessionkv.tiers.g3.backpressure import CascadeQueue
 from sessionkv.types import Tier
 
 TIER = ("1:RedisTier",)
@@ -121,7 +121,7 @@ def seen(name: str) -> float:
 def run_mode(mode: str, url: str, args) -> dict:
     init_none_hash(sha256)
     RecordingConnector.seen = {}
-    tier = {"type": "RedisTier", "module_path": "sessionkv.tiers.redis", "url": url,
+    tier = {"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis", "url": url,
             "namespace": f"bp-{mode}-{time.monotonic_ns()}", "timeout_s": 10.0}
     if MODES[mode] is not None:
         tier["backpressure"] = MODES[mode]

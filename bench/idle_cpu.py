@@ -99,7 +99,7 @@ def copy_in_flight_cpu(d: Path, seconds: float) -> tuple[float, dict]:
     url, server = start_redis(d)
     policy = d / "copy.yaml"
     policy.write_text(f"trust: {{secret_file: {d / 'secret'}}}\ng3: {{write_through: false}}\n")
-    tier = {"type": "RedisTier", "module_path": "sessionkv.tiers.redis", "url": url,
+    tier = {"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis", "url": url,
             "timeout_s": 10 * seconds}          # the held write is not abandoned meanwhile
     try:
         srv, engine_id = serve(policy, secondary_tiers=[tier],

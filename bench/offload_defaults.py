@@ -74,7 +74,7 @@ def run(offload_prompt_only: bool, template: str, g1: str, args, tmp: Path) -> d
     policy.write_text("report: {per_tier: all}\ng3: {write_through: true}\n")
     g3_dir = tmp / f"{engine_id}-g3"
     extra = {"block_size": BLOCK, "offload_prompt_only": offload_prompt_only,
-             "secondary_tiers": [{"type": "DiskTier", "module_path": "sessionkv.tiers.disk",
+             "secondary_tiers": [{"type": "DiskTier", "module_path": "sessionkv.tiers.g3.backends.disk",
                                   "path": str(g3_dir), "max_bytes": 1 << 30}],
              "sessionkv": {"policy_file": str(policy)}}
     llm = LLM(model=TINY, enforce_eager=True, block_size=BLOCK, max_model_len=4096, seed=0,

@@ -82,12 +82,12 @@ def _tier(backend: str, chunk_bytes: int, session_bytes: int, where: Path, regio
     from sessionkv.devtools.g3_spec import standalone_spec
     spec = standalone_spec(str(MODELS / "tiny"), chunk_bytes)
     if backend == "disk":
-        from sessionkv.tiers.disk import DiskTier
+        from sessionkv.tiers.g3.backends.disk import DiskTier
         return DiskTier(spec, memoryview(region), "disk", path=str(where / "g3"),
                         max_bytes=4 * session_bytes, namespace="pin-memory", timeout_s=10.0), []
     if backend == "mooncake":
         from sessionkv.devtools.services import lan_address, start_mooncake
-        from sessionkv.tiers.mooncake import MooncakeTier
+        from sessionkv.tiers.g3.backends.mooncake import MooncakeTier
         store_mb = int(session_bytes * 1.5 / MIB) + 256
         ports, master, store = start_mooncake(where / "mooncake", store_size=f"{store_mb}MB")
         try:
@@ -115,7 +115,7 @@ def measure(backend: str = "disk", chunks: int = 6250, chunk_bytes: int = 512 <<
     from vllm.utils.hashing import sha256
     from vllm.v1.core import kv_cache_utils
     from sessionkv.devtools.keys import block_key
-    from sessionkv.tiers import g3_layout
+    from sessionkv.tiers.g3 import layout as g3_layout
     if getattr(kv_cache_utils, "NONE_HASH", None) is None:     # what an engine does at start
         kv_cache_utils.init_none_hash(sha256)
     session_bytes = chunks * chunk_bytes

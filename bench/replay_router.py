@@ -28,7 +28,7 @@ import msgspec
 
 from replay_trace import BLOCK_TOKENS, SimClock, Trace
 from sessionkv.config import Limits
-from sessionkv.connectors.hint_executor import HintExecutor
+from sessionkv.engine.executor import HintExecutor
 from sessionkv.hints import Action, KvHint, envelope, hint_action, parse_envelope
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.router.config import HintPolicy

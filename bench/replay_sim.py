@@ -39,9 +39,9 @@ from replay_router import make_router
 from replay_time import HINTS, TURN
 from replay_trace import BLOCK_TOKENS, SimClock, Trace, key_of
 from sessionkv.config import Limits
-from sessionkv.connectors.hint_executor import HintExecutor
+from sessionkv.engine.executor import HintExecutor
 from sessionkv.index.prefix_index import SessionPrefixIndex
-from sessionkv.tiers.g2_policy import SessionCachePolicy
+from sessionkv.tiers.g2.policy import SessionCachePolicy
 from sessionkv.types import Tier
 
 # G2 policy name -> (vLLM eviction_policy, cache_policy_module_path); built
@@ -49,9 +49,9 @@ from sessionkv.types import Tier
 G2_POLICIES = {
     "lru": ("lru", None),
     "arc": ("arc", None),
-    "session": ("SessionCachePolicy", "sessionkv.tiers.g2_policy"),
-    "naive": ("SessionCachePolicy", "sessionkv.tiers.g2_policy"),
-    "naive-unbounded": ("SessionCachePolicy", "sessionkv.tiers.g2_policy"),
+    "session": ("SessionCachePolicy", "sessionkv.tiers.g2.policy"),
+    "naive": ("SessionCachePolicy", "sessionkv.tiers.g2.policy"),
+    "naive-unbounded": ("SessionCachePolicy", "sessionkv.tiers.g2.policy"),
 }
 ALL_POLICIES = ("lru", "arc", "naive", "naive-unbounded", "session", "opt")
 DEFAULT_KV_BYTES_PER_TOKEN = 131_072    # Llama-3-8B in bf16: 32 layers x 8 KV heads x 128 x 2 x 2 B

@@ -33,7 +33,7 @@ Everything runs the product's classes in one process (no model):
   sessions idle past the timeout: ``expire_sessions`` as the connector calls
   it, at most ``EXPIRE_PER_PASS`` sessions and released chunks per scheduler
   pass, until none is left; the worst pass and the total.
-- ``status``: the control channel's ``status`` op (``manager.status()``)
+- ``status``: the control channel's ``status`` op (``manager.service.status()``)
   with those 10,000 sessions: its longest hold of the lock (it summarizes
   the 1,000 it shows in batches, letting the lock go in between) and its
   total time.
@@ -94,11 +94,11 @@ import sessionkv.tiers
 import vllm.v1.kv_offload
 from scale_steps import BLOCK, StepSpec, make_scheduler, run_both, step_times
 from sessionkv import connectors
-from sessionkv.connectors import compat
-from sessionkv.connectors.g2 import G3_KNOWN_PER_G2_CHUNK
+from sessionkv.tiers import compat
+from sessionkv.tiers.g2.tier import G3_KNOWN_PER_G2_CHUNK
 from sessionkv.connectors.vllm import EXPIRE_PER_PASS
 from sessionkv.hints import Action
-from sessionkv.tiers.g2_policy import SessionCachePolicy
+from sessionkv.tiers.g2.policy import SessionCachePolicy
 from sessionkv.types import Tier
 
 G2_CHUNKS = 262_144
@@ -249,7 +249,7 @@ def sessions_and_pins(sessions: int, pins: int, expiring: int, blocks: int) -> d
     manager = sched.connector.manager
     policy = manager.primary_tier.policy
     index = manager.index
-    timeout = manager.config.policy.sessions.idle_timeout_s
+    timeout = manager.service.config.policy.sessions.idle_timeout_s
     t_new, t_old = 10 * timeout, 8 * timeout
     slot = 0
     pinned_live = 0
@@ -264,19 +264,19 @@ def sessions_and_pins(sessions: int, pins: int, expiring: int, blocks: int) -> d
         want = 4 if old else min(blocks, pins - pinned_live)
         if want > 0:
             hint = make_hint(Action.PIN, name, ttl_s=600.0, max_blocks=want)
-            (out,) = manager.control_hints([hint], name, client=name)
+            (out,) = manager.service.control_hints([hint], name, client=name)
             if not old:
                 pinned_live += out.blocks_affected
-    live_pins = manager.executor.pinned_chunks
+    live_pins = manager.service.executor.pinned_chunks
     gc.collect()
     t0 = time.perf_counter()
-    status = manager.status()
+    status = manager.service.status()
     status_s = time.perf_counter() - t0
     passes = []             # as the connector expires: a budget per scheduler pass
     more = True
     while more:
         t0 = time.perf_counter()
-        more = manager.expire_sessions(t_new + 1.0, EXPIRE_PER_PASS)
+        more = manager.service.expire_sessions(t_new + 1.0, EXPIRE_PER_PASS)
         passes.append(time.perf_counter() - t0)
     sched.shutdown()
     return {"sessions": sessions, "pins_live": pinned_live, "pins_before_expiry": live_pins,
@@ -344,9 +344,9 @@ def soak(hours: float, turns_per_min: int, g2_chunks: int, live: int) -> dict:
                 ring[i] = (name, new[-1], left - 1)
                 continue
             if rng.random() < 0.5:
-                manager.end_session(name, now=now)
+                manager.service.end_session(name, now=now)
             ring[i] = new_session()
-        while manager.expire_sessions(now, EXPIRE_PER_PASS):
+        while manager.service.expire_sessions(now, EXPIRE_PER_PASS):
             pass
     sched.shutdown()
     at = {s["hour"]: s for s in samples}

@@ -30,18 +30,19 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from replay_router import make_hint
 from sessionkv.config import SessionKVConfig
-from sessionkv.connectors import moves
-from sessionkv.connectors.g2 import QuarantinedPrimaryTier
-from sessionkv.connectors.manager import G3Copies, SessionTierManager
+from sessionkv.engine import mover as moves
+from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier
+from sessionkv.connectors.manager import SessionTierManager
+from sessionkv.engine.service import G3Copies
 from sessionkv.devtools.engines import MODELS
 from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.keys import block_key
 from sessionkv.events import EventLog, Outcome
 from sessionkv.hints import Action, Status
 from sessionkv.index.prefix_index import SessionPrefixIndex
-from sessionkv.tiers.disk import DiskTier
-from sessionkv.tiers.g2_policy import SessionCachePolicy
-from sessionkv.tiers.g3 import Quarantine
+from sessionkv.tiers.g3.backends.disk import DiskTier
+from sessionkv.tiers.g2.policy import SessionCachePolicy
+from sessionkv.tiers.g3.tier import Quarantine
 from sessionkv.types import Tier
 
 CHUNK = 4096
@@ -103,14 +104,14 @@ def _hint(m, lock: TimedLock, action: Action, session: str, **kw) -> dict:
     """One hint from arrival to final outcome; its holds of the lock."""
     lock.holds.clear()
     t0 = time.perf_counter()
-    (first,) = m.control_hints([make_hint(action, session, **kw)], session, "bench")
+    (first,) = m.service.control_hints([make_hint(action, session, **kw)], session, "bench")
     final = first
     seen = 0
     while final.status is Status.DEFERRED:
-        select.select([m.wake.fd], [], [], 1.0)
-        m.wake.drain()
+        select.select([m.service.wake.fd], [], [], 1.0)
+        m.service.wake.drain()
         with m.lock:
-            m.apply_moves()
+            m.service.apply_moves()
         evs, _, _ = m.event_log.since(seen, 100_000)
         seen += len(evs)
         for e in evs:

@@ -70,7 +70,7 @@ def rates(variants: dict, nbytes: int, repeat: int) -> dict[str, float]:
 
 def raw_calls(backend: str, tier):
     """The backend's own batch put and get over the tier's client."""
-    from sessionkv.tiers.g3 import address_of
+    from sessionkv.tiers.g3.tier import address_of
     b = tier._backend
     if backend == "mooncake":
         def put(names, bufs):
@@ -109,8 +109,8 @@ def measure(backend: str, where, chunk: int, repeat: int, mac: bool = False) -> 
     from vllm.v1.kv_offload.tiering.base import TransferJob
 
     from sessionkv.keys import G3_MAC, derive
-    from sessionkv.tiers.g3 import checksum
-    from sessionkv.tiers.g3_backend import Seal
+    from sessionkv.tiers.g3.tier import checksum
+    from sessionkv.tiers.g3.backend import Seal
     from sessionkv.devtools.g3_spec import standalone_spec
     init_none_hash(sha256)
     n = max(1, BATCH_BYTES // chunk)
@@ -123,16 +123,16 @@ def measure(backend: str, where, chunk: int, repeat: int, mac: bool = False) -> 
     seal = Seal(key)
     if backend == "mooncake":
         from sessionkv.devtools.services import lan_address
-        from sessionkv.tiers.mooncake import MooncakeTier
+        from sessionkv.tiers.g3.backends.mooncake import MooncakeTier
         tier = MooncakeTier(spec, view, "mooncake", master=where.master,
                             metadata_server=where.metadata_url, local_hostname=lan_address(),
                             namespace=ns, timeout_s=30.0, **kw)
     elif backend == "lmcache":
-        from sessionkv.tiers.lmcache import LMCacheTier
+        from sessionkv.tiers.g3.backends.lmcache import LMCacheTier
         tier = LMCacheTier(spec, view, "lmcache", url=where, namespace=ns, timeout_s=30.0,
                            **kw)
     else:
-        from sessionkv.tiers.redis import RedisTier
+        from sessionkv.tiers.g3.backends.redis import RedisTier
         tier = RedisTier(spec, view, "redis", url=where, namespace=ns, timeout_s=30.0, **kw)
     try:
         src = [memoryview(region[i]) for i in range(n)]

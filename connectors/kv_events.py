@@ -15,7 +15,7 @@ without a session, is shared and goes untagged: no session is named the
 owner of what several use (reuse from the device prefix cache alone is not
 seen here; vLLM's device events report it, tagged with the reusing
 session). ``BlockRemoved`` has no ``session_id`` field: removals go out as
-vLLM makes them (G3's: ``tiers/g3_events.py``).
+vLLM makes them (G3's: ``tiers/g3/events.py``).
 
 Invariants: events are vLLM's own, in vLLM's order, with only
 ``session_id`` set; a chunk no session stored is left untagged.

@@ -16,7 +16,7 @@ call (``SessionStats.take``), which travel with the scheduler's stats.
 | ``sessionkv:lock_wait_seconds`` | counter | the scheduler's waits for the lock at a step's start |
 | ``sessionkv:control_seconds`` | counter | ``op``: the control thread's time per op (``hints``, ``end_session``, ``moves``, ...) |
 
-G3 write-through's queue and its backpressure (``tiers/g3_backpressure.py``)
+G3 write-through's queue and its backpressure (``tiers/g3/backpressure.py``)
 are on vLLM's own tiering metrics (0.32 and 0.33), which pass through here
 (``take(into=...)``), labelled ``tier`` ``<n>:<type>`` (``1:RedisTier``):
 ``vllm:kv_offload_tiering_active_cascade_jobs`` (cascades queued or

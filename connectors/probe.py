@@ -15,12 +15,12 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sessionkv.tiers.g3 import G3Tier
+from sessionkv.tiers.g3.tier import G3Tier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from .manager import SessionTierManager
+    from sessionkv.connectors.manager import SessionTierManager
 
 Probe = Callable[[list[int]], dict[str, Any]]
 

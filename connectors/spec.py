@@ -27,15 +27,17 @@ from sessionkv.config import SessionKVConfig, parse_extra_config, vllm_extra_con
 from sessionkv.keys import G3_MAC, derive
 from sessionkv.events import EventLog
 from sessionkv.index.prefix_index import SessionPrefixIndex
-from sessionkv.tiers.g2_policy import SessionCachePolicy
-from sessionkv.tiers.g3 import BATCH_BYTES, G3Tier, Quarantine
-from sessionkv.tiers.g3_backpressure import CascadeQueue, default_max_chunks
+from sessionkv.tiers.g2.policy import SessionCachePolicy
+from sessionkv.tiers.g3.tier import BATCH_BYTES, G3Tier, Quarantine
+from sessionkv.tiers.g3.backpressure import CascadeQueue, default_max_chunks
 
-from . import compat, regions
-from .cpu_worker import TorchCopyWorker
-from .g2 import QuarantinedPrimaryTier, SessionPrimaryTier
-from .manager import G3Copies, SessionTierManager
-from .metrics import DEFINITIONS as METRICS
+from sessionkv.tiers import compat
+from sessionkv.tiers.g2 import regions
+from sessionkv.connectors.cpu_worker import TorchCopyWorker
+from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier, SessionPrimaryTier
+from sessionkv.connectors.manager import SessionTierManager
+from sessionkv.engine.service import G3Copies
+from sessionkv.connectors.metrics import DEFINITIONS as METRICS
 
 
 def has_device_worker() -> bool:
@@ -121,7 +123,7 @@ class SessionTierSpec(TieringOffloadingSpec):
         return manager
 
     def _scheduler_region(self) -> SharedOffloadRegion:
-        """The scheduler's mapping of G2 (connectors/regions.py): regions
+        """The scheduler's mapping of G2 (tiers/g2/regions.py): regions
         killed engines left are reclaimed first; this one is registered
         before it is mapped. On a device the workers made it already and it
         is joined, never created: a region made here would be a private copy
@@ -150,7 +152,7 @@ class SessionTierSpec(TieringOffloadingSpec):
         objects with a MAC when the policy names a cluster secret, and,
         unless the user gave a ``backpressure`` (vLLM's key, top-level or
         per tier), drops cascades while it carries a backlog of an eighth of
-        G2 (``tiers/g3_backpressure.py``; measured in bench/README.md,
+        G2 (``tiers/g3/backpressure.py``; measured in bench/README.md,
         "Defaults a GPU fleet can run")."""
         if issubclass(SecondaryTierFactory.get_tier_class(tier_config), G3Tier):
             for key in ("quarantine", "observer", "seal_key"):

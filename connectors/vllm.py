@@ -15,11 +15,11 @@ primary tier, G3 = secondary tiers), plus:
   the hints act when it finishes (``SessionTierManager.execute_request_hints``),
   on the whole turn: the blocks its last tokens filled join the index then,
   and the chunks vLLM stores after it finished get the hints when they arrive
-  (``connectors/hint_executor.py``, ``Turn``);
+  (``engine/executor.py``, ``Turn``);
 - a per-request report (``sessionkv.report.RequestReport``) returned from
   ``request_finished`` into the response's ``kv_transfer_params``;
 - configurations it cannot serve correctly refused at start;
-- the control channel and event stream (``connectors.control``), in the
+- the control channel and event stream (``engine.control``), in the
   scheduler process only, when the policy names a secret.
 
 Threading: every scheduler-side method runs on vLLM's scheduler thread and
@@ -29,7 +29,7 @@ holds the tier manager's lock: from the first call of a ``schedule()`` pass
 calls exactly once per pass; the other calls (``on_new_request``,
 ``request_finished``, ``update_connector_output``) hold it for their own
 duration. Other threads take the same lock and change only metadata. Who
-takes it differs by release (``connectors/compat.py``): on 0.32 this
+takes it differs by release (``tiers/compat.py``): on 0.32 this
 connector (``_enter_pass``, ``_around_vllm``); on 0.33 vLLM's connector
 scheduler in its own hooks, and this connector only around its own work
 outside them (``_locked``, ``compat.after_vllm_step``).
@@ -62,17 +62,17 @@ from sessionkv.events import Association, Op
 from sessionkv.hints import HintOutcome, KvHint, Status, is_id
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.report import RequestReport
-from sessionkv.tiers.g3_spec import IDENTITY_KEY
+from sessionkv.tiers.g3.spec import IDENTITY_KEY
 from sessionkv.types import Tier
 
-from . import compat
-from .control import ControlChannel
-from .fills import FillWatch
-from .hint_executor import Turn, read_request
-from .kv_events import SessionEventsTracker
-from .manager import SessionTierManager
-from .probe import Probe, make_probe
-from .spec import SessionTierSpec, has_device_worker
+from sessionkv.tiers import compat
+from sessionkv.engine.control import ControlChannel
+from sessionkv.connectors.fills import FillWatch
+from sessionkv.engine.executor import Turn, read_request
+from sessionkv.connectors.kv_events import SessionEventsTracker
+from sessionkv.connectors.manager import SessionTierManager
+from sessionkv.connectors.probe import Probe, make_probe
+from sessionkv.connectors.spec import SessionTierSpec, has_device_worker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -156,7 +156,7 @@ def bind_spec(extra: dict[str, Any]) -> None:
 
 def model_identity(vllm_config: "VllmConfig") -> dict[str, Any]:
     """What changes K/V beyond what vLLM's offloading config names (the
-    model's path and KV dtype), for the G3 fingerprint (``tiers.g3_spec``):
+    model's path and KV dtype), for the G3 fingerprint (``tiers.g3.spec``):
     plain values, so the config stays picklable. ``hf_overrides`` is None
     when it is a function (G3 then refuses to start)."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
@@ -172,7 +172,7 @@ def model_identity(vllm_config: "VllmConfig") -> dict[str, Any]:
         "hf_overrides": None if callable(overrides) else dict(overrides or {}),
         "lora": vllm_config.lora_config is not None,
         # where the ranks run: G3 and the Mover read and write the scheduler
-        # node's host mapping only (tiers.g3_spec refuses what that breaks)
+        # node's host mapping only (tiers.g3.spec refuses what that breaks)
         "nnodes": int(getattr(vllm_config.parallel_config, "nnodes", 1) or 1),
         "executor": str(vllm_config.parallel_config.distributed_executor_backend),
     }
@@ -199,13 +199,13 @@ def start_control(manager: SessionTierManager, engine_id: str | None, dp_rank: i
     ``sessionkv doctor``. Its ``hello`` names the engine and what a router's
     policy sizes itself by: G1 blocks, G2 chunks and blocks per chunk, and
     the hint rate one client gets."""
-    cfg = manager.config
+    cfg = manager.service.config
     secret = cfg.policy.trust.secret
     if secret is None:
         return None
     port = cfg.control.port + 2 * dp_rank if cfg.control.port else 0
     channel = ControlChannel(
-        manager, secret, host=cfg.control.host, port=port,
+        manager.service, secret, host=cfg.control.host, port=port,
         info={"engine_id": engine_id, "dp_rank": dp_rank, "dp_size": dp_size,
               "block_size": block_size,
               "g1_blocks": g1_blocks, "g2_chunks": manager.primary_tier.num_chunks,
@@ -333,7 +333,7 @@ class SessionTierConnector(OffloadingConnector):
             if waited:
                 self.manager.stats.lock_waited(waited)
             self._in_pass = True
-            self.manager.apply_moves()      # hint copies that ended become visible
+            self.manager.service.apply_moves()      # hint copies that ended become visible
 
     def _leave_pass(self) -> None:
         if self._in_pass:
@@ -373,7 +373,7 @@ class SessionTierConnector(OffloadingConnector):
         session = self._joinable(session, signed)
         # Per-tier counts in its report: always with report.per_tier "all",
         # else only when the router signed it.
-        per_tier = signed or self.manager.config.policy.report.per_tier == "all"
+        per_tier = signed or self.manager.service.config.policy.report.per_tier == "all"
         self._tracked[request.request_id] = _Tracked(request, session, hints, per_tier)
         with self._around_vllm():
             super().on_new_request(request)
@@ -400,7 +400,7 @@ class SessionTierConnector(OffloadingConnector):
         whether the router signed it."""
         try:
             got = read_request(params, request.kv_hints, session,
-                               self.manager.config.policy.trust.secret)
+                               self.manager.service.config.policy.trust.secret)
             if got.problem and time.monotonic() >= self._next_sig_warning:
                 self._next_sig_warning = time.monotonic() + SIG_WARNING_EVERY_S
                 logger.warning("sessionkv: request %s: a router signature failed, its hints "
@@ -488,9 +488,9 @@ class SessionTierConnector(OffloadingConnector):
         if filled:
             self._admit_filled(filled, now)
         index.sweep_g1(min(G1_SWEEP_MAX, max(G1_SWEEP_MIN, total // bs)))
-        self.manager.collect_clipped()
+        self.manager.service.collect_clipped()
         if now >= self._next_expiry:
-            more = self.manager.expire_sessions(now, EXPIRE_PER_PASS)
+            more = self.manager.service.expire_sessions(now, EXPIRE_PER_PASS)
             self._next_expiry = now if more else now + EXPIRE_EVERY_S
 
     def _admit_filled(self, filled: list[tuple[_Tracked, int, int]], now: float) -> None:
@@ -550,7 +550,7 @@ class SessionTierConnector(OffloadingConnector):
         g3 = sum(sources.values()) - g2
         turn = self._turn(tr, request) if tr else None
         report = RequestReport.build(
-            hints=self.manager.execute_request_hints(tr.hints, tr.session, turn)
+            hints=self.manager.service.execute_request_hints(tr.hints, tr.session, turn)
             if tr else (),
             session_id=tr.session if tr else None,
             block_size=self._block_size,

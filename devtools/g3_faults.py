@@ -28,7 +28,7 @@ from sessionkv.devtools.engines import (POISON_EXT, TINY, kv_transfer_config, ne
                                         poison_g2, use_engine_env)
 from sessionkv.devtools.keys import keys_of
 from sessionkv.report import RequestReport
-from sessionkv.tiers.g3 import Guard
+from sessionkv.tiers.g3.tier import Guard
 
 BLOCK = 32
 CHUNK_BYTES = 2 * 2 * 2 * 64 * BLOCK * 4
@@ -182,17 +182,17 @@ def scenario(log_dir: Path, backend: str) -> dict:
     if backend == "mooncake":
         ports, master, store = start_mooncake(log_dir)
         services = [("master", master), ("store", store)]
-        tier = {"type": "MooncakeTier", "module_path": "sessionkv.tiers.mooncake",
+        tier = {"type": "MooncakeTier", "module_path": "sessionkv.tiers.g3.backends.mooncake",
                 "master": ports.master, "metadata_server": ports.metadata_url,
                 "local_hostname": lan_address()}
     elif backend == "redis":
         url, server = start_redis(log_dir)
         services = [("redis", server)]
-        tier = {"type": "RedisTier", "module_path": "sessionkv.tiers.redis", "url": url}
+        tier = {"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis", "url": url}
     else:
         url, server = start_lmcache(log_dir)
         services = [("lmcache", server)]
-        tier = {"type": "LMCacheTier", "module_path": "sessionkv.tiers.lmcache", "url": url}
+        tier = {"type": "LMCacheTier", "module_path": "sessionkv.tiers.g3.backends.lmcache", "url": url}
     try:
         llm, engine_id = make_engine(tier, log_dir)
         try:

@@ -13,7 +13,7 @@ from vllm.v1.kv_offload.config import (
     OffloadingParallelConfig,
 )
 
-from sessionkv.tiers.g3_spec import IDENTITY_KEY
+from sessionkv.tiers.g3.spec import IDENTITY_KEY
 
 
 def standalone_identity(**changes) -> dict:

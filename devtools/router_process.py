@@ -84,7 +84,7 @@ def engine_pair(d, mooncake, secret: bytes, multiprocessing: str = "1"):
     (d / "tiers.yaml").write_text(
         "version: 1\nlimits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n"
         f"trust: {{secret_file: {d / 'secret'}}}\n")
-    tier = {"type": "MooncakeTier", "module_path": "sessionkv.tiers.mooncake",
+    tier = {"type": "MooncakeTier", "module_path": "sessionkv.tiers.g3.backends.mooncake",
             "master": mooncake.master, "metadata_server": mooncake.metadata_url,
             "local_hostname": lan_address(), "namespace": f"router-{uuid.uuid4().hex[:8]}",
             "timeout_s": 10.0}

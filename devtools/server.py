@@ -25,7 +25,7 @@ def offload_region_path(engine_id: str) -> str:
 
 def remove_offload_region(engine_id: str) -> None:
     """Remove an engine's G2 region file and its registration
-    (``connectors/regions.py``). vLLM's tiering spec unlinks the region only
+    (``tiers/g2/regions.py``). vLLM's tiering spec unlinks the region only
     on a clean worker shutdown; a terminated server leaves it in /dev/shm."""
     path = offload_region_path(engine_id)
     head, name = os.path.split(path)

@@ -208,10 +208,10 @@ main()
 def lmcache_server(log_dir: Path, port: int = 65432) -> Service:
     """LMCache's ``lm://`` storage server (its ``lmcache_server``) on
     127.0.0.1, objects in its memory (it has no capacity limit: see
-    ``tiers/lmcache.py``). Healthy when it answers a HEALTH request. No usage
+    ``tiers/g3/backends/lmcache.py``). Healthy when it answers a HEALTH request. No usage
     telemetry leaves the machine."""
     def healthy() -> bool:
-        from sessionkv.tiers.lmcache import health
+        from sessionkv.tiers.g3.backends.lmcache import health
         return port_open(port) and health(f"lm://127.0.0.1:{port}")
     return Service("lmcache_server",
                    [sys.executable, "-c", LMCACHE_SERVER, "127.0.0.1", str(port), "cpu"],

@@ -45,8 +45,8 @@ import numpy as np
 
 from sessionkv.types import TIERS, Tier
 
-from .tree import FEW_KEYS, MAX_COPIES, NONE, BlockTree, view
-from .views import Resolved, SessionSummary, alias64
+from sessionkv.index.tree import FEW_KEYS, MAX_COPIES, NONE, BlockTree, view
+from sessionkv.index.views import Resolved, SessionSummary, alias64
 
 __all__ = ["SessionPrefixIndex", "Resolved", "SessionSummary", "alias64"]
 

@@ -51,7 +51,7 @@ import numpy as np
 
 from sessionkv.types import TIERS, Tier
 
-from .views import Resolved, alias64, aliases64
+from sessionkv.index.views import Resolved, alias64, aliases64
 
 NONE = -1
 MAX_COPIES = int(np.iinfo(np.uint16).max)

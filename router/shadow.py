@@ -17,7 +17,7 @@ et al., FAST'15): the cost per request and the memory stay bounded at any G2
 size.
 
 Recency is a rank per block, as in vLLM 0.33's LRU policy (the CUDA
-release the engines run; ``tiers/g2_policy.py`` keeps it exactly): a turn
+release the engines run; ``tiers/g2/policy.py`` keeps it exactly): a turn
 draws a rank when it starts (``request``), and the blocks it reads or stores
 rank (that rank, -position): new ones enter there, resident ones rise to it,
 never fall. So while a turn runs its blocks go after every block last used

@@ -1,6 +1,6 @@
 """The demo: one agent session whose earlier turns leave G1, served back from G2,
 then from the local-disk G3 once G1 and G2 are emptied. No service is started:
-G3 is a directory (``tiers/disk.py``).
+G3 is a directory (``tiers/g3/backends/disk.py``).
 
 Starts vLLM's OpenAI server (realistic-shape local model) with SessionTierConnector,
 runs a multi-turn session in which every turn ends in a tool-call gap that drops

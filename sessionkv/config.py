@@ -25,7 +25,7 @@ import yaml
 SUBKEY = "sessionkv"
 
 # G2 eviction policies the policy file may name: vLLM's built-ins, and "session"
-# (sessionkv.tiers.g2_policy.SessionCachePolicy: LRU biased by Pin and Retain).
+# (sessionkv.tiers.g2.policy.SessionCachePolicy: LRU biased by Pin and Retain).
 G2_EVICTION_POLICIES = ("lru", "arc", "session")
 
 
@@ -97,9 +97,13 @@ class ReportPolicy:
     per_tier: str = "signed"
 
 
-# G3 tier types whose ``module_path`` the policy file's ``tiers.g3`` may leave out.
-G3_MODULES = {"MooncakeTier": "sessionkv.tiers.mooncake", "RedisTier": "sessionkv.tiers.redis",
-              "LMCacheTier": "sessionkv.tiers.lmcache", "DiskTier": "sessionkv.tiers.disk"}
+# G3 tier types whose ``module_path`` the policy file's ``tiers.g3.tier`` may leave out.
+G3_MODULES = {"MooncakeTier": "sessionkv.tiers.g3.backends.mooncake",
+              "RedisTier": "sessionkv.tiers.g3.backends.redis",
+              "LMCacheTier": "sessionkv.tiers.g3.backends.lmcache",
+              "DiskTier": "sessionkv.tiers.g3.backends.disk"}
+# Where 0.1.0 kept them: a ``module_path`` naming one still finds the tier.
+MOVED_MODULES = {f"sessionkv.tiers.{m.rpartition('.')[2]}": m for m in G3_MODULES.values()}
 
 
 @dataclass(frozen=True)
@@ -282,9 +286,9 @@ def _parse_tiers(raw: Any, source: str) -> TierStack:
     if g3 is None:
         return TierStack(g2_bytes=g2)
     if not isinstance(g3, list):
-        raise ValueError(f"{source}: tiers.g3 must be a list of tier entries, "
+        raise ValueError(f"{source}: tiers.g3.tier must be a list of tier entries, "
                          f"got {type(g3).__name__}")
-    return TierStack(g2_bytes=g2, g3=tuple(_tier_entry(e, f"{source}: tiers.g3[{i}]")
+    return TierStack(g2_bytes=g2, g3=tuple(_tier_entry(e, f"{source}: tiers.g3.tier[{i}]")
                                            for i, e in enumerate(g3)))
 
 
@@ -303,7 +307,7 @@ def _tier_entry(raw: Any, where: str) -> Mapping[str, Any]:
     module = raw.get("module_path", G3_MODULES.get(kind))
     if not isinstance(module, str) or not module:
         raise ValueError(f"{where}.module_path is required for tier type {kind!r}")
-    return {**raw, "module_path": module}
+    return {**raw, "module_path": MOVED_MODULES.get(module, module)}
 
 
 def _parse_report(raw: Any, source: str) -> ReportPolicy:
@@ -376,7 +380,7 @@ def _check_vllm_keys(extra_config: Mapping[str, Any], cfg: SessionKVConfig) -> N
         raise ValueError(f"cpu_bytes_to_use and tiers.g2_bytes in {where} both give G2's "
                          "size: keep one")
     if stack.g3 is not None and "secondary_tiers" in extra_config:
-        raise ValueError(f"secondary_tiers and tiers.g3 in {where} both give the G3 tiers: "
+        raise ValueError(f"secondary_tiers and tiers.g3.tier in {where} both give the G3 tiers: "
                          "keep one")
     if "cpu_bytes_to_use" not in extra_config and stack.g2_bytes is None:
         raise ValueError(
@@ -403,7 +407,7 @@ def _parse_tier_options(raw: Any, tiers: tuple[Mapping[str, Any], ...] | None,
     if not raw:
         return {}
     if tiers is None:
-        raise ValueError(f"{where} sets options of the policy file's tiers.g3, which has none "
+        raise ValueError(f"{where} sets options of the policy file's tiers.g3.tier, which has none "
                          f"(give them in the secondary_tiers entries instead)")
     out = {}
     for kind, options in raw.items():
@@ -411,10 +415,10 @@ def _parse_tier_options(raw: Any, tiers: tuple[Mapping[str, Any], ...] | None,
         mine = [t for t in tiers if t["type"] == kind]
         if not mine:
             raise ValueError(f"{where}.{kind}: no tier of that type in the policy file's "
-                             f"tiers.g3 ({', '.join(t['type'] for t in tiers)})")
+                             f"tiers.g3.tier ({', '.join(t['type'] for t in tiers)})")
         for key in options:
             if key in ("type", "module_path") or any(key in t for t in mine):
-                raise ValueError(f"{where}.{kind}.{key} is set in the policy file's tiers.g3 "
+                raise ValueError(f"{where}.{kind}.{key} is set in the policy file's tiers.g3.tier "
                                  "too: keep one")
         out[kind] = dict(options)
     return out
@@ -430,6 +434,11 @@ def vllm_extra_config(extra_config: Mapping[str, Any], cfg: SessionKVConfig) -> 
     if stack.g3 is not None:
         out["secondary_tiers"] = [{**entry, **cfg.tier_options.get(entry["type"], {})}
                                   for entry in stack.g3]
+    elif isinstance(tiers := out.get("secondary_tiers"), list):
+        out["secondary_tiers"] = [
+            {**t, "module_path": MOVED_MODULES[t["module_path"]]}
+            if isinstance(t, dict) and t.get("module_path") in MOVED_MODULES else t
+            for t in tiers]
     return out
 
 

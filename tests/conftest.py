@@ -63,6 +63,6 @@ def lmcache_url(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def g3_disk(tmp_path_factory):
-    """The local-disk G3's directory (``tiers/disk.py``), for the session:
+    """The local-disk G3's directory (``tiers/g3/backends/disk.py``), for the session:
     nothing to start; engines and tiers on it share objects and one limit."""
     return str(tmp_path_factory.mktemp("g3-disk"))

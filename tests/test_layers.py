@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # folder -> installed package (pyproject.toml's package-dir)
 FOLDERS = {"sessionkv": "sessionkv", "index": "sessionkv.index", "tiers": "sessionkv.tiers",
-           "connectors": "sessionkv.connectors", "router": "sessionkv.router",
+           "engine": "sessionkv.engine", "connectors": "sessionkv.connectors", "router": "sessionkv.router",
            "devtools": "sessionkv.devtools"}
 # The public API: sessionkv/ but for its applications (the CLI and the doctor).
 API = "api"
@@ -27,18 +27,19 @@ MAY_IMPORT = {
     API: set(),
     "sessionkv.index": {API},
     "sessionkv.tiers": {"sessionkv.index", API},
-    "sessionkv.connectors": {"sessionkv.tiers", "sessionkv.index", API},
+    "sessionkv.engine": {"sessionkv.tiers", "sessionkv.index", API},
+    "sessionkv.connectors": {"sessionkv.engine", "sessionkv.tiers", "sessionkv.index", API},
     "sessionkv.router": {API},
     "cli": {"sessionkv.router", API},
-    "sessionkv.devtools": {"sessionkv.connectors", "sessionkv.tiers", "sessionkv.index",
+    "sessionkv.devtools": {"sessionkv.connectors", "sessionkv.engine", "sessionkv.tiers", "sessionkv.index",
                            "sessionkv.router", "cli", API},
 }
 # Third-party packages a layer must not import: the index and the API are pure
 # (they run in routers and clients without vLLM); the router speaks HTTP and
-# the control channel only.
+# the control channel only; the engine reaches vLLM only through the tiers.
 ENGINE_ONLY = ("vllm", "torch", "lmcache", "mooncake")
 FORBIDDEN = {API: ENGINE_ONLY, "cli": ENGINE_ONLY, "sessionkv.index": ENGINE_ONLY,
-             "sessionkv.router": ENGINE_ONLY}
+             "sessionkv.router": ENGINE_ONLY, "sessionkv.engine": ENGINE_ONLY}
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:

@@ -1,4 +1,4 @@
-"""``connectors/compat.py`` is the one place that touches vLLM's private
+"""``tiers/compat.py`` is the one place that touches vLLM's private
 names (ARCHITECTURE.md): no other class of ours that subclasses a vLLM class
 defines, reads or writes an underscore name that a vLLM class in its MRO
 defines or sets. Checked on the vLLM this process runs (both passes of
@@ -12,13 +12,13 @@ import inspect
 import re
 import textwrap
 
-from sessionkv.connectors import compat
+from sessionkv.tiers import compat
 
-MODULES = ("sessionkv.connectors.vllm", "sessionkv.connectors.manager", "sessionkv.connectors.g2",
+MODULES = ("sessionkv.connectors.vllm", "sessionkv.connectors.manager", "sessionkv.tiers.g2.tier",
            "sessionkv.connectors.spec", "sessionkv.connectors.cpu_worker",
-           "sessionkv.connectors.moves", "sessionkv.tiers.g2_policy", "sessionkv.tiers.g3",
-           "sessionkv.tiers.g3_io", "sessionkv.tiers.g3_spec", "sessionkv.tiers.redis",
-           "sessionkv.tiers.mooncake", "sessionkv.tiers.lmcache")
+           "sessionkv.engine.mover", "sessionkv.tiers.g2.policy", "sessionkv.tiers.g3.tier",
+           "sessionkv.tiers.g3.io", "sessionkv.tiers.g3.spec", "sessionkv.tiers.g3.backends.redis",
+           "sessionkv.tiers.g3.backends.mooncake", "sessionkv.tiers.g3.backends.lmcache")
 _SET = re.compile(r"self\.(_[a-zA-Z]\w*)\s*(?::[^=\n]*)?=")
 
 
@@ -75,7 +75,7 @@ def test_our_vllm_subclasses_leave_vllms_private_names_to_compat():
         used = {n for n in self_names(cls) if _private(n)} & private
         for n in sorted(defined | used):
             offences.append(f"{cls.__module__}.{cls.__name__}: {n}")
-    assert not offences, ("private vLLM names outside connectors/compat.py (add them there, "
+    assert not offences, ("private vLLM names outside tiers/compat.py (add them there, "
                           "with the reason):\n" + "\n".join(offences))
 
 

@@ -6,7 +6,7 @@ import os
 import stat
 from types import SimpleNamespace
 
-from sessionkv.connectors.control import ControlChannel
+from sessionkv.engine.control import ControlChannel
 
 
 def test_the_endpoint_file_follows_no_planted_link(tmp_path):

@@ -7,7 +7,7 @@ import time
 import zmq
 
 from sessionkv import control as wire
-from sessionkv.connectors.fetch import Fetcher
+from sessionkv.engine.fetch import Fetcher
 from sessionkv.hints import Action, Bounds, HashesTarget, KvHint, Status
 from sessionkv.devtools.server import free_port
 

@@ -3,7 +3,7 @@ backpressure, so a G3 tier slower than the engine's stores queued every
 cascade, each holding its G2 slots, ahead of every G3 load, until G2 took no
 new chunk. By default each G3 tier now drops cascades while it carries a
 backlog of an eighth of G2, at least one backend call
-(``tiers/g3_backpressure.py``); a user's own ``backpressure`` wins; the queue
+(``tiers/g3/backpressure.py``); a user's own ``backpressure`` wins; the queue
 and the drops are on vLLM's own metrics.
 
 Real parts: vLLM's ``Scheduler`` with ``SessionTierConnector`` built from
@@ -24,8 +24,8 @@ from vllm.v1.request import Request
 
 from sessionkv.connectors.spec import SessionTierSpec
 from sessionkv.connectors.vllm import SessionTierConnector
-from sessionkv.tiers.g3 import BATCH_BYTES
-from sessionkv.tiers.g3_backpressure import CascadeQueue, default_max_chunks
+from sessionkv.tiers.g3.tier import BATCH_BYTES
+from sessionkv.tiers.g3.backpressure import CascadeQueue, default_max_chunks
 from sessionkv.types import Tier
 
 TIER = ("1:RedisTier",)             # vLLM's tier label
@@ -63,7 +63,7 @@ class RecordingConnector(SessionTierConnector):
 def make(redis_url, g2_chunks=64, timeout_s=30.0, **tier):
     init_none_hash(sha256)
     RecordingConnector.total, RecordingConnector.peak, RecordingConnector.last = {}, {}, {}
-    g3 = {"type": "RedisTier", "module_path": "sessionkv.tiers.redis", "url": redis_url,
+    g3 = {"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis", "url": redis_url,
           "namespace": f"bp-{time.monotonic_ns()}", "timeout_s": timeout_s, **tier}
     return steps.make_scheduler(
         True, steps.StepSpec(context=64 * steps.BLOCK, running=16, g2_chunks=g2_chunks),
@@ -182,7 +182,7 @@ def test_by_default_a_stalled_g3_carries_a_bounded_backlog_and_the_rest_is_dropp
         for name in (ACTIVE, READ_USAGE, DROPPED_BLOCKS, DROPPED_STORES):   # on /metrics
             assert name in SessionTierSpec.build_metric_definitions(
                 {"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [{"type": "RedisTier",
-                 "module_path": "sessionkv.tiers.redis"}]})
+                 "module_path": "sessionkv.tiers.g3.backends.redis"}]})
         assert in_tier(manager, Tier.G2, range(n)) == n * 64    # G2 took every store
         stall.off()
         drain(sched)

@@ -5,12 +5,12 @@ import hypothesis.strategies as st
 from hypothesis import given, settings
 
 from sessionkv.config import Limits
-from sessionkv.connectors import hint_executor
-from sessionkv.connectors.hint_executor import WAIT_S, HintExecutor, Turn, read_request_hints
+from sessionkv.engine import executor as hint_executor
+from sessionkv.engine.executor import WAIT_S, HintExecutor, Turn, read_request_hints
 from sessionkv.devtools.hint_cases import expected_count
 from sessionkv.hints import SIG_PARAM, Status, sign
 from sessionkv.index.prefix_index import SessionPrefixIndex
-from sessionkv.tiers.g2_policy import SessionCachePolicy
+from sessionkv.tiers.g2.policy import SessionCachePolicy
 from sessionkv.types import Tier
 from sessionkv.devtools.cost import lines_run
 from sessionkv.devtools.keys import block_key

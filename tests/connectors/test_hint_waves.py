@@ -18,18 +18,19 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from sessionkv.config import SessionKVConfig
-from sessionkv.connectors import compat
-from sessionkv.connectors.g2 import QuarantinedPrimaryTier
-from sessionkv.connectors.manager import G3Copies, SessionTierManager
+from sessionkv.tiers import compat
+from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier
+from sessionkv.connectors.manager import SessionTierManager
+from sessionkv.engine.service import G3Copies
 from sessionkv.devtools.engines import MODELS
 from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.keys import block_key
 from sessionkv.events import EventLog, Outcome, Transfer
 from sessionkv.hints import Action, Status
 from sessionkv.index.prefix_index import SessionPrefixIndex
-from sessionkv.tiers.g2_policy import SessionCachePolicy
-from sessionkv.tiers.g3 import Quarantine
-from sessionkv.tiers.redis import RedisTier
+from sessionkv.tiers.g2.policy import SessionCachePolicy
+from sessionkv.tiers.g3.tier import Quarantine
+from sessionkv.tiers.g3.backends.redis import RedisTier
 from sessionkv.types import Tier
 
 from replay_router import make_hint
@@ -83,7 +84,7 @@ def final(m, hint_id, timeout_s=30.0):
     until = time.monotonic() + timeout_s
     while True:
         with m.lock:
-            m.apply_moves()
+            m.service.apply_moves()
         evs, _, _ = m.event_log.since(0, 100_000)
         outs = [e.outcome for e in evs if isinstance(e, Outcome) and e.outcome.hint_id == hint_id
                 and e.outcome.status is not Status.DEFERRED]
@@ -97,7 +98,7 @@ def test_a_share_of_all_of_g2_leaves_vllm_chunks_to_evict_and_copies_in_waves(pa
     # every chunk named, vLLM's prepare_store found nothing to evict meanwhile.
     m, g3, seen = parts
     keys = fill(m, CHUNKS)                                   # G2 full, all of it shared
-    (first,) = m.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
+    (first,) = m.service.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
     assert first.status is Status.DEFERRED, first
     ctx = ReqContext(req_id="vllm")
     with m.lock:                                             # before any wave ended
@@ -120,7 +121,7 @@ def test_a_reset_gives_up_a_stalled_copy_and_keeps_its_slots_until_it_ends(parts
     fill(m, 8)
     r = redis.Redis.from_url(redis_url)
     r.execute_command("CLIENT", "PAUSE", 3000, "WRITE")      # the first wave's put stalls
-    (first,) = m.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
+    (first,) = m.service.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
     assert first.status is Status.DEFERRED, first
     held = g3.quarantine.held
     assert len(held) == WAVE
@@ -152,14 +153,14 @@ def test_a_share_asks_the_backend_again_before_answering_already_in_g3(parts, re
     # in the wave's job; the ones gone are dropped from the index.
     m, g3, _ = parts
     keys = fill(m, 4)
-    (first,) = m.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
+    (first,) = m.service.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
     (done,), _ = final(m, first.hint_id)
     assert done.status is Status.ACCEPTED and g3.listed(keys) == [True] * 4
     with m.lock:                                     # G2 forgets them; G3 still has them
         m.reset_cache()
     assert [m.index.copies(k)[Tier.G3] for k in keys] == [1] * 4
     redis.Redis.from_url(redis_url).delete(*g3.objects(keys[2]), *g3.objects(keys[3]))
-    (again,) = m.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
+    (again,) = m.service.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
     (last,), (named,) = final(m, again.hint_id)
     assert (last.status, last.reason, last.blocks_affected) == \
         (Status.ACCEPTED, "already in G3", 2), last
@@ -177,9 +178,9 @@ def test_the_lock_is_never_taken_twice(parts):
     def pass_():
         with m.lock:
             assert not m.lock.acquire(timeout=0.05)
-            m.apply_moves()
-            m.expire_sessions(time.monotonic(), 10)
-            m.collect_clipped()
+            m.service.apply_moves()
+            m.service.expire_sessions(time.monotonic(), 10)
+            m.service.collect_clipped()
             m.get_stats()
             m.reset_cache()
             done.append(True)
@@ -187,7 +188,7 @@ def test_the_lock_is_never_taken_twice(parts):
     t.start()
     t.join(30)
     assert done == [True], "a scheduler-side method took the lock again"
-    assert m.end_session("nobody") is False        # out of band: takes it itself
+    assert m.service.end_session("nobody") is False        # out of band: takes it itself
 
 
 def test_the_scheduler_finishes_copies_without_a_system_call(parts, monkeypatch):
@@ -202,13 +203,13 @@ def test_the_scheduler_finishes_copies_without_a_system_call(parts, monkeypatch)
     def no_read(*args):
         raise AssertionError("apply read the wake pipe")
     monkeypatch.setattr(events.os, "read", no_read)
-    (first,) = m.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
+    (first,) = m.service.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
     (done,), _ = final(m, first.hint_id)
     assert done.status is Status.ACCEPTED and g3.listed(keys) == [True] * 4
     monkeypatch.undo()
-    wake = m.wake.fd
+    wake = m.service.wake.fd
     assert select.select([wake], [], [], 0)[0] == [wake]    # left for the control thread
-    m.wake.drain()
+    m.service.wake.drain()
     assert select.select([wake], [], [], 0)[0] == []
 
 
@@ -217,16 +218,16 @@ def test_no_hint_load_writes_g2_between_a_reset_and_the_flush(parts):
     # on_reset_flushed (a worker may still write a slot the reset freed, for a
     # job in flight); a Prefetch reserved G2 and wrote G3 bytes into those
     # slots meanwhile. Now the Mover holds its loads over the same window.
-    # vLLM 0.32 has no fence (connectors/moves.py, "Reset fence").
+    # vLLM 0.32 has no fence (engine/mover.py, "Reset fence").
     m, g3, seen = parts
     keys = fill(m, 4)
-    (share,) = m.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
+    (share,) = m.service.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
     (done,), _ = final(m, share.hint_id)
     assert done.status is Status.ACCEPTED and g3.listed(keys) == [True] * 4
     with m.lock:
         m.reset_cache()                 # vLLM's connector scheduler: jobs were in flight
     seen.clear()
-    (first,) = m.control_hints([make_hint(Action.PREFETCH, "s")], "s", "r")
+    (first,) = m.service.control_hints([make_hint(Action.PREFETCH, "s")], "s", "r")
     assert first.status is Status.DEFERRED, first
     ctx = ReqContext(req_id="probe")
     if compat.VLLM_FENCES_RESETS:
@@ -246,18 +247,18 @@ def test_one_hold_of_the_lock_reserves_at_most_a_slice(parts, monkeypatch):
     # Issue 52: one wave reserved up to 25 % of G2 in one prepare_write under
     # the step lock (92 ms for 16,384 chunks). Now each hold takes at most
     # SLICE_CHUNKS, and the Mover wakes its reader to go on while idle.
-    from sessionkv.connectors import moves
+    from sessionkv.engine import mover as moves
     m, g3, seen = parts
     monkeypatch.setattr(moves, "SLICE_CHUNKS", 3)
     keys = fill(m, CHUNKS)
-    (first,) = m.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
+    (first,) = m.service.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
     assert first.status is Status.DEFERRED
     assert [len(ks) for _, ks, _ in seen] in ([], [3])       # the first hold's one slice
     (last,), (moved,) = final(m, first.hint_id)
     assert last.status is Status.ACCEPTED and sorted(moved.keys) == sorted(keys)
     assert [len(ks) for _, ks, _ in seen] == [3, 3, 3, 3, 3, 1]
     seen.clear()
-    (pin,) = m.control_hints([make_hint(Action.PIN, "s", ttl_s=60)], "s", "r")
+    (pin,) = m.service.control_hints([make_hint(Action.PIN, "s", ttl_s=60)], "s", "r")
     (done,), _ = final(m, pin.hint_id)
     # G2's pin quota (a quarter of G2) clips the G2 side; G3 pins all, a slice a hold
     assert done.blocks_affected == CHUNKS, done

@@ -13,18 +13,19 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from sessionkv.config import SessionKVConfig
-from sessionkv.connectors import manager as manager_mod
-from sessionkv.connectors import g2 as g2_mod
-from sessionkv.connectors.g2 import QuarantinedPrimaryTier, SessionPrimaryTier
-from sessionkv.connectors.manager import G3Copies, SessionTierManager
+from sessionkv.engine import service as service_mod
+from sessionkv.tiers.g2 import tier as g2_mod
+from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier, SessionPrimaryTier
+from sessionkv.connectors.manager import SessionTierManager
+from sessionkv.engine.service import G3Copies
 from sessionkv.devtools.engines import MODELS
 from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.keys import block_key
 from sessionkv.hints import Action
 from sessionkv.index.prefix_index import SessionPrefixIndex, alias64
-from sessionkv.tiers.disk import DiskTier
-from sessionkv.tiers.g2_policy import SessionCachePolicy
-from sessionkv.tiers.g3 import Quarantine
+from sessionkv.tiers.g3.backends.disk import DiskTier
+from sessionkv.tiers.g2.policy import SessionCachePolicy
+from sessionkv.tiers.g3.tier import Quarantine
 from sessionkv.types import Tier
 
 from replay_router import make_hint
@@ -56,7 +57,7 @@ def fill(m, sessions: int, blocks: int = 2, pin: int = 0, now: float = 1.0):
         m.primary_tier.prepare_store(keys, ctx)
         m.primary_tier.complete_store(keys, ctx)
         if pin:
-            (o,) = m.control_hints([make_hint(Action.PIN, f"s{s}", ttl_s=600.0,
+            (o,) = m.service.control_hints([make_hint(Action.PIN, f"s{s}", ttl_s=600.0,
                                               max_blocks=pin)], f"s{s}", client=f"s{s}")
             assert o.blocks_affected == pin, o
 
@@ -87,14 +88,14 @@ def test_expiry_ends_at_most_its_budget_per_pass_and_the_next_pass_goes_on(manag
     # scheduler pass. Now a pass ends the oldest until the budget (sessions
     # plus the chunks they release), and says whether more may be waiting.
     fill(manager, 20, blocks=2, pin=2)
-    assert manager.executor.pinned_chunks == 40
+    assert manager.service.executor.pinned_chunks == 40
     later = 1.0 + TIMEOUT + 5.0
-    assert manager.expire_sessions(later, max_chunks=9) is True     # 3 sessions x (1 + 2)
+    assert manager.service.expire_sessions(later, max_chunks=9) is True     # 3 sessions x (1 + 2)
     assert manager.index.sessions()[:1] == ["s3"] and manager.index.num_sessions == 17
-    assert manager.executor.pinned_chunks == 34
-    assert manager.expire_sessions(later, max_chunks=1000) is False
-    assert manager.index.num_sessions == 0 and manager.executor.pinned_chunks == 0
-    assert manager.expire_sessions(later, max_chunks=1000) is False      # nothing left
+    assert manager.service.executor.pinned_chunks == 34
+    assert manager.service.expire_sessions(later, max_chunks=1000) is False
+    assert manager.index.num_sessions == 0 and manager.service.executor.pinned_chunks == 0
+    assert manager.service.expire_sessions(later, max_chunks=1000) is False      # nothing left
 
 
 def test_status_lets_the_lock_go_between_batches(manager, monkeypatch):
@@ -102,9 +103,9 @@ def test_status_lets_the_lock_go_between_batches(manager, monkeypatch):
     # the lock (60 ms for 1,000 sessions). A scheduler pass waiting for the
     # lock now gets it between batches, long before status ends.
     fill(manager, 200, blocks=4, pin=1)
-    monkeypatch.setattr(manager_mod, "STATUS_HOLD_S", 0.0)     # one session per batch
-    monkeypatch.setattr(manager_mod, "STATUS_YIELD_S", 0.002)
-    st, ahead = lock_taken_while(manager, monkeypatch, "summary", manager.status)
+    monkeypatch.setattr(service_mod, "STATUS_HOLD_S", 0.0)     # one session per batch
+    monkeypatch.setattr(service_mod, "STATUS_YIELD_S", 0.002)
+    st, ahead = lock_taken_while(manager, monkeypatch, "summary", manager.service.status)
     assert ahead > 0.1                          # ~200 batches x 2 ms still to go
     assert [s["session_id"] for s in st["sessions"]] == [f"s{i}" for i in reversed(range(200))]
     assert all(s["blocks"] == 4 and s["per_tier"]["G2"] == 4 and s["per_tier"]["G1"] == 0 for s in st["sessions"])
@@ -119,22 +120,22 @@ def test_the_first_resolve_builds_the_alias_map_letting_the_lock_go_between_slic
     # slice per hold of the lock, and a scheduler pass gets the lock between.
     fill(manager, 200, blocks=4)
     assert manager.index._tree.alias is None
-    monkeypatch.setattr(manager_mod, "ALIAS_BUILD_SLOTS", 2)
-    monkeypatch.setattr(manager_mod, "STATUS_YIELD_S", 0.002)
+    monkeypatch.setattr(service_mod, "ALIAS_BUILD_SLOTS", 2)
+    monkeypatch.setattr(service_mod, "STATUS_YIELD_S", 0.002)
     keys = [block_key(f"s7-{b}") for b in range(4)]
     resolved, ahead = lock_taken_while(
         manager, monkeypatch, "build_aliases",
-        lambda: manager.resolve_hashes([alias64(k) for k in reversed(keys)] + [12345]))
+        lambda: manager.service.resolve_hashes([alias64(k) for k in reversed(keys)] + [12345]))
     assert ahead > 0.1                          # ~400 slices x 2 ms still to go
     assert resolved == keys                     # root first; the unknown hash dropped
-    assert manager.resolve_hashes([alias64(keys[0])]) == keys[:1]     # kept since
+    assert manager.service.resolve_hashes([alias64(keys[0])]) == keys[:1]     # kept since
 
 
 def test_status_of_sessions_that_end_while_it_runs(manager, monkeypatch):
     # A session ended between batches (by another thread, while status lets
     # the lock go) is left out, not reported half-gone.
     fill(manager, 5, blocks=2, pin=1)
-    monkeypatch.setattr(manager_mod, "STATUS_HOLD_S", 0.0)
+    monkeypatch.setattr(service_mod, "STATUS_HOLD_S", 0.0)
     ended = []
 
     class Between:
@@ -145,10 +146,10 @@ def test_status_of_sessions_that_end_while_it_runs(manager, monkeypatch):
         @staticmethod
         def sleep(s):
             if not ended:
-                ended.append(manager.end_session("s3"))
+                ended.append(manager.service.end_session("s3"))
             time.sleep(s)
-    monkeypatch.setattr(manager_mod, "time", Between)
-    st = manager.status()
+    monkeypatch.setattr(service_mod, "time", Between)
+    st = manager.service.status()
     assert ended == [True]
     assert [s["session_id"] for s in st["sessions"]] == ["s4", "s2", "s1", "s0"]
     assert sorted(p["session_id"] for p in st["pins"]) == ["s0", "s1", "s2", "s4"]
@@ -200,7 +201,7 @@ def test_a_step_end_costs_the_same_however_many_requests_run(tmp_path):
 
     manager = with_disk_g3(tmp_path)
     end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
-    files = ("tiering/manager.py", "connectors/compat.py", "connectors/manager.py")
+    files = ("tiering/manager.py", "tiers/compat.py", "connectors/manager.py")
     lines, started = [], 0
     try:
         for n in (8, 512):
@@ -238,7 +239,7 @@ def test_without_g3_no_tiering_layer_runs(manager):
         list(manager.take_events())
         manager.get_stats()
         assert not manager.has_pending_work()
-    assert lines_run(a_request, ("tiering/manager.py", "connectors/compat.py")) == 0
+    assert lines_run(a_request, ("tiering/manager.py", "tiers/compat.py")) == 0
     assert manager.index.copies(keys[0])[Tier.G2] == 1      # G2 residency still indexed
 
 
@@ -246,7 +247,7 @@ def test_parked_cascades_are_still_retried():
     # A fake of vLLM's tiering manager's two parking methods: no tier here
     # parks keys (they are request-level tiers' work), so the mixin's other
     # side is driven directly.
-    from sessionkv.connectors import compat
+    from sessionkv.tiers import compat
 
     class State:
         def __init__(self):

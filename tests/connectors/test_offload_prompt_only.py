@@ -118,6 +118,6 @@ def test_a_turns_pin_covers_what_vllm_stores_of_it(tmp_path):
                     for e in manager.event_log.since(0, 1 << 20)[0] if isinstance(e, Outcome)]
         assert outcomes == [("request", "accepted", 4)]
         with manager.lock:
-            assert manager.executor.pinned_chunks == 4 and not manager.executor.waiting
+            assert manager.service.executor.pinned_chunks == 4 and not manager.service.executor.waiting
     finally:
         sched.shutdown()

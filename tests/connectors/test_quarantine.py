@@ -10,10 +10,10 @@ import pytest
 from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-from sessionkv.connectors.g2 import QuarantinedPrimaryTier
+from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier
 from sessionkv.devtools.keys import block_key
 from sessionkv.index.prefix_index import SessionPrefixIndex
-from sessionkv.tiers.g3 import Quarantine
+from sessionkv.tiers.g3.tier import Quarantine
 
 CTX = ReqContext(req_id="r")
 N = 4

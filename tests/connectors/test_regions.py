@@ -1,4 +1,4 @@
-"""One G2 region per engine (``connectors/regions.py``): a region is removed
+"""One G2 region per engine (``tiers/g2/regions.py``): a region is removed
 only when sessionkv registered it and no live process holds it, never by
 age; on a device the scheduler joins the workers' region and never makes
 its own. Regions are vLLM's own ``SharedOffloadRegion`` in ``/dev/shm``
@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-from sessionkv.connectors import regions, spec as spec_mod
+from sessionkv.connectors import spec as spec_mod
+from sessionkv.tiers.g2 import regions
 from sessionkv.connectors.spec import SessionTierSpec
 from sessionkv.devtools.g3_spec import standalone_spec
 
@@ -69,7 +70,7 @@ def worker(engine_id: str, fill: int) -> subprocess.Popen:
     every chunk of its view, as its G1 -> G2 copies would."""
     return holder(f"""
         from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-        from sessionkv.connectors import regions
+        from sessionkv.tiers.g2 import regions
         regions.register(regions.region_path({engine_id!r}))
         r = SharedOffloadRegion(engine_id={engine_id!r}, num_chunks={CHUNKS}, rank=0,
                                 kv_bytes_per_chunk={CHUNK}, cpu_page_size={CHUNK})

@@ -19,7 +19,7 @@ from vllm.v1.request import Request
 
 import scale_steps as steps
 from sessionkv.client import HintClient
-from sessionkv.connectors import compat
+from sessionkv.tiers import compat
 from sessionkv.connectors.vllm import SessionTierConnector
 from sessionkv.types import Tier
 
@@ -62,7 +62,7 @@ def scheduler(tmp_path, redis_url):
     policy = tmp_path / "tiers.yaml"
     policy.write_text("limits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n"
                       f"trust: {{secret_file: {tmp_path / 'secret'}}}\n")
-    g3 = {"type": "RedisTier", "module_path": "sessionkv.tiers.redis", "url": redis_url,
+    g3 = {"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis", "url": redis_url,
           "namespace": f"steplock-{time.monotonic_ns()}", "timeout_s": 10.0}
     sched = steps.make_scheduler(
         True, steps.StepSpec(context=PROMPT_BLOCKS * steps.BLOCK, running=2, g2_chunks=64),
@@ -139,7 +139,7 @@ def test_hint_loads_wait_for_the_workers_to_flush_a_reset(scheduler):
     # store jobs are in flight (built, not yet reported by the workers). vLLM
     # 0.33's connector scheduler calls on_reset_flushed only once the workers
     # reported them; a Prefetch into G2 must not write G2 before. vLLM 0.32
-    # has no fence (connectors/moves.py, "Reset fence"): the load goes on.
+    # has no fence (engine/mover.py, "Reset fence"): the load goes on.
     from replay_router import make_hint
     from sessionkv.events import Outcome
     from sessionkv.hints import Action, Status
@@ -150,7 +150,7 @@ def test_hint_loads_wait_for_the_workers_to_flush_a_reset(scheduler):
     until = time.monotonic() + 30
     while True:                                  # s's chunks written through to G3
         with m.lock:
-            m.apply_moves()
+            m.service.apply_moves()
             in_g3 = m.index.resolve_session("s").per_tier[Tier.G3]
         if len(in_g3) == PROMPT_BLOCKS:
             break
@@ -162,7 +162,7 @@ def test_hint_loads_wait_for_the_workers_to_flush_a_reset(scheduler):
     jobs = set(first.kv_connector_metadata.store_jobs)
     assert jobs, "no store job in flight at the reset"
     sched.connector.reset_cache()                # what reset_prefix_cache(reset_connector=True) calls
-    (out,) = m.control_hints([make_hint(Action.PREFETCH, "s")], "s", "test")
+    (out,) = m.service.control_hints([make_hint(Action.PREFETCH, "s")], "s", "test")
     assert out.status is Status.DEFERRED, out
 
     def final():
@@ -172,15 +172,15 @@ def test_hint_loads_wait_for_the_workers_to_flush_a_reset(scheduler):
     if compat.VLLM_FENCES_RESETS:
         time.sleep(0.5)
         with m.lock:
-            m.apply_moves()
+            m.service.apply_moves()
             assert not final(), "a hint load ended before the workers flushed"
-            assert m.mover.busy
+            assert m.service.mover.busy
     sched.update_from_output(first, steps.model_output(first, jobs | pending))
     until = time.monotonic() + 30
     while not final():                           # the workers reported: the fence lifts
         assert time.monotonic() < until, "the Prefetch never ended"
         with m.lock:
-            m.apply_moves()
+            m.service.apply_moves()
         time.sleep(0.02)
     (done,) = final()
     assert done.status is Status.ACCEPTED and done.blocks_affected == PROMPT_BLOCKS, done

@@ -37,19 +37,20 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.request import Request
 
 from sessionkv.config import SessionKVConfig
-from sessionkv.connectors.g2 import QuarantinedPrimaryTier
+from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier
 from sessionkv.connectors.kv_events import SessionEventsTracker
-from sessionkv.connectors.manager import G3Copies, SessionTierManager
+from sessionkv.connectors.manager import SessionTierManager
+from sessionkv.engine.service import G3Copies
 from sessionkv.devtools.engines import MODELS
 from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.keys import block_key
 from sessionkv.events import EventLog, Outcome
 from sessionkv.hints import Action, Status
 from sessionkv.index.prefix_index import SessionPrefixIndex
-from sessionkv.tiers.disk import DiskBackend, DiskTier
-from sessionkv.tiers.g2_policy import SessionCachePolicy
-from sessionkv.tiers.g3 import Quarantine
-from sessionkv.tiers.redis import RedisTier
+from sessionkv.tiers.g3.backends.disk import DiskBackend, DiskTier
+from sessionkv.tiers.g2.policy import SessionCachePolicy
+from sessionkv.tiers.g3.tier import Quarantine
+from sessionkv.tiers.g3.backends.redis import RedisTier
 from sessionkv.types import Tier
 
 from replay_router import make_hint
@@ -115,11 +116,11 @@ class Stack:
 
     def hint(self, action, **kw):
         """Run one hint from the control channel to its final outcome."""
-        (first,) = self.m.control_hints([make_hint(action, "s", **kw)], "s", "r")
+        (first,) = self.m.service.control_hints([make_hint(action, "s", **kw)], "s", "r")
         until = time.monotonic() + 30
         while time.monotonic() < until:
             with self.m.lock:
-                self.m.apply_moves()
+                self.m.service.apply_moves()
             evs, _, _ = self.log.since(0, 100_000)
             done = [e.outcome for e in evs if isinstance(e, Outcome)
                     and e.outcome.hint_id == first.hint_id

@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import init_none_hash
 from test_step_lock import PROMPT_BLOCKS, request, run_until_idle
-from sessionkv.tiers.redis import RedisTier
+from sessionkv.tiers.g3.backends.redis import RedisTier
 from sessionkv.types import Tier
 
 

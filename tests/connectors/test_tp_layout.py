@@ -51,7 +51,7 @@ from sessionkv.connectors.vllm import model_identity
 from sessionkv.devtools.engines import TINY
 from sessionkv.devtools.keys import block_key
 from sessionkv.hints import Action, Status
-from sessionkv.tiers.g3_spec import IDENTITY_KEY
+from sessionkv.tiers.g3.spec import IDENTITY_KEY
 
 BLOCK, BLOCKS_PER_CHUNK, LAYERS, KV_HEADS, HEAD = 16, 2, 2, 8, 64
 G2_CHUNKS, CHUNKS = 16, 6
@@ -78,7 +78,7 @@ def engine(tp: int, g3_path: str, monkeypatch):
     engine_id = f"tp{tp}-{uuid.uuid4().hex[:8]}"
     heads = KV_HEADS // tp
     page = 2 * BLOCK * heads * HEAD * 4                     # K and V of a block, float32
-    g3 = {"type": "DiskTier", "module_path": "sessionkv.tiers.disk", "path": g3_path,
+    g3 = {"type": "DiskTier", "module_path": "sessionkv.tiers.g3.backends.disk", "path": g3_path,
           "max_bytes": 1 << 26, "namespace": "tp"}
     kvt = KVTransferConfig(
         kv_connector="SessionTierConnector", kv_connector_module_path="sessionkv.connectors.vllm",
@@ -128,7 +128,7 @@ def settle(manager, done, timeout_s: float = 30.0) -> None:
         time.sleep(0.01)
         with manager.lock:
             manager.on_schedule_end(end)
-            manager.apply_moves()
+            manager.service.apply_moves()
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
@@ -164,9 +164,9 @@ def test_every_ranks_bytes_reach_g3_and_come_back_byte_exact(tmp_path, monkeypat
         load, load_workers = engine(tp, str(tmp_path / "g3"), monkeypatch)
         assert all(not v[:].any() for w in load_workers for v in w.views)
         with load.lock:
-            first = load.mover.start(Action.PREFETCH, "back", keys, len(keys), None)
+            first = load.service.mover.start(Action.PREFETCH, "back", keys, len(keys), None)
         assert first.status is Status.DEFERRED, first
-        settle(load, lambda: not load.mover.busy)
+        settle(load, lambda: not load.service.mover.busy)
         with load.lock:
             back = list(load.primary_tier.prepare_read(keys, ReqContext(req_id="read"))
                         .chunk_ids)

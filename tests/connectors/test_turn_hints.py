@@ -24,7 +24,7 @@ from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.request import Request
 
 import scale_steps as steps
-from sessionkv.connectors import hint_executor
+from sessionkv.engine import executor as hint_executor
 from sessionkv.events import Outcome, Transfer, Via
 from sessionkv.hints import sign
 
@@ -42,7 +42,7 @@ def make(tmp_path, monkeypatch, async_sched: bool, bpc: int):
     policy = tmp_path / "tiers.yaml"
     policy.write_text("limits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n"
                       f"trust: {{secret_file: {tmp_path / 'secret'}}}\n")
-    g3 = {"type": "DiskTier", "module_path": "sessionkv.tiers.disk",
+    g3 = {"type": "DiskTier", "module_path": "sessionkv.tiers.g3.backends.disk",
           "path": str(tmp_path / "g3"), "max_bytes": 1 << 26}
     sched = steps.make_scheduler(
         True, steps.StepSpec(context=256, running=2, g2_chunks=64), str(policy),
@@ -130,8 +130,8 @@ def test_a_turns_pin_holds_every_chunk_of_it_in_g2_and_g3(tmp_path, monkeypatch,
         assert not [e for e in events(manager, Outcome) if e.via is Via.POLICY]
         with manager.lock:
             assert [policy.pin_expiry(k) is not None for k in chunks] == [True] * len(chunks)
-            assert manager.executor.pinned_chunks == len(chunks)
-            assert not manager.executor.waiting
+            assert manager.service.executor.pinned_chunks == len(chunks)
+            assert not manager.service.executor.waiting
         now = time.time()
         assert [os.stat(g3._backend.path_of(g3.name(k))).st_mtime > now + 200
                 for k in chunks] == [True] * len(chunks)
@@ -170,7 +170,7 @@ def test_a_share_whose_target_does_not_fit_the_bound_starts_at_once(tmp_path, mo
             e.via is Via.TRANSFER for e in events(manager, Outcome)))
         (first,) = [e.outcome for e in events(manager, Outcome) if e.via is Via.REQUEST]
         assert first.status == "deferred" and "once" not in first.reason, first
-        assert not manager.executor.waiting
+        assert not manager.service.executor.waiting
     finally:
         sched.shutdown()
 
@@ -192,10 +192,10 @@ def test_a_reset_ends_the_wait_and_says_what_was_not_pinned(tmp_path, monkeypatc
             meta = out.kv_connector_metadata
             jobs = set(meta.load_jobs) | set(meta.store_jobs)
         with manager.lock:
-            assert manager.executor.waiting       # the turn's last chunk is on its way
+            assert manager.service.executor.waiting       # the turn's last chunk is on its way
         assert sched.connector.reset_cache() is not False
         with manager.lock:
-            assert not manager.executor.waiting
+            assert not manager.service.executor.waiting
         (late,) = [e.outcome for e in events(manager, Outcome) if e.via is Via.POLICY]
         assert (late.hint_id, late.status) == ("pin", "clipped")
         assert late.reason.startswith("1 of the turn's last chunks not pinned"), late
@@ -215,18 +215,19 @@ def test_a_pins_g3_side_waits_for_copies_that_end_out_of_order(tmp_path):
 
     from replay_router import make_hint
     from sessionkv.config import Limits, SessionKVConfig, TierPolicy
-    from sessionkv.connectors.g2 import QuarantinedPrimaryTier
-    from sessionkv.connectors.hint_executor import Turn
-    from sessionkv.connectors.manager import G3Copies, SessionTierManager
+    from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier
+    from sessionkv.engine.executor import Turn
+    from sessionkv.connectors.manager import SessionTierManager
+    from sessionkv.engine.service import G3Copies
     from sessionkv.devtools.engines import MODELS
     from sessionkv.devtools.g3_spec import standalone_spec
     from sessionkv.devtools.keys import block_key
     from sessionkv.events import EventLog
     from sessionkv.hints import Action
     from sessionkv.index.prefix_index import SessionPrefixIndex
-    from sessionkv.tiers.disk import DiskTier
-    from sessionkv.tiers.g2_policy import SessionCachePolicy
-    from sessionkv.tiers.g3 import Quarantine
+    from sessionkv.tiers.g3.backends.disk import DiskTier
+    from sessionkv.tiers.g2.policy import SessionCachePolicy
+    from sessionkv.tiers.g3.tier import Quarantine
     from sessionkv.types import Tier
 
     init_none_hash(sha256)
@@ -261,7 +262,7 @@ def test_a_pins_g3_side_waits_for_copies_that_end_out_of_order(tmp_path):
             list(copies.drain())                         # the tier reported both: not yet
             primary.set_copies(Tier.G3, [keys[2]], 1)    # the last one's copy ended ...
             primary.prepare_read([keys[0]], ctx)         # ... the first one's is running
-            (first,) = manager.execute_request_hints(
+            (first,) = manager.service.execute_request_hints(
                 (make_hint(Action.PIN, "s", ttl_s=300),), "s", Turn("turn", keys))
         assert first.status == "deferred", first
         assert first.reason.endswith("pinning 2 chunks in G3, the turn's last 1 once they "
@@ -269,14 +270,14 @@ def test_a_pins_g3_side_waits_for_copies_that_end_out_of_order(tmp_path):
         with manager.lock:
             primary.complete_read([keys[0]], ctx)
             copies.observe(False, [keys[0]], [True])     # the first one's copy ended
-            manager.apply_moves()
+            manager.service.apply_moves()
         deadline = time.monotonic() + 10
         final = []
         while not final:
             assert time.monotonic() < deadline, "the G3 Pin did not end"
             time.sleep(0.01)
             with manager.lock:
-                manager.apply_moves()
+                manager.service.apply_moves()
             final = [e.outcome for e in log.since(0, 1 << 20)[0]
                      if isinstance(e, Outcome) and e.via is Via.TRANSFER]
         assert [(o.status, o.reason) for o in final] == [("accepted", "")], final

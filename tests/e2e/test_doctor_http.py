@@ -27,7 +27,7 @@ def servers(tmp_path_factory, redis_url):
     try:
         for name, (seed, args, url) in specs.items():
             engine_id = new_engine_id()
-            tier = {"type": "RedisTier", "module_path": "sessionkv.tiers.redis", "url": url,
+            tier = {"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis", "url": url,
                     "namespace": "doctor", "timeout_s": 2.0}
             cfg = kv_transfer_config(engine_id, secondary_tiers=[tier], sessionkv={
                 "policy_file": str(d / "tiers.yaml"),

@@ -31,7 +31,7 @@ def start(tmp_path, name: str, redis_url: str, ns: str) -> tuple[ServerProcess, 
                       f"sessions: {{drain_timeout_s: 30}}\n"
                       f"trust: {{secret_file: {tmp_path / 'secret'}}}\n")
     engine_id = new_engine_id()
-    tier = {"type": "RedisTier", "module_path": "sessionkv.tiers.redis", "url": redis_url,
+    tier = {"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis", "url": redis_url,
             "namespace": ns, "timeout_s": 10.0}
     cfg = kv_transfer_config(engine_id, secondary_tiers=[tier],
                              sessionkv={"policy_file": str(policy)})

@@ -18,7 +18,7 @@ from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 from sessionkv.devtools.engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id, poison_g2, serve
 from sessionkv.hints import sign
 from sessionkv.devtools.server import remove_offload_region
-from sessionkv.tiers.g2_policy import SessionCachePolicy
+from sessionkv.tiers.g2.policy import SessionCachePolicy
 
 BLOCK = 32
 PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=3)

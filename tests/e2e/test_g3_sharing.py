@@ -16,7 +16,7 @@ import pytest
 
 from sessionkv.devtools.engines import MODELS, TINY, engine_process
 from sessionkv.devtools.services import lan_address
-from sessionkv.tiers.g3_backend import SUM, checksum
+from sessionkv.tiers.g3.backend import SUM, checksum
 
 RNG = np.random.default_rng(11)
 # 200 tokens: 6 full blocks and a partial one (see test_pin_retain).
@@ -31,7 +31,7 @@ class Mooncake:
 
     @staticmethod
     def tier(ports, namespace):
-        return {"type": "MooncakeTier", "module_path": "sessionkv.tiers.mooncake",
+        return {"type": "MooncakeTier", "module_path": "sessionkv.tiers.g3.backends.mooncake",
                 "master": ports.master, "metadata_server": ports.metadata_url,
                 "local_hostname": lan_address(), "namespace": namespace}
 
@@ -85,7 +85,7 @@ class Redis:
 
     @staticmethod
     def tier(url, namespace):
-        return {"type": "RedisTier", "module_path": "sessionkv.tiers.redis", "url": url,
+        return {"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis", "url": url,
                 "namespace": namespace}
 
     @staticmethod
@@ -117,13 +117,13 @@ class LMCache:
 
     @staticmethod
     def tier(url, namespace):
-        return {"type": "LMCacheTier", "module_path": "sessionkv.tiers.lmcache", "url": url,
+        return {"type": "LMCacheTier", "module_path": "sessionkv.tiers.g3.backends.lmcache", "url": url,
                 "namespace": namespace}
 
     @staticmethod
     def names(url, prefix, expected):
         """The server cannot list its objects: those of ``expected`` it holds."""
-        from sessionkv.tiers.lmcache import LMCacheBackend
+        from sessionkv.tiers.g3.backends.lmcache import LMCacheBackend
         b = LMCacheBackend(url)
         try:
             return [n for n, e in zip(expected, b.exists(expected)) if e]
@@ -132,7 +132,7 @@ class LMCache:
 
     @staticmethod
     def overwrite(url, names, rng):
-        from sessionkv.tiers.lmcache import LMCacheBackend
+        from sessionkv.tiers.g3.backends.lmcache import LMCacheBackend
         b = LMCacheBackend(url)
         try:
             for name, old in zip(names, b.get_small(names)):
@@ -143,7 +143,7 @@ class LMCache:
 
     @staticmethod
     def plant(url, names, rng, like=None):
-        from sessionkv.tiers.lmcache import LMCacheBackend
+        from sessionkv.tiers.g3.backends.lmcache import LMCacheBackend
         b = LMCacheBackend(url)
         try:
             for name, old in zip(names, b.get_small([like] * len(names) if like else names)):
@@ -159,14 +159,14 @@ class Disk:
 
     @staticmethod
     def tier(path, namespace):
-        return {"type": "DiskTier", "module_path": "sessionkv.tiers.disk", "path": path,
+        return {"type": "DiskTier", "module_path": "sessionkv.tiers.g3.backends.disk", "path": path,
                 "max_bytes": 1 << 30,
                 "namespace": namespace}
 
     @staticmethod
     def names(path, prefix, expected):
         """The directory names objects by a hash: those of ``expected`` it holds."""
-        from sessionkv.tiers.disk import DiskBackend
+        from sessionkv.tiers.g3.backends.disk import DiskBackend
         b = DiskBackend(path, 1 << 30)
         try:
             return [n for n, e in zip(expected, b.exists(expected)) if e]
@@ -176,7 +176,7 @@ class Disk:
     @staticmethod
     def overwrite(path, names, rng):
         import os
-        from sessionkv.tiers.disk import DiskBackend
+        from sessionkv.tiers.g3.backends.disk import DiskBackend
         b = DiskBackend(path, 1 << 30)
         try:
             for name in names:
@@ -188,7 +188,7 @@ class Disk:
     @staticmethod
     def plant(path, names, rng, like=None):
         import os
-        from sessionkv.tiers.disk import DiskBackend
+        from sessionkv.tiers.g3.backends.disk import DiskBackend
         b = DiskBackend(path, 1 << 30)
         try:
             for name in names:

@@ -70,7 +70,7 @@ def engine(tmp_path_factory):
     d = tmp_path_factory.mktemp("events")
     (d / "tiers.yaml").write_text("report: {per_tier: all}\n")
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    tier = {"type": "DiskTier", "module_path": "sessionkv.tiers.disk", "path": str(d / "g3"),
+    tier = {"type": "DiskTier", "module_path": "sessionkv.tiers.g3.backends.disk", "path": str(d / "g3"),
             "max_bytes": 1 << 30, "namespace": f"ev-{uuid.uuid4().hex[:8]}", "timeout_s": 10.0}
     engine_id = new_engine_id()
     sub = Subscriber(endpoint)              # bound before the engine's publisher connects

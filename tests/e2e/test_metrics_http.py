@@ -25,7 +25,7 @@ def server(tmp_path_factory, redis_url):
     (d / "tiers.yaml").write_text(f"version: 1\nreport: {{per_tier: all}}\n"
                                   f"trust:\n  secret_file: {d / 'secret'}\n")
     engine_id = new_engine_id()
-    tier = {"type": "RedisTier", "module_path": "sessionkv.tiers.redis", "url": redis_url,
+    tier = {"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis", "url": redis_url,
             "namespace": f"metrics-{engine_id}", "timeout_s": 10.0}
     cfg = kv_transfer_config(engine_id, secondary_tiers=[tier],
                              sessionkv={"policy_file": str(d / "tiers.yaml")})

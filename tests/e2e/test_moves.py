@@ -32,9 +32,9 @@ def tier(request):
     # Deadline 10 s, not 2 s: see test_g3_sharing's ``tiers``.
     common = {"namespace": f"moves-{uuid.uuid4().hex[:8]}", "timeout_s": 10.0}
     if request.param == "disk":         # the embedded G3: a directory, no service
-        return {"type": "DiskTier", "module_path": "sessionkv.tiers.disk",
+        return {"type": "DiskTier", "module_path": "sessionkv.tiers.g3.backends.disk",
                 "path": request.getfixturevalue("g3_disk"), "max_bytes": 1 << 30, **common}
-    return {"type": "RedisTier", "module_path": "sessionkv.tiers.redis",
+    return {"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis",
             "url": request.getfixturevalue("redis_url"), **common}
 
 
@@ -224,7 +224,7 @@ def g3_pins(tier, names):
     evictor skips those). A chunk missing an object raises."""
     if tier["type"] == "DiskTier":
         import os
-        from sessionkv.tiers.disk import DiskBackend
+        from sessionkv.tiers.g3.backends.disk import DiskBackend
         b = DiskBackend(tier["path"], tier["max_bytes"])
         b.close()
         return lambda: ["pinned" if os.stat(b.path_of(n)).st_mtime > time.time()

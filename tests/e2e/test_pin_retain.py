@@ -171,8 +171,8 @@ def test_hints_racing_the_scheduler(engine):
                               Bounds(ttl_s=float(rng.integers(1, 5)),
                                      priority=int(rng.integers(0, 9))), signed=True)
                 with mgr.lock:
-                    mgr.executor.execute(hint, s)
-                    mgr.collect_clipped()
+                    mgr.service.executor.execute(hint, s)
+                    mgr.service.collect_clipped()
                     if rng.random() < 0.05:
                         mgr.index.end_session(s)
         except Exception as e:       # noqa: BLE001 - reported below

@@ -174,19 +174,19 @@ def test_the_policy_files_tier_stack_becomes_vllms_keys(tmp_path):
     out = vllm_extra_config(extra, cfg)
     assert out["cpu_bytes_to_use"] == 2097152 and out["block_size"] == 64
     assert out["secondary_tiers"] == [
-        {"type": "MooncakeTier", "module_path": "sessionkv.tiers.mooncake",
+        {"type": "MooncakeTier", "module_path": "sessionkv.tiers.g3.backends.mooncake",
          "master": "127.0.0.1:50051", "metadata_server": "http://m/metadata",
          "local_hostname": "10.0.0.5"},                         # this engine's option
-        {"type": "RedisTier", "module_path": "sessionkv.tiers.redis",
+        {"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis",
          "url": "redis://127.0.0.1:6379/0"},
-        {"type": "DiskTier", "module_path": "sessionkv.tiers.disk", "path": "/var/cache/kv",
+        {"type": "DiskTier", "module_path": "sessionkv.tiers.g3.backends.disk", "path": "/var/cache/kv",
          "max_bytes": 1048576},
         {"type": "FancyTier", "module_path": "my.tiers", "depth": 3}]
     assert "secondary_tiers" not in extra                      # the caller's dict is kept
 
 
 def test_without_a_stack_vllms_keys_pass_through(tmp_path):
-    tiers = [{"type": "RedisTier", "module_path": "sessionkv.tiers.redis"}]
+    tiers = [{"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis"}]
     extra = {**BASE, "secondary_tiers": tiers}
     assert vllm_extra_config(extra, parse_extra_config(extra)) == extra
     # G2's size per engine, the G3 tiers from the shared file: both allowed.
@@ -194,24 +194,42 @@ def test_without_a_stack_vllms_keys_pass_through(tmp_path):
     extra = {**BASE, "sessionkv": {"policy_file": path}}
     out = vllm_extra_config(extra, parse_extra_config(extra))
     assert out["cpu_bytes_to_use"] == BASE["cpu_bytes_to_use"]
-    assert out["secondary_tiers"] == [{"type": "RedisTier", "module_path": "sessionkv.tiers.redis"}]
+    assert out["secondary_tiers"] == [{"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis"}]
+
+
+
+def test_a_g3_module_path_of_0_1_0_names_the_moved_backend(tmp_path):
+    """0.1.0 kept the backends in ``sessionkv.tiers.<name>``: a policy file or a
+    ``secondary_tiers`` entry naming that still finds the tier."""
+    path = policy_file(tmp_path, "tiers:\n  g3: [{type: RedisTier, module_path: sessionkv.tiers.redis}]\n")
+    extra = {**BASE, "sessionkv": {"policy_file": path}}
+    out = vllm_extra_config(extra, parse_extra_config(extra))
+    assert out["secondary_tiers"][0]["module_path"] == "sessionkv.tiers.g3.backends.redis"
+    old = [{"type": "DiskTier", "module_path": "sessionkv.tiers.disk", "path": "/x"},
+           {"type": "FancyTier", "module_path": "my.tiers"}]
+    extra = {**BASE, "secondary_tiers": old}
+    out = vllm_extra_config(extra, parse_extra_config(extra))
+    assert out["secondary_tiers"] == [
+        {"type": "DiskTier", "module_path": "sessionkv.tiers.g3.backends.disk", "path": "/x"},
+        {"type": "FancyTier", "module_path": "my.tiers"}]
+    assert extra["secondary_tiers"][0]["module_path"] == "sessionkv.tiers.disk"   # kept
 
 
 @pytest.mark.parametrize(
     "text, extra, key",
     [
         (STACK, {"cpu_bytes_to_use": 1 << 20}, "cpu_bytes_to_use and tiers.g2_bytes"),
-        (STACK, {"secondary_tiers": []}, "secondary_tiers and tiers.g3"),
+        (STACK, {"secondary_tiers": []}, "secondary_tiers and tiers.g3.tier"),
         ("tiers: {g3: []}\n", {}, "cpu_bytes_to_use is required"),
         ("tiers: {g2_bytes: 0}\n", {}, "tiers.g2_bytes"),
         ("tiers: {g2_bytes: 1GiB}\n", {}, "tiers.g2_bytes"),
         ("tiers: {g2: 5}\n", BASE, "unknown key .*tiers.'g2'"),
-        ("tiers: {g3: {type: RedisTier}}\n", BASE, "tiers.g3 must be a list"),
-        ("tiers: {g3: [RedisTier]}\n", BASE, r"tiers.g3\[0\]"),
-        ("tiers: {g3: [{}]}\n", BASE, r"tiers.g3\[0\] is empty"),
-        ("tiers: {g3: [{url: x}]}\n", BASE, r"tiers.g3\[0\].type"),
+        ("tiers: {g3: {type: RedisTier}}\n", BASE, "tiers.g3.tier must be a list"),
+        ("tiers: {g3: [RedisTier]}\n", BASE, r"tiers.g3.tier\[0\]"),
+        ("tiers: {g3: [{}]}\n", BASE, r"tiers.g3.tier\[0\] is empty"),
+        ("tiers: {g3: [{url: x}]}\n", BASE, r"tiers.g3.tier\[0\].type"),
         ("tiers: {g3: [{type: RedisTier}, {type: FancyTier}]}\n", BASE,
-         r"tiers.g3\[1\].module_path"),
+         r"tiers.g3.tier\[1\].module_path"),
         ("tiers: {g3: [{type: RedisTier, 3: x}]}\n", BASE, "keys must be strings"),
         ("tiers: [1]\n", BASE, "tiers must be a mapping"),
         (STACK, {"sessionkv": {"tier_options": {"LMCacheTier": {"url": "lm://x"}}}},
@@ -221,7 +239,7 @@ def test_without_a_stack_vllms_keys_pass_through(tmp_path):
         (STACK, {"sessionkv": {"tier_options": {"RedisTier": "fast"}}},
          "tier_options.RedisTier must be a mapping"),
         ("version: 1\n", {**BASE, "sessionkv": {"tier_options": {"RedisTier": {}}}},
-         "tier_options sets options of the policy file's tiers.g3, which has none"),
+         "tier_options sets options of the policy file's tiers.g3.tier, which has none"),
     ],
 )
 def test_a_bad_tier_stack_names_the_key(tmp_path, text, extra, key):

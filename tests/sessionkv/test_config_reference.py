@@ -11,7 +11,7 @@ from pathlib import Path
 
 from sessionkv.config import G3_MODULES, ControlConfig, SessionKVConfig, TierPolicy
 from sessionkv.router.config import RedisConfig, RouterConfig, WorkerConfig
-from sessionkv.tiers.g3 import G3Tier
+from sessionkv.tiers.g3.tier import G3Tier
 
 README = Path(__file__).resolve().parents[2] / "docs" / "reference" / "configuration.md"
 # G3Tier's constructor arguments that vLLM or sessionkv's spec pass, not the tier entry.

@@ -8,7 +8,7 @@ import pytest
 
 from sessionkv import control as wire
 from sessionkv.client import ControlError, HintClient
-from sessionkv.connectors.hint_executor import read_request_hints
+from sessionkv.engine.executor import read_request_hints
 from sessionkv.events import Outcome
 from sessionkv.hints import (PROTOCOL_VERSION, HintOutcome, id_problem, parse_envelope,
                              parse_kvcr_fetch)

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from sessionkv.tiers.disk import LOW_WATER, DiskBackend
+from sessionkv.tiers.g3.backends.disk import LOW_WATER, DiskBackend
 
 KIB = 1024
 

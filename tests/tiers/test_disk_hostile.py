@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from sessionkv.tiers.disk import MARK, DiskBackend
+from sessionkv.tiers.g3.backends.disk import MARK, DiskBackend
 
 KIB = 1024
 HOUR_AGO = time.time() - 7200

@@ -13,9 +13,9 @@ from sessionkv.connectors.vllm import model_identity
 from sessionkv.devtools.engines import TINY
 from sessionkv.devtools.g3_spec import standalone_identity
 from sessionkv.doctor import _pair
-from sessionkv.tiers.fingerprint import (FingerprintError, fingerprint, identity_fields,
+from sessionkv.tiers.g3.fingerprint import (FingerprintError, fingerprint, identity_fields,
                                          weights_digest)
-from sessionkv.tiers.g3_spec import IDENTITY_KEY, TopologyError, spec_identity
+from sessionkv.tiers.g3.spec import IDENTITY_KEY, TopologyError, spec_identity
 
 BASE = dict(weights="w", dtype="bfloat16", quantization=None, kv_cache_dtype="auto",
             kv_scales="checkpoint", kv_skip_layers=[], hf_overrides={}, block_size=32,

@@ -12,8 +12,8 @@ from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
-from sessionkv.connectors import compat
-from sessionkv.tiers.g2_policy import SessionCachePolicy
+from sessionkv.tiers import compat
+from sessionkv.tiers.g2.policy import SessionCachePolicy
 from sessionkv.devtools.keys import block_key
 
 CTX = ReqContext(req_id="r")
@@ -175,7 +175,7 @@ def _managers(n: int):
     """vLLM's CPU manager with its LRU, and one with ours, as vLLM builds them."""
     return (CPUOffloadingManager(num_chunks=n, cache_policy="lru"),
             CPUOffloadingManager(num_chunks=n, cache_policy="SessionCachePolicy",
-                                 cache_policy_module_path="sessionkv.tiers.g2_policy"))
+                                 cache_policy_module_path="sessionkv.tiers.g2.policy"))
 
 
 class Turn:

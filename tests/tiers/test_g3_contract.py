@@ -21,9 +21,10 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from sessionkv.keys import G3_MAC, derive
-from sessionkv.tiers import g3, g3_layout
-from sessionkv.tiers.g3 import SUM_SUFFIX, checksum
-from sessionkv.tiers.g3_backend import SUM
+from sessionkv.tiers.g3 import tier as g3
+from sessionkv.tiers.g3 import layout as g3_layout
+from sessionkv.tiers.g3.tier import SUM_SUFFIX, checksum
+from sessionkv.tiers.g3.backend import SUM
 from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.engines import MODELS
 from sessionkv.devtools.keys import block_key
@@ -55,7 +56,7 @@ class Mooncake:
     @staticmethod
     def tier(ports, spec_, view, namespace, **kw):
         from sessionkv.devtools.services import lan_address
-        from sessionkv.tiers.mooncake import MooncakeTier
+        from sessionkv.tiers.g3.backends.mooncake import MooncakeTier
         return MooncakeTier(spec_, view, "mooncake", master=ports.master,
                             metadata_server=ports.metadata_url, local_hostname=lan_address(),
                             namespace=namespace, **kw)
@@ -76,7 +77,7 @@ class Redis:
 
     @staticmethod
     def tier(url, spec_, view, namespace, **kw):
-        from sessionkv.tiers.redis import RedisTier
+        from sessionkv.tiers.g3.backends.redis import RedisTier
         return RedisTier(spec_, view, "redis", url=url, namespace=namespace, **kw)
 
 
@@ -95,7 +96,7 @@ class LMCache:
 
     @staticmethod
     def tier(url, spec_, view, namespace, **kw):
-        from sessionkv.tiers.lmcache import LMCacheTier
+        from sessionkv.tiers.g3.backends.lmcache import LMCacheTier
         return LMCacheTier(spec_, view, "lmcache", url=url, namespace=namespace, **kw)
 
 
@@ -115,7 +116,7 @@ class Stall:
 
 
 class Disk:
-    """The local-disk tier (``tiers/disk.py``): one directory for the
+    """The local-disk tier (``tiers/g3/backends/disk.py``): one directory for the
     session's tests (namespaces keep them apart); for faults, its own
     directory behind a ``Stall``."""
 
@@ -131,7 +132,7 @@ class Disk:
 
     @classmethod
     def tier(cls, where, spec_, view, namespace, **kw):
-        from sessionkv.tiers.disk import DiskBackend, DiskTier
+        from sessionkv.tiers.g3.backends.disk import DiskBackend, DiskTier
         if isinstance(where, tuple):
             path, stall = where
             backend = _stalled(DiskBackend(path, cls.MAX_BYTES), stall)

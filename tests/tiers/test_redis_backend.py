@@ -2,7 +2,7 @@
 
 import tracemalloc
 
-from sessionkv.tiers.redis import RedisBackend
+from sessionkv.tiers.g3.backends.redis import RedisBackend
 
 
 def test_a_store_sends_chunks_from_g2_without_copying_them(redis_url):

@@ -1,5 +1,5 @@
 """Redis pins end even when their engine does not: a Pin's objects are
-persistent under a lease (``tiers/redis.py``), ended at expiry where no
+persistent under a lease (``tiers/g3/backends/redis.py``), ended at expiry where no
 longer pin holds, at a graceful shutdown, and, after a crash, by the next
 engine on the server. On the real Redis server; the crash is a real
 ``SIGKILL`` of the process that pinned."""

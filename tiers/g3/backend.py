@@ -1,7 +1,7 @@
 """The G3 object contract (``ObjectBackend``) and the checksum every G3 tier
 keeps with each chunk: in a checksum object next to the chunk's
-(``sum_objects``), in the chunk's own object (``inline_sums``), or both. See ``tiers/g3.py`` for how the tier
-uses them; ``tiers/mooncake.py``, ``redis.py`` and ``lmcache.py`` implement it.
+(``sum_objects``), in the chunk's own object (``inline_sums``), or both. See ``tiers/g3/tier.py`` for how the tier
+uses them; ``tiers/g3/backends/mooncake.py``, ``redis.py`` and ``lmcache.py`` implement it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 In ``kv_connector_extra_config``::
 
-    "secondary_tiers": [{"type": "MooncakeTier", "module_path": "sessionkv.tiers.mooncake",
+    "secondary_tiers": [{"type": "MooncakeTier", "module_path": "sessionkv.tiers.g3.backends.mooncake",
                          "master": "127.0.0.1:50051",
                          "metadata_server": "http://127.0.0.1:8080/metadata",
                          "local_hostname": "10.0.0.5", "protocol": "tcp"}]
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from .g3 import G3Tier, ObjectBackend, address_of
+from sessionkv.tiers.g3.tier import G3Tier, ObjectBackend, address_of
 
 # Mooncake ErrorCodes (mooncake-store/include/types.h).
 OBJECT_NOT_FOUND = -704

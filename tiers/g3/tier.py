@@ -20,7 +20,7 @@ secret the checksum catches torn and corrupted objects only.
 
 Mooncake keeps the checksum inline only, Redis in checksum objects only,
 LMCache both (its server has no cheap existence call: lookups read the small
-object, loads only the data object). The fingerprint (``tiers.fingerprint``)
+object, loads only the data object). The fingerprint (``tiers.g3.fingerprint``)
 makes engines whose bytes are not interchangeable miss each other. The
 checksum object is written only after its data object was stored. Lookups
 and stores ask whether the chunk is there (``Layout.asked``): Redis, which
@@ -33,7 +33,7 @@ chunk found there only if this tier wrote or verified its object (the last
 ``MAX_MINE``) and replaces any other, so a copy that reports a chunk stored
 stored its bytes.
 
-The backend's modes are strategy objects chosen once (``tiers/g3_layout``):
+The backend's modes are strategy objects chosen once (``tiers/g3/layout``):
 its ``Layout`` (``InlineSums`` or ``SumObjects``: where checksums live, how
 stores write and loads verify them) and its ``Pins``.
 
@@ -97,13 +97,13 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from .fingerprint import fingerprint, plain
-from .g3_backend import SUM_SUFFIX, ObjectBackend, Seal, address_of, checksum
-from .g3_backpressure import CascadeQueue
-from .g3_events import StorageEvents
-from .g3_io import BackendDown, Guard, Quarantine, Staging
-from .g3_layout import layout_for, pins_for
-from .g3_spec import spec_identity
+from sessionkv.tiers.g3.fingerprint import fingerprint, plain
+from sessionkv.tiers.g3.backend import SUM_SUFFIX, ObjectBackend, Seal, address_of, checksum
+from sessionkv.tiers.g3.backpressure import CascadeQueue
+from sessionkv.tiers.g3.events import StorageEvents
+from sessionkv.tiers.g3.io import BackendDown, Guard, Quarantine, Staging
+from sessionkv.tiers.g3.layout import layout_for, pins_for
+from sessionkv.tiers.g3.spec import spec_identity
 
 __all__ = ["SUM_SUFFIX", "BackendDown", "G3Tier", "Guard", "ObjectBackend", "Quarantine",
            "Staging", "address_of", "checksum"]
@@ -229,11 +229,11 @@ class G3Tier(SecondaryTierManager):
         self._hint_work: set[Future] = set()
         # (result, keys of a failed load, chunks of a cascade): collected by vLLM
         self._done: list[tuple[JobResult, list[OffloadKey], int]] = []
-        # The default backpressure counts this tier's cascades (tiers/g3_backpressure.py).
+        # The default backpressure counts this tier's cascades (tiers/g3/backpressure.py).
         self._cascades = backpressure_detector if isinstance(
             backpressure_detector, CascadeQueue) else None
         # vLLM's KV events, when on: the chunks this tier stored and the
-        # ones it learned are gone (``tiers/g3_events.py``), taken every step.
+        # ones it learned are gone (``tiers/g3/events.py``), taken every step.
         events = getattr(offloading_spec, "kv_events_config", None)
         self._events = StorageEvents(
             ANNOUNCED_PER_G2_CHUNK * (len(self._region) // self._chunk),
@@ -322,7 +322,7 @@ class G3Tier(SecondaryTierManager):
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Chunks stored (vLLM's cascades and hint copies) and stored ones
-        learned gone (``tiers/g3_events.py``), medium STORAGE."""
+        learned gone (``tiers/g3/events.py``), medium STORAGE."""
         if self._events is None:
             return ()
         return [OffloadingEvent(keys=keys, medium=self.medium, removed=removed,
@@ -498,7 +498,7 @@ class G3Tier(SecondaryTierManager):
         ``chunk_ids``: the chunks' G2 slots, reserved by the caller, when
         ``pin_needs_bytes``. ``done`` as for ``move``: ok per key, some
         pinned and some not where a slice failed. In slices of bounded
-        calls (``tiers/g3_layout.Pins``); a rewriting pin reads G2 a slice
+        calls (``tiers/g3/layout.Pins``); a rewriting pin reads G2 a slice
         at a time into a staging buffer of the tier's, so no pin copies the
         session in memory."""
         keys = list(keys)

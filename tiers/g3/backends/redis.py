@@ -2,7 +2,7 @@
 
 In ``kv_connector_extra_config``::
 
-    "secondary_tiers": [{"type": "RedisTier", "module_path": "sessionkv.tiers.redis",
+    "secondary_tiers": [{"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis",
                          "url": "redis://127.0.0.1:6379/0", "ttl_s": 3600}]
 
 Every batch is one pipelined round trip. Chunks are sent straight from the G2
@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 from vllm.logger import init_logger
 
-from .g3 import G3Tier, ObjectBackend
+from sessionkv.tiers.g3.tier import G3Tier, ObjectBackend
 
 logger = init_logger(__name__)
 
@@ -170,7 +170,7 @@ class RedisBackend(ObjectBackend):
     @property
     def lapse_s(self) -> float:
         """How long an object we wrote lasts unpinned: its TTL (the tier's KV
-        events report it removed then, ``tiers/g3_events.py``)."""
+        events report it removed then, ``tiers/g3/events.py``)."""
         return float(self._ttl)
 
     def register(self, buf: memoryview) -> None:

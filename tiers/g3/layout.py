@@ -2,7 +2,7 @@
 the backend's flags (``ObjectBackend``): where each chunk's checksum lives
 (a ``Layout``: how stores write it and loads verify it), and how a Pin holds
 objects (``Pins``). ``G3Tier`` holds one of each and never asks a flag again;
-``tiers/g3.py`` has the rules they implement (never wrong KV, never blocking).
+``tiers/g3/tier.py`` has the rules they implement (never wrong KV, never blocking).
 
 - ``InlineSums``: the checksum travels after the chunk's bytes in its own
   object (Mooncake; LMCache also keeps checksum objects for lookups). Loads
@@ -30,8 +30,8 @@ from typing import ClassVar
 
 from vllm.logger import init_logger
 
-from .g3_backend import SUM, SUM_SUFFIX, ObjectBackend, Seal
-from .g3_io import MIN_RATE, BackendDown, Guard, Lapses, Quarantine, Staging
+from sessionkv.tiers.g3.backend import SUM, SUM_SUFFIX, ObjectBackend, Seal
+from sessionkv.tiers.g3.io import MIN_RATE, BackendDown, Guard, Lapses, Quarantine, Staging
 
 logger = init_logger(__name__)
 SUM_SLOTS = 4096                    # checksums in flight in inline-sum calls (64 KiB)

@@ -1,7 +1,7 @@
 """What G3 backend calls run under: deadlines and a breaker (``Guard``), the
 small registered buffers calls read and write checksums in (``Staging``),
 and the G2 slots a call past its deadline may still write (``Quarantine``).
-See ``tiers/g3.py`` for the rules they implement.
+See ``tiers/g3/tier.py`` for the rules they implement.
 
 Threading: ``Guard.call`` from any thread (it blocks its caller, never the
 scheduler: the tier calls it from its I/O threads and the lookup thread);

@@ -13,7 +13,7 @@ knowledge of G3 copies bounded (``G3_KNOWN_PER_G2_CHUNK``).
 G2 slots that a G3 load abandoned past its deadline may still write stay
 out of the free list until that load ends (``QuarantinedPrimaryTier``, G2
 when there are G3 tiers: its ``quarantine`` is shared with every G3 tier;
-``tiers/g3_io.Quarantine``).
+``tiers/g3/io.Quarantine``).
 
 Threading: called under ``SessionTierManager.lock`` (``connectors/manager.py``).
 
@@ -34,10 +34,10 @@ from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager
 
 from sessionkv.events import EventLog, Eviction, Residency
 from sessionkv.index.prefix_index import SessionPrefixIndex
-from sessionkv.tiers.g3 import Quarantine
+from sessionkv.tiers.g3.tier import Quarantine
 from sessionkv.types import Tier
 
-from . import compat
+from sessionkv.tiers import compat
 
 # The index counts a G3 copy for at most this many chunks per G2 chunk, the
 # most recently seen first. Backends evict on their own and never say so:

@@ -42,7 +42,7 @@ from vllm.v1.kv_offload.tiering.backpressure import (
 
 # The default backlog: an eighth of G2 (hint copies reserve a quarter of it
 # at a time and pins half at most, so vLLM's stores still find room), and at
-# least one backend call's bytes (``tiers/g3.py`` copies in calls of at most
+# least one backend call's bytes (``tiers/g3/tier.py`` copies in calls of at most
 # its BATCH_BYTES, 64 MiB): less is the tier's call in hand, not a backlog.
 G2_SHARE = 8
 
@@ -57,7 +57,7 @@ class CascadeQueue(BackpressureDetector):
     """Drops cascades while the tier's carried backlog holds ``max_chunks``
     chunks (see the module docstring). Built by vLLM's tier factory from a
     tier's ``backpressure``: ``{"backpressure_cls":
-    "sessionkv.tiers.g3_backpressure.CascadeQueue", "max_chunks": N}``."""
+    "sessionkv.tiers.g3.backpressure.CascadeQueue", "max_chunks": N}``."""
 
     def __init__(self, max_chunks: int, policy: BackpressurePolicy | None = None):
         if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:

@@ -72,15 +72,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vllm.logger import init_logger
-from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
+import logging
+from sessionkv.tiers.compat import LookupResult, OffloadKey, ReqContext
 
 from sessionkv.events import Outcome, Transfer, Via, Wake
 from sessionkv.hints import Action, HintOutcome, Status
-from sessionkv.tiers.g3 import G3Tier
+from sessionkv.tiers.g3.tier import G3Tier
 from sessionkv.types import Tier
 
-logger = init_logger(__name__)
+logger = logging.getLogger(__name__)
 MAX_MOVES = 4
 # The most chunks one hold of the lock looks up and reserves for hint copies
 # (prepare_write is about 8 us a chunk here: 256 chunks about 2 ms).

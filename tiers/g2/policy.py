@@ -480,7 +480,7 @@ class SessionCachePolicy(CachePolicy):
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus,
                req_context: ReqContext | None = None) -> None:
-        # vLLM 0.33 passes the storing request's context (connectors/compat.py),
+        # vLLM 0.33 passes the storing request's context (tiers/compat.py),
         # 0.32 none.
         if self._arriving:
             self._settle()

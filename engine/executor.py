@@ -6,7 +6,7 @@ quota) -> rate limit per client -> resolution against the SessionPrefixIndex
 (``missing`` when nothing resident answers) -> bounds clipped to the limits ->
 the action. Pin and Retain act on G2 through ``SessionCachePolicy`` (pin quotas
 per session, global, and a separate unsigned pool, as fractions of G2). Demote,
-Prefetch and Share are copies between G2 and G3 (``connectors.moves.Mover``):
+Prefetch and Share are copies between G2 and G3 (``engine.mover.Mover``):
 they answer ``deferred`` and get their final outcome when the copy ended (on
 the event stream). A Prefetch naming exact keys fetches them from G3 even when
 this engine never saw them (the receiving side of a Share). Pins the policy
@@ -76,7 +76,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgspec
-from vllm.logger import init_logger
+import logging
 
 from sessionkv.config import Limits
 from sessionkv.hints import (
@@ -100,13 +100,13 @@ from sessionkv.hints import (
 )
 from sessionkv.events import Via
 from sessionkv.index.prefix_index import SessionPrefixIndex
-from sessionkv.tiers.g2_policy import SessionCachePolicy
+from sessionkv.tiers.g2.policy import SessionCachePolicy
 from sessionkv.types import Tier
 
-from .fetch import Fetcher
-from .moves import Mover
+from sessionkv.engine.fetch import Fetcher
+from sessionkv.engine.mover import Mover
 
-logger = init_logger(__name__)
+logger = logging.getLogger(__name__)
 
 KVCR_SIG_PARAM = "kv_hint_sig"
 MAX_CLIPPED_HINTS = 4096   # clipped outcomes waiting for collect_clipped (one per hint)
@@ -122,7 +122,7 @@ MAX_WAITING_CHUNKS = 16_384      # with the chunks a waiting copy keeps to start
 MAX_WAITS = 4096
 # How long a waiting chunk may take to reach G2 and G3 after its request
 # finished: vLLM stores it within a few steps, and every G3 store has its own
-# deadline (tiers/g3_io.Guard); the bound only ends a wait nothing will end.
+# deadline (tiers/g3/io.Guard); the bound only ends a wait nothing will end.
 WAIT_S = 30.0
 # The most G2 chunks a Pin or Retain acts on in one hold of the lock; the
 # rest follow a slice a hold (``HintExecutor.step``, module docstring).

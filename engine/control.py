@@ -7,9 +7,9 @@ spec in workers too), when the policy names a secret; the wire protocol is in
 One daemon thread owns both ZMQ sockets. It sleeps in ``poll`` (no timeout)
 on the request socket, the event log's wake pipe, the mover's wake pipe and a
 stop pipe, so an idle engine stays idle. A vLLM engine with no requests runs
-no steps, so this thread applies hints itself, under the tier manager's lock:
+no steps, so this thread applies hints itself, under the session service's lock:
 metadata (pins, priorities, TTLs, session ends), and the start and finish of
-Demote/Prefetch/Share copies (``connectors.moves``: reservations through the
+Demote/Prefetch/Share copies (``engine.mover``: reservations through the
 primary tier, the copy itself on the G3 tier's threads); it never calls
 ``lookup`` (ARCHITECTURE.md, "Threads"). The reply is sent after the hint took
 effect: a request sent after the reply sees it.
@@ -43,17 +43,17 @@ from typing import Any
 
 import msgspec
 import zmq
-from vllm.logger import init_logger
+import logging
 
 from sessionkv import control as wire
 from sessionkv.events import Via
 from sessionkv.events import encode as encode_event
 from sessionkv.hints import MAX_KEYS, HintOutcome, Status, id_problem, parse_envelope
 
-from .hint_executor import TokenBuckets
-from .manager import SessionTierManager
+from sessionkv.engine.executor import TokenBuckets
+from sessionkv.engine.service import SessionService
 
-logger = init_logger(__name__)
+logger = logging.getLogger(__name__)
 QUEUE_FRAMES = 1024  # frames sent and not yet taken, per peer
 RECV_FRAMES = 64     # requests received and not yet served, per peer
 HANDSHAKE_MS = 2000  # a connection that does not finish its handshake by then is dropped
@@ -66,7 +66,7 @@ class ControlChannel:
 
     def __init__(
         self,
-        manager: SessionTierManager,
+        service: SessionService,
         secret: bytes,
         *,
         host: str = "127.0.0.1",
@@ -76,11 +76,11 @@ class ControlChannel:
         clock: Callable[[], float] | None = None,
         probe: Callable[[list[int]], dict[str, Any]] | None = None,
     ):
-        if manager.event_log is None:
-            raise ValueError("the manager must have an event log (the policy names a secret)")
-        self._manager = manager
+        if service.event_log is None:
+            raise ValueError("the service must have an event log (the policy names a secret)")
+        self._service = service
         self._probe = probe
-        self._events = manager.event_log
+        self._events = service.event_log
         self._secret = secret
         self._guard = wire.ReplayGuard()
         self._frames = TokenBuckets(rate, clock or time.monotonic)
@@ -154,7 +154,7 @@ class ControlChannel:
         poller.register(self._zap, zmq.POLLIN)
         poller.register(self._events.wake_fd, zmq.POLLIN)
         poller.register(self._stop_r, zmq.POLLIN)
-        wake = self._manager.wake
+        wake = self._service.wake
         poller.register(wake.fd, zmq.POLLIN)
         while True:
             ready = dict(poller.poll())
@@ -173,11 +173,11 @@ class ControlChannel:
                 wake.drain()
                 t0 = time.perf_counter()
                 try:
-                    with self._manager.lock:        # hint work waits: go on with it
-                        self._manager.apply_moves()
+                    with self._service.lock:        # hint work waits: go on with it
+                        self._service.apply_moves()
                 except Exception:   # a bug costs these copies' outcomes, never the thread
                     logger.exception("sessionkv: finishing hint copies failed")
-                self._manager.stats.control_work("moves", time.perf_counter() - t0)
+                self._service.stats.control_work("moves", time.perf_counter() - t0)
             if self._events.wake_fd in ready:
                 self._publish()
 
@@ -268,7 +268,7 @@ class ControlChannel:
         try:
             return self._answer(req, client)
         finally:
-            self._manager.stats.control_work(req.op if req.op in wire.OPS else "other",
+            self._service.stats.control_work(req.op if req.op in wire.OPS else "other",
                                              time.perf_counter() - t0)
 
     def _answer(self, req: wire.ControlRequest, client: str) -> wire.ControlReply:
@@ -283,23 +283,23 @@ class ControlChannel:
         elif req.op == "hints":
             items = [h if isinstance(h, HintOutcome) else msgspec.structs.replace(h, signed=True)
                      for h in parse_envelope(req.hints, req.session_id)]
-            reply.outcomes = self._manager.control_hints(items, req.session_id,
+            reply.outcomes = self._service.control_hints(items, req.session_id,
                                                          f"control:{client}")
         elif req.op == "end_session":
             if req.session_id is None:
                 return wire.refused(req.counter, "end_session needs session_id")
-            live = self._manager.end_session(req.session_id)
+            live = self._service.end_session(req.session_id)
             outcome = HintOutcome("end_session", "end_session",
                                   Status.ACCEPTED if live else Status.MISSING,
                                   reason="" if live else "unknown or already ended session")
-            self._manager.emit_outcomes([outcome], Via.CONTROL, req.session_id, client)
+            self._service.emit_outcomes([outcome], Via.CONTROL, req.session_id, client)
             reply.outcomes = [outcome]
         elif req.op == "events":
             limit = max(0, min(req.limit, wire.MAX_EVENTS_PER_REPLY))
             reply.events, reply.oldest, reply.next_seq = self._events.since(req.after, limit)
             reply.last_seq = reply.events[-1].seq if reply.events else 0
         elif req.op == "status":
-            reply.info = {**self._manager.status(),
+            reply.info = {**self._service.status(),
                           "control": {"peers": dict(self.peers),
                                       "dropped_events": self.dropped_events}}
         elif req.op == "probe":
@@ -312,7 +312,7 @@ class ControlChannel:
         elif req.op == "resolve":
             if not 0 < len(req.block_hashes) <= MAX_KEYS:
                 return wire.refused(req.counter, f"resolve needs 1..{MAX_KEYS} block_hashes")
-            reply.keys = self._manager.resolve_hashes(req.block_hashes)
+            reply.keys = self._service.resolve_hashes(req.block_hashes)
         else:
             return wire.refused(req.counter, f"unknown op {req.op[:64]!r}; ops: {', '.join(wire.OPS)}")
         return reply

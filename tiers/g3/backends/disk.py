@@ -1,6 +1,6 @@
 """G3 on a local directory: the embedded G3, no service to start.
 
-In the policy file's ``tiers.g3`` (or ``secondary_tiers``)::
+In the policy file's ``tiers.g3.tier`` (or ``secondary_tiers``)::
 
     - {type: DiskTier, path: /var/cache/sessionkv, max_bytes: 107374182400}
 
@@ -91,7 +91,7 @@ from contextlib import contextmanager
 
 from vllm.v1.kv_offload.base import Locality
 
-from .g3 import G3Tier, ObjectBackend
+from sessionkv.tiers.g3.tier import G3Tier, ObjectBackend
 
 HIGH_WATER = 0.9        # of max_bytes: a put past it wakes the evictor
 LOW_WATER = 0.8         # the evictor removes objects down to this

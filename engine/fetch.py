@@ -26,12 +26,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from vllm.logger import init_logger
+import logging
 
 from sessionkv.client import ControlError, HintClient
 from sessionkv.hints import HintOutcome, KvHint, Status, envelope, hint_action
 
-logger = init_logger(__name__)
+logger = logging.getLogger(__name__)
 MAX_FETCHES = 2
 TIMEOUT_S = 30.0
 

@@ -1,5 +1,5 @@
 """What a G3 tier reads of vLLM's ``OffloadingSpec``: the identity of this
-engine's chunks (``spec_identity``, for ``tiers.fingerprint``).
+engine's chunks (``spec_identity``, for ``tiers.g3.fingerprint``).
 
 vLLM's offloading config names the model only by path and KV dtype, so the
 connector passes what else changes K/V (``connectors.vllm.model_identity``,
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .fingerprint import FingerprintError, identity_fields, weights_digest
+from sessionkv.tiers.g3.fingerprint import FingerprintError, identity_fields, weights_digest
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -49,7 +49,7 @@ def check_topology(model: dict, par: Any) -> None:
 
 
 def spec_identity(spec: "OffloadingSpec", chunk_bytes: int) -> dict:
-    """The identity fields of this engine's chunks (``tiers.fingerprint``),
+    """The identity fields of this engine's chunks (``tiers.g3.fingerprint``),
     ``none_hash`` left empty: vLLM sets it after it built the scheduler.
     Raises ``FingerprintError`` where G3 would be unsafe."""
     cfg = spec.config
