@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-VOCAB = (10, 4000)          # token ids drawn from this range (the local models' vocabulary)
+VOCAB = (10, 4000)  # token ids drawn from this range (the local models' vocabulary)
 
 
 @dataclass(frozen=True)
@@ -35,20 +35,20 @@ class Shape:
     """How big the tasks are (tokens, seconds)."""
 
     tasks: int = 16
-    docs: int = 2                    # shared documents; 1 task in 3 starts with one
+    docs: int = 2  # shared documents; 1 task in 3 starts with one
     doc_tokens: int = 1024
-    task_tokens: int = 384           # a task's own instructions
+    task_tokens: int = 384  # a task's own instructions
     turns: tuple[int, int] = (3, 5)  # turns per task, uniform, inclusive
-    tool_tokens: tuple[int, int] = (32, 128)   # a tool result, uniform, inclusive
-    output_tokens: int = 16          # per turn (greedy, ignore_eos)
+    tool_tokens: tuple[int, int] = (32, 128)  # a tool result, uniform, inclusive
+    output_tokens: int = 16  # per turn (greedy, ignore_eos)
     tool_median_s: float = 10.0
     tool_sigma: float = 1.0
     tool_max_s: float = 60.0
     seed: int = 0
-    doc_every: int = 3               # 1 task in this many starts with a shared document
-    subagent_p: float = 0.0          # a task's chance to hand one tool call to a sub-agent
+    doc_every: int = 3  # 1 task in this many starts with a shared document
+    subagent_p: float = 0.0  # a task's chance to hand one tool call to a sub-agent
     sub_turns: tuple[int, int] = (2, 4)
-    compact_tokens: int = 0          # a context past this restarts from a summary (0: never)
+    compact_tokens: int = 0  # a context past this restarts from a summary (0: never)
     summary_tokens: int = 256
 
 
@@ -66,15 +66,15 @@ class Task:
       and ``results[k]`` (the agent restarts from a summary)."""
 
     i: int
-    doc: int | None                  # which shared document it starts with, if any
-    head: tuple[int, ...]            # turn 1's prompt
-    tools: tuple[float, ...]         # tool call after turn k (len = turns - 1)
-    results: tuple[tuple[int, ...], ...]   # the tool results, appended after turn k's output
-    sub: "Task | None" = None
+    doc: int | None  # which shared document it starts with, if any
+    head: tuple[int, ...]  # turn 1's prompt
+    tools: tuple[float, ...]  # tool call after turn k (len = turns - 1)
+    results: tuple[tuple[int, ...], ...]  # the tool results, appended after turn k's output
+    sub: Task | None = None
     sub_at: int = -1
     compact_after: tuple[int, ...] = ()
     summaries: tuple[tuple[int, ...], ...] = ()
-    doc_tokens: int = 0              # of ``head``, the shared document's
+    doc_tokens: int = 0  # of ``head``, the shared document's
 
     @property
     def turns(self) -> int:
@@ -91,8 +91,11 @@ class Task:
             if k == self.sub_at and self.sub is not None:
                 grow += output_tokens
             if k in self.compact_after:
-                n = self.doc_tokens + len(self.summaries[self.compact_after.index(k)]) \
+                n = (
+                    self.doc_tokens
+                    + len(self.summaries[self.compact_after.index(k)])
                     + len(self.results[k])
+                )
             else:
                 n += grow
         return out
@@ -110,10 +113,24 @@ def coding_shape(seed: int = 0) -> Shape:
     a sub-agent that branches from the task's context; a context past 4,096
     tokens restarts from a 256-token summary. What matters is context / G1
     and sessions / tier (``--coding`` sizes them), not absolute tokens."""
-    return Shape(tasks=12, docs=2, doc_tokens=1024, doc_every=1, task_tokens=256,
-                 turns=(12, 20), tool_tokens=(64, 256), output_tokens=16,
-                 tool_median_s=1.0, tool_sigma=1.9, tool_max_s=90.0, seed=seed,
-                 subagent_p=0.5, sub_turns=(2, 4), compact_tokens=4096, summary_tokens=256)
+    return Shape(
+        tasks=12,
+        docs=2,
+        doc_tokens=1024,
+        doc_every=1,
+        task_tokens=256,
+        turns=(12, 20),
+        tool_tokens=(64, 256),
+        output_tokens=16,
+        tool_median_s=1.0,
+        tool_sigma=1.9,
+        tool_max_s=90.0,
+        seed=seed,
+        subagent_p=0.5,
+        sub_turns=(2, 4),
+        compact_tokens=4096,
+        summary_tokens=256,
+    )
 
 
 def _tokens(rng: np.random.Generator, n: int) -> tuple[int, ...]:
@@ -126,8 +143,10 @@ def tool_seconds(rng: np.random.Generator, shape: Shape, n: int) -> list[float]:
 
 
 def _results(rng: np.random.Generator, shape: Shape, n: int) -> tuple[tuple[int, ...], ...]:
-    return tuple(_tokens(rng, int(rng.integers(shape.tool_tokens[0], shape.tool_tokens[1] + 1)))
-                 for _ in range(n))
+    return tuple(
+        _tokens(rng, int(rng.integers(shape.tool_tokens[0], shape.tool_tokens[1] + 1)))
+        for _ in range(n)
+    )
 
 
 def make_tasks(shape: Shape) -> list[Task]:
@@ -139,9 +158,15 @@ def make_tasks(shape: Shape) -> list[Task]:
         doc = i // every % shape.docs if shape.docs and i % every == 0 else None
         turns = int(rng.integers(shape.turns[0], shape.turns[1] + 1))
         head = (docs[doc] if doc is not None else ()) + _tokens(rng, shape.task_tokens)
-        results = _results(rng, shape, turns - 1)      # drawn before the tool times
-        task = Task(i, doc, head, tuple(tool_seconds(rng, shape, turns - 1)), results,
-                    doc_tokens=shape.doc_tokens if doc is not None else 0)
+        results = _results(rng, shape, turns - 1)  # drawn before the tool times
+        task = Task(
+            i,
+            doc,
+            head,
+            tuple(tool_seconds(rng, shape, turns - 1)),
+            results,
+            doc_tokens=shape.doc_tokens if doc is not None else 0,
+        )
         if shape.subagent_p and turns > 2 and rng.random() < shape.subagent_p:
             n = int(rng.integers(shape.sub_turns[0], shape.sub_turns[1] + 1))
             head, results = _tokens(rng, shape.task_tokens // 4), _results(rng, shape, n - 1)
@@ -155,8 +180,10 @@ def make_tasks(shape: Shape) -> list[Task]:
                     compact.append(k)
                     n = task.doc_tokens + shape.summary_tokens + len(r)
             task = dataclasses.replace(
-                task, compact_after=tuple(compact),
-                summaries=tuple(_tokens(rng, shape.summary_tokens) for _ in compact))
+                task,
+                compact_after=tuple(compact),
+                summaries=tuple(_tokens(rng, shape.summary_tokens) for _ in compact),
+            )
         tasks.append(task)
     return tasks
 
@@ -165,25 +192,37 @@ def max_context(shape: Shape, tasks: list[Task] | None = None) -> int:
     """The longest prompt plus output any task reaches (of ``tasks``, or the
     bound the shape allows when it neither compacts nor branches)."""
     if tasks is None:
-        return (shape.doc_tokens + shape.task_tokens + shape.turns[1] * shape.output_tokens
-                + (shape.turns[1] - 1) * shape.tool_tokens[1])
+        return (
+            shape.doc_tokens
+            + shape.task_tokens
+            + shape.turns[1] * shape.output_tokens
+            + (shape.turns[1] - 1) * shape.tool_tokens[1]
+        )
     out = 0
     for t in tasks:
         lengths = t.prompt_lengths(shape.output_tokens)
         out = max(out, max(lengths))
         if t.sub is not None:
-            out = max(out, max(t.sub.prompt_lengths(
-                shape.output_tokens, lengths[t.sub_at] + shape.output_tokens)))
+            out = max(
+                out,
+                max(
+                    t.sub.prompt_lengths(
+                        shape.output_tokens, lengths[t.sub_at] + shape.output_tokens
+                    )
+                ),
+            )
     return out + shape.output_tokens
 
 
-def live_working_set(tasks: list[Task], shape: Shape, agents: int, block: int,
-                     samples: int = 4000) -> float:
+def live_working_set(
+    tasks: list[Task], shape: Shape, agents: int, block: int, samples: int = 4000
+) -> float:
     """The full blocks ``agents`` live agents on one engine hold together
     (a shared document once), averaged over random moments: each agent at a
     random turn of a random task, with that turn's prompt and output."""
-    turns = [(t, n + shape.output_tokens) for t in tasks
-             for n in t.prompt_lengths(shape.output_tokens)]
+    turns = [
+        (t, n + shape.output_tokens) for t in tasks for n in t.prompt_lengths(shape.output_tokens)
+    ]
     rng = np.random.default_rng(shape.seed)
     sizes = []
     for _ in range(samples):
@@ -199,23 +238,24 @@ def live_working_set(tasks: list[Task], shape: Shape, agents: int, block: int,
 
 # ---- figures --------------------------------------------------------------
 
+
 @dataclass
 class TurnResult:
     task: int
-    turn: int                  # 0 = the task's first turn
+    turn: int  # 0 = the task's first turn
     ttft_s: float
     prompt_tokens: int
-    cached_tokens: int         # G1 hits plus the connector's loads (vLLM's usage)
+    cached_tokens: int  # G1 hits plus the connector's loads (vLLM's usage)
     worker: str
-    moved: bool                # a later turn on another worker than the previous turn
-    prefix_tokens: int         # what the previous turn left: its prompt (0 for turn 0)
+    moved: bool  # a later turn on another worker than the previous turn
+    prefix_tokens: int  # what the previous turn left: its prompt (0 for turn 0)
     cross_start: bool = False  # a first turn of a shared document on a worker new to it
     doc_tokens: int = 0
     output: list[int] = field(default_factory=list)
     prompt_key: str = ""
     error: str | None = None
-    routed_s: float = 0.0      # the router's time before it forwarded the turn
-    sub: bool = False          # a sub-agent's turn (``task``'s sub-agent)
+    routed_s: float = 0.0  # the router's time before it forwarded the turn
+    sub: bool = False  # a sub-agent's turn (``task``'s sub-agent)
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -234,38 +274,50 @@ def run_figures(turns: list[TurnResult], task_s: list[float]) -> dict:
     moved = [t for t in ok if t.moved and t.prefix_tokens]
     starts = [t for t in ok if t.cross_start and t.doc_tokens]
     return {
-        "turns": len(turns), "errors": len(turns) - len(ok),
+        "turns": len(turns),
+        "errors": len(turns) - len(ok),
         "resumed_turns": len(resumed),
-        "resumed_ttft_p50_s": _pct(resumed, 50), "resumed_ttft_p90_s": _pct(resumed, 90),
+        "resumed_ttft_p50_s": _pct(resumed, 50),
+        "resumed_ttft_p90_s": _pct(resumed, 90),
         "first_ttft_p50_s": _pct([t.ttft_s for t in ok if t.turn == 0], 50),
-        "task_s_p50": _pct(task_s, 50), "task_s_mean": float(np.mean(task_s)) if task_s else None,
+        "task_s_p50": _pct(task_s, 50),
+        "task_s_mean": float(np.mean(task_s)) if task_s else None,
         "prompt_tokens": sum(t.prompt_tokens for t in ok),
         "recomputed_tokens": sum(t.prompt_tokens - t.cached_tokens for t in ok),
         # Of that, what an earlier turn of the task had computed already (its
         # prompt): what a cache could have kept. The rest (first turns, tool
         # results) every mode computes.
-        "prefix_recomputed_tokens": sum(max(0, t.prefix_tokens - t.cached_tokens)
-                                        for t in ok if t.turn > 0),
+        "prefix_recomputed_tokens": sum(
+            max(0, t.prefix_tokens - t.cached_tokens) for t in ok if t.turn > 0
+        ),
         "moved_turns": len(moved),
         # Of a moved turn's prefix (its previous prompt), the share not served
         # from cache on the new worker: G1 there cannot have it (unless a
         # shared document), so what is served came from G3.
         "moved_prefix_recomputed_fraction": (
             sum(max(0, t.prefix_tokens - t.cached_tokens) for t in moved)
-            / sum(t.prefix_tokens for t in moved)) if moved else None,
+            / sum(t.prefix_tokens for t in moved)
+        )
+        if moved
+        else None,
         "moved_ttft_p50_s": _pct([t.ttft_s for t in moved], 50),
         "cross_starts": len(starts),
         "cross_start_doc_cached_fraction": (
             sum(min(t.cached_tokens, t.doc_tokens) for t in starts)
-            / sum(t.doc_tokens for t in starts)) if starts else None,
+            / sum(t.doc_tokens for t in starts)
+        )
+        if starts
+        else None,
         "cross_start_ttft_p50_s": _pct([t.ttft_s for t in starts], 50),
         # Resumed turns' TTFT, split: the router's part (session state,
         # placement, a move's Share wait) and the rest (the engine, the wire).
         "resumed_routed_s_mean": float(np.mean([t.routed_s for t in ok if t.turn > 0]))
-        if resumed else None,
+        if resumed
+        else None,
         "resumed_routed_s_p90": _pct([t.routed_s for t in ok if t.turn > 0], 90),
-        "resumed_engine_s_mean": float(np.mean([t.ttft_s - t.routed_s for t in ok
-                                                if t.turn > 0])) if resumed else None,
+        "resumed_engine_s_mean": float(np.mean([t.ttft_s - t.routed_s for t in ok if t.turn > 0]))
+        if resumed
+        else None,
     }
 
 
@@ -281,11 +333,20 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def summary(per_mode: dict[str, list[dict]]) -> dict:
     """Medians over runs per mode, the spread (min, max), and the ratios the
     issue's acceptance names (sessionkv against LRU and the oracle)."""
-    keys = ("resumed_ttft_p50_s", "resumed_ttft_p90_s", "task_s_p50", "recomputed_tokens",
-            "prefix_recomputed_tokens",
-            "moved_prefix_recomputed_fraction", "moved_ttft_p50_s",
-            "cross_start_doc_cached_fraction", "cross_start_ttft_p50_s", "moved_turns",
-            "resumed_routed_s_mean", "resumed_engine_s_mean")
+    keys = (
+        "resumed_ttft_p50_s",
+        "resumed_ttft_p90_s",
+        "task_s_p50",
+        "recomputed_tokens",
+        "prefix_recomputed_tokens",
+        "moved_prefix_recomputed_fraction",
+        "moved_ttft_p50_s",
+        "cross_start_doc_cached_fraction",
+        "cross_start_ttft_p50_s",
+        "moved_turns",
+        "resumed_routed_s_mean",
+        "resumed_engine_s_mean",
+    )
     table = {}
     for mode, runs in per_mode.items():
         row = {}
@@ -297,17 +358,21 @@ def summary(per_mode: dict[str, list[dict]]) -> dict:
     ratios = {}
     for base in ("lru", "lru+g3"):
         for name, fn in {
-                "resumed_ttft_p50_ratio_to_": lambda r: r.get("resumed_ttft_p50_s"),
-                "recomputed_ratio_to_": lambda r: r.get("recomputed_tokens"),
-                "prefix_recomputed_ratio_to_": lambda r: r.get("prefix_recomputed_tokens"),
-                "task_s_p50_ratio_to_": lambda r: r.get("task_s_p50")}.items():
+            "resumed_ttft_p50_ratio_to_": lambda r: r.get("resumed_ttft_p50_s"),
+            "recomputed_ratio_to_": lambda r: r.get("recomputed_tokens"),
+            "prefix_recomputed_ratio_to_": lambda r: r.get("prefix_recomputed_tokens"),
+            "task_s_p50_ratio_to_": lambda r: r.get("task_s_p50"),
+        }.items():
             ratios[name + base] = _median_ratio(per_mode, "sessionkv", base, fn)
     ratios["resumed_ttft_p50_ratio_to_oracle"] = _median_ratio(
-        per_mode, "sessionkv", "oracle", lambda r: r.get("resumed_ttft_p50_s"))
+        per_mode, "sessionkv", "oracle", lambda r: r.get("resumed_ttft_p50_s")
+    )
     ratios["task_s_p50_ratio_to_plain"] = _median_ratio(
-        per_mode, "sessionkv", "plain", lambda r: r.get("task_s_p50"))
-    ratios["moved_prefix_recomputed_fraction"] = \
-        table.get("sessionkv", {}).get("moved_prefix_recomputed_fraction")
+        per_mode, "sessionkv", "plain", lambda r: r.get("task_s_p50")
+    )
+    ratios["moved_prefix_recomputed_fraction"] = table.get("sessionkv", {}).get(
+        "moved_prefix_recomputed_fraction"
+    )
     return {"modes": table, **ratios}
 
 

@@ -111,25 +111,41 @@ def pins(client: HintClient, n: int) -> dict:
         statuses[out.status] = statuses.get(out.status, 0) + 1
         time.sleep(max(0.0, 0.05 - (time.perf_counter() - t0)))
     lat.sort()
-    return {"p50_ms": statistics.median(lat), "p99_ms": lat[int(0.99 * (len(lat) - 1))],
-            "statuses": statuses}
+    return {
+        "p50_ms": statistics.median(lat),
+        "p99_ms": lat[int(0.99 * (len(lat) - 1))],
+        "statuses": statuses,
+    }
 
 
 def run(n_pins: int, peers: int, d: Path) -> dict:
     (d / "secret").write_bytes(SECRET)
     (d / "policy.yaml").write_text(f"trust: {{secret_file: {d / 'secret'}}}\n")
     engine_id = new_engine_id()
-    cfg = kv_transfer_config(engine_id, sessionkv={
-        "policy_file": str(d / "policy.yaml"),
-        "control": {"endpoint_file": str(d / "engine.json")}})
-    with ServerProcess(TINY, [*ARGS, "--kv-transfer-config", json.dumps(cfg)],
-                       env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-                            "VLLM_CPU_KVCACHE_SPACE": "1"}) as srv:
+    cfg = kv_transfer_config(
+        engine_id,
+        sessionkv={
+            "policy_file": str(d / "policy.yaml"),
+            "control": {"endpoint_file": str(d / "engine.json")},
+        },
+    )
+    with ServerProcess(
+        TINY,
+        [*ARGS, "--kv-transfer-config", json.dumps(cfg)],
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1"},
+    ) as srv:
         try:
-            requests.post(srv.url + "/v1/completions", timeout=120, json={
-                "model": TINY, "prompt": "hello " * 200, "max_tokens": 4,
-                "session_id": "flood-s"}).raise_for_status()
-            time.sleep(3)                           # offloads finish, memory settles
+            requests.post(
+                srv.url + "/v1/completions",
+                timeout=120,
+                json={
+                    "model": TINY,
+                    "prompt": "hello " * 200,
+                    "max_tokens": 4,
+                    "session_id": "flood-s",
+                },
+            ).raise_for_status()
+            time.sleep(3)  # offloads finish, memory settles
             client = HintClient.from_endpoint_file(str(d / "engine.json"), SECRET)
             endpoint = client.endpoint
             with client:
@@ -146,7 +162,7 @@ def run(n_pins: int, peers: int, d: Path) -> dict:
 
                 sampler = threading.Thread(target=sample, daemon=True)
                 sampler.start()
-                time.sleep(2)                       # the flood is under way
+                time.sleep(2)  # the flood is under way
                 loaded = pins(client, n_pins)
                 stop.set()
                 attacker.join(30)
@@ -155,15 +171,24 @@ def run(n_pins: int, peers: int, d: Path) -> dict:
                 refused = client.status().get("control", {}).get("peers", {}).get("refused")
         finally:
             remove_offload_region(engine_id)
-    out = {"peers": peers, "pins": n_pins, "unloaded": unloaded, "loaded": loaded,
-           "p50_ratio": loaded["p50_ms"] / unloaded["p50_ms"],
-           "rss_before_mib": rss_before, "rss_peak_mib": max(peak),
-           "rss_growth_mib": max(peak) - rss_before,
-           "flood_frames_queued": counts.get("frames", 0),
-           "flood_tcp_bytes": counts.get("tcp_bytes", 0), "zap_refused": refused,
-           "goals": GOALS}
-    out["ok"] = (out["rss_growth_mib"] <= GOALS["rss_growth_mib_max"]
-                 and out["p50_ratio"] <= GOALS["p50_ratio_max"])
+    out = {
+        "peers": peers,
+        "pins": n_pins,
+        "unloaded": unloaded,
+        "loaded": loaded,
+        "p50_ratio": loaded["p50_ms"] / unloaded["p50_ms"],
+        "rss_before_mib": rss_before,
+        "rss_peak_mib": max(peak),
+        "rss_growth_mib": max(peak) - rss_before,
+        "flood_frames_queued": counts.get("frames", 0),
+        "flood_tcp_bytes": counts.get("tcp_bytes", 0),
+        "zap_refused": refused,
+        "goals": GOALS,
+    }
+    out["ok"] = (
+        out["rss_growth_mib"] <= GOALS["rss_growth_mib_max"]
+        and out["p50_ratio"] <= GOALS["p50_ratio_max"]
+    )
     return out
 
 

@@ -45,12 +45,12 @@ import time
 from pathlib import Path
 
 import redis
+import scale_steps as steps
 from vllm import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
-import scale_steps as steps
 from sessionkv.connectors.vllm import SessionTierConnector
 from sessionkv.devtools.services import start_redis
 from sessionkv.tiers.g3.backpressure import CascadeQueue
@@ -60,8 +60,10 @@ TIER = ("1:RedisTier",)
 PREFIX = "vllm:kv_offload_tiering_"
 MODES = {
     "default": None,
-    "unbounded": {"backpressure_cls": f"{CascadeQueue.__module__}.{CascadeQueue.__name__}",
-                  "max_chunks": 1 << 40},
+    "unbounded": {
+        "backpressure_cls": f"{CascadeQueue.__module__}.{CascadeQueue.__name__}",
+        "max_chunks": 1 << 40,
+    },
 }
 
 
@@ -106,10 +108,14 @@ def request(i: int, chunks: int) -> Request:
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     params.update_from_generation_config({}, 0)
     base = 1 + i * (chunks * steps.BLOCK + 8)
-    req = Request(request_id=f"r{i}", prompt_token_ids=[
-        (base + t) % 1_000_000 + 1 for t in range(chunks * steps.BLOCK + 3)],
-        sampling_params=params, pooling_params=None, mm_features=None,
-        block_hasher=get_request_block_hasher(steps.BLOCK, sha256))
+    req = Request(
+        request_id=f"r{i}",
+        prompt_token_ids=[(base + t) % 1_000_000 + 1 for t in range(chunks * steps.BLOCK + 3)],
+        sampling_params=params,
+        pooling_params=None,
+        mm_features=None,
+        block_hasher=get_request_block_hasher(steps.BLOCK, sha256),
+    )
     req.kv_transfer_params = {"session_id": f"s{i}"}
     return req
 
@@ -121,14 +127,24 @@ def seen(name: str) -> float:
 def run_mode(mode: str, url: str, args) -> dict:
     init_none_hash(sha256)
     RecordingConnector.seen = {}
-    tier = {"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis", "url": url,
-            "namespace": f"bp-{mode}-{time.monotonic_ns()}", "timeout_s": 10.0}
+    tier = {
+        "type": "RedisTier",
+        "module_path": "sessionkv.tiers.g3.backends.redis",
+        "url": url,
+        "namespace": f"bp-{mode}-{time.monotonic_ns()}",
+        "timeout_s": 10.0,
+    }
     if MODES[mode] is not None:
         tier["backpressure"] = MODES[mode]
-    spec = steps.StepSpec(context=args.prompt_chunks * steps.BLOCK, running=8,
-                          g2_chunks=args.g2_chunks)
-    sched = steps.make_scheduler(True, spec, connector=(RecordingConnector.__name__, __name__),
-                                 extra_config={"secondary_tiers": [tier]})
+    spec = steps.StepSpec(
+        context=args.prompt_chunks * steps.BLOCK, running=8, g2_chunks=args.g2_chunks
+    )
+    sched = steps.make_scheduler(
+        True,
+        spec,
+        connector=(RecordingConnector.__name__, __name__),
+        extra_config={"secondary_tiers": [tier]},
+    )
     (g3,) = sched.connector.manager.secondary_tiers
     pulses = Pulses(url, args.pause_ms, args.period_ms)
     pending: set[int] = set()
@@ -142,13 +158,16 @@ def run_mode(mode: str, url: str, args) -> dict:
         pending = set(getattr(meta, "load_jobs", ())) | set(getattr(meta, "store_jobs", ()))
 
     def sample(t):
-        samples.append({
-            "t": round(t, 2),
-            "queue_chunks": round(seen(PREFIX + "primary_read_usage_perc") * args.g2_chunks),
-            "queue_jobs": seen(PREFIX + "active_cascade_jobs"),
-            "dropped_chunks": seen(PREFIX + "backpressure_blocks_dropped"),
-            "dropped_cascades": seen(PREFIX + "backpressure_stores_dropped"),
-            "g2_refused": seen("vllm:kv_offload_allocation_failure")})
+        samples.append(
+            {
+                "t": round(t, 2),
+                "queue_chunks": round(seen(PREFIX + "primary_read_usage_perc") * args.g2_chunks),
+                "queue_jobs": seen(PREFIX + "active_cascade_jobs"),
+                "dropped_chunks": seen(PREFIX + "backpressure_blocks_dropped"),
+                "dropped_cascades": seen(PREFIX + "backpressure_stores_dropped"),
+                "g2_refused": seen("vllm:kv_offload_allocation_failure"),
+            }
+        )
 
     try:
         pulses.start()
@@ -173,16 +192,23 @@ def run_mode(mode: str, url: str, args) -> dict:
         sample(time.monotonic() - t0)
         manager = sched.connector.manager
         with manager.lock:
-            in_g3 = sum(len(manager.index.resolve_session(f"s{j}").per_tier[Tier.G3])
-                        for j in range(i))
-        return {"mode": mode, "detector": type(g3.bp_detector).__name__,
-                "max_chunks": getattr(g3.bp_detector, "max_chunks", None),
-                "requests": i, "offered_chunks": i * args.prompt_chunks,
-                "peak_queue_chunks": max(s["queue_chunks"] for s in samples),
-                "peak_queue_jobs": max(s["queue_jobs"] for s in samples),
-                "dropped_chunks": samples[-1]["dropped_chunks"], "in_g3_chunks": in_g3,
-                "g2_refused": samples[-1]["g2_refused"],
-                "drain_s": round(drained, 2), "samples": samples}
+            in_g3 = sum(
+                len(manager.index.resolve_session(f"s{j}").per_tier[Tier.G3]) for j in range(i)
+            )
+        return {
+            "mode": mode,
+            "detector": type(g3.bp_detector).__name__,
+            "max_chunks": getattr(g3.bp_detector, "max_chunks", None),
+            "requests": i,
+            "offered_chunks": i * args.prompt_chunks,
+            "peak_queue_chunks": max(s["queue_chunks"] for s in samples),
+            "peak_queue_jobs": max(s["queue_jobs"] for s in samples),
+            "dropped_chunks": samples[-1]["dropped_chunks"],
+            "in_g3_chunks": in_g3,
+            "g2_refused": samples[-1]["g2_refused"],
+            "drain_s": round(drained, 2),
+            "samples": samples,
+        }
     finally:
         pulses.stop.set()
         sched.shutdown()

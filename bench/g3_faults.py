@@ -19,8 +19,6 @@ import tempfile
 from pathlib import Path
 
 
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True)
@@ -28,6 +26,7 @@ def main() -> None:
     args = ap.parse_args()
     from sessionkv.devtools.engines import use_engine_env
     from sessionkv.devtools.g3_faults import BACKENDS, scenario
+
     use_engine_env()
 
     result = {}
@@ -42,9 +41,11 @@ def main() -> None:
         result[backend] = out
         print(backend, json.dumps({k: v for k, v in out.items() if k != "phases"}))
         for label, p in ph.items():
-            print(f"  {label:24s} max {p['max_step_s'] * 1e3:7.1f} ms  median "
-                  f"{p['median_step_s'] * 1e3:6.2f} ms  blocks {p['blocks']}  "
-                  f"wall {p['wall_s']:.1f} s")
+            print(
+                f"  {label:24s} max {p['max_step_s'] * 1e3:7.1f} ms  median "
+                f"{p['median_step_s'] * 1e3:6.2f} ms  blocks {p['blocks']}  "
+                f"wall {p['wall_s']:.1f} s"
+            )
     Path(args.json).write_text(json.dumps(result, indent=2))
 
 

@@ -79,8 +79,8 @@ import time
 PAGESIZE = mmap.PAGESIZE
 SHM = "/dev/shm"
 # Fill of the other workers' slots (and of ours before the first store).
-PATTERN = -91                      # 0xA5 as int8
-SPIN_CYCLES = 20_000_000           # ~10 ms of torch.cuda._sleep on a recent GPU
+PATTERN = -91  # 0xA5 as int8
+SPIN_CYCLES = 20_000_000  # ~10 ms of torch.cuda._sleep on a recent GPU
 DEVICE = "cuda"
 
 
@@ -90,14 +90,25 @@ def round_up(x: int, m: int) -> int:
 
 def layout(args: argparse.Namespace) -> dict:
     """Byte geometry of the region and the device KV, vLLM 0.33's formulas."""
-    page = 2 * args.block_size * args.kv_heads * args.head_dim * 2       # K and V, bf16
-    slot = args.layers * page * args.blocks_per_chunk                    # cpu_page_size
-    row = round_up(slot * args.world, PAGESIZE)                          # kv_bytes_per_chunk
-    return {"layers": args.layers, "block_size": args.block_size, "kv_heads": args.kv_heads,
-            "head_dim": args.head_dim, "dtype": "bfloat16", "page_bytes": page,
-            "blocks_per_chunk": args.blocks_per_chunk, "world": args.world, "rank": args.rank,
-            "slot_bytes": slot, "row_bytes": row, "region_chunks": args.region_chunks,
-            "region_bytes": row * args.region_chunks, "device_blocks": args.device_blocks}
+    page = 2 * args.block_size * args.kv_heads * args.head_dim * 2  # K and V, bf16
+    slot = args.layers * page * args.blocks_per_chunk  # cpu_page_size
+    row = round_up(slot * args.world, PAGESIZE)  # kv_bytes_per_chunk
+    return {
+        "layers": args.layers,
+        "block_size": args.block_size,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "dtype": "bfloat16",
+        "page_bytes": page,
+        "blocks_per_chunk": args.blocks_per_chunk,
+        "world": args.world,
+        "rank": args.rank,
+        "slot_bytes": slot,
+        "row_bytes": row,
+        "region_chunks": args.region_chunks,
+        "region_bytes": row * args.region_chunks,
+        "device_blocks": args.device_blocks,
+    }
 
 
 class Region:
@@ -109,19 +120,21 @@ class Region:
         self.torch, self.path, self.size = torch, path, geo["region_bytes"]
         self.fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         os.ftruncate(self.fd, self.size)
-        self.mm = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED,
-                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.mm = mmap.mmap(
+            self.fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
         self.base = torch.frombuffer(memoryview(self.mm), dtype=torch.int8)
         t = time.perf_counter()
-        self.base.fill_(PATTERN)                       # pre-faults every page, as populate does
+        self.base.fill_(PATTERN)  # pre-faults every page, as populate does
         self.populate_s = time.perf_counter() - t
         row, slot, rank = geo["row_bytes"], geo["slot_bytes"], geo["rank"]
         n, per_layer = geo["region_chunks"], geo["page_bytes"] * geo["blocks_per_chunk"]
         # This worker's slot per chunk, and its per-layer views (create_next_worker_view).
         self.slots = torch.as_strided(self.base, (n, slot), (row, 1), rank * slot)
-        self.layer_views = [torch.as_strided(self.base, (n, per_layer), (row, 1),
-                                             rank * slot + i * per_layer)
-                            for i in range(geo["layers"])]
+        self.layer_views = [
+            torch.as_strided(self.base, (n, per_layer), (row, 1), rank * slot + i * per_layer)
+            for i in range(geo["layers"])
+        ]
         self.pinned, self.pin_error, self.pin_s = False, None, 0.0
 
     def pin(self) -> None:
@@ -131,7 +144,7 @@ class Region:
             t = time.perf_counter()
             rc = cudart.cudaHostRegister(self.base.data_ptr(), self.size, 0)
             self.pin_s = time.perf_counter() - t
-        except Exception as e:                 # no binding in this PyTorch: copies run pageable
+        except Exception as e:  # no binding in this PyTorch: copies run pageable
             self.pin_error = f"cudaHostRegister not callable: {e!r}"
             return
         if int(rc) == 0:
@@ -158,6 +171,7 @@ def _clear_cuda_error() -> None:
     calls ``cudaGetLastError``; PyTorch does not bind it, so ctypes on the
     libcudart this process loaded, when it is a shared library)."""
     import ctypes
+
     with contextlib.suppress(OSError):
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "libcudart.so" in line}
@@ -169,11 +183,15 @@ def kv_cache(torch, geo: dict, fill: bool) -> list:
     """Per-layer device KV tensors in vLLM's block layout; random bits or zeros."""
     out = []
     for _ in range(geo["layers"]):
-        t = torch.zeros((geo["device_blocks"], 2, geo["block_size"], geo["kv_heads"],
-                         geo["head_dim"]), dtype=torch.bfloat16, device=DEVICE)
+        t = torch.zeros(
+            (geo["device_blocks"], 2, geo["block_size"], geo["kv_heads"], geo["head_dim"]),
+            dtype=torch.bfloat16,
+            device=DEVICE,
+        )
         if fill:
-            t.view(torch.int16).copy_(torch.randint(-32768, 32768, t.shape, dtype=torch.int16,
-                                                    device=DEVICE))
+            t.view(torch.int16).copy_(
+                torch.randint(-32768, 32768, t.shape, dtype=torch.int16, device=DEVICE)
+            )
         out.append(t.view(torch.int8).view(geo["device_blocks"], geo["page_bytes"]))
     return out
 
@@ -182,7 +200,7 @@ def store(torch, kv: list, blocks, chunks: list[int], slots, staging) -> None:
     """D2H: gather ``blocks`` (n * blocks_per_chunk ids) into the slot layout on
     the device, then one DMA per chunk into its slot. Runs on the current stream."""
     n, layers = len(chunks), len(kv)
-    st = staging[:n].view(n, layers, -1, kv[0].shape[1])        # (n, L, bpc, page)
+    st = staging[:n].view(n, layers, -1, kv[0].shape[1])  # (n, L, bpc, page)
     for i, t in enumerate(kv):
         st[:, i].copy_(t.index_select(0, blocks).view(n, -1, t.shape[1]))
     flat = staging[:n]
@@ -225,13 +243,12 @@ def timed(torch, stream, fn, iters: int) -> dict:
     return {"s": statistics.median(gpu), "issue_s": statistics.median(issue)}
 
 
-def exactness(torch, geo: dict, region: Region, kv: list, stream, staging, n: int,
-              gen) -> dict:
+def exactness(torch, geo: dict, region: Region, kv: list, stream, staging, n: int, gen) -> dict:
     """Device -> region -> second mapping -> fresh device blocks, bit for bit."""
     bpc, dev = geo["blocks_per_chunk"], DEVICE
     perm = torch.randperm(geo["device_blocks"], generator=gen)
-    src = perm[:n * bpc].to(dev)
-    dst = perm[n * bpc:2 * n * bpc].to(dev)
+    src = perm[: n * bpc].to(dev)
+    dst = perm[n * bpc : 2 * n * bpc].to(dev)
     chunks = torch.randperm(geo["region_chunks"], generator=gen)[:n].tolist()
     region.base.fill_(PATTERN)
     stream.wait_stream(torch.cuda.current_stream())
@@ -245,7 +262,8 @@ def exactness(torch, geo: dict, region: Region, kv: list, stream, staging, n: in
     # vLLM's per-layer views (create_next_worker_view) see each layer's blocks.
     checks["layer_views_see_blocks"] = all(
         torch.equal(v.index_select(0, idx), t.index_select(0, src).view(n, -1).cpu())
-        for v, t in zip(region.layer_views, kv))
+        for v, t in zip(region.layer_views, kv)
+    )
     # Every byte outside this worker's slots in the chunks written, and every
     # slot not written, still holds the pattern.
     rows = region.base.view(geo["region_chunks"], geo["row_bytes"])
@@ -253,19 +271,21 @@ def exactness(torch, geo: dict, region: Region, kv: list, stream, staging, n: in
     mask = torch.ones(geo["region_chunks"], dtype=torch.bool)
     mask[idx] = False
     checks["other_region_bytes_untouched"] = all(
-        bool((part == PATTERN).all()) for part in (rows[:, :lo], rows[:, hi:],
-                                                   region.slots[mask]))
+        bool((part == PATTERN).all()) for part in (rows[:, :lo], rows[:, hi:], region.slots[mask])
+    )
     # A second, independent mapping of the file (the scheduler's view).
     fd = os.open(region.path, os.O_RDWR)
     try:
-        mm2 = mmap.mmap(fd, region.size, flags=mmap.MAP_SHARED,
-                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mm2 = mmap.mmap(
+            fd, region.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
         try:
             base2 = torch.frombuffer(memoryview(mm2), dtype=torch.int8)
             slots2 = torch.as_strided(base2, region.slots.shape, region.slots.stride(), lo)
             checks["second_mapping_sees_bytes"] = (
                 torch.equal(slots2.index_select(0, idx), want)
-                and base2.data_ptr() != region.base.data_ptr())
+                and base2.data_ptr() != region.base.data_ptr()
+            )
             del base2, slots2
         finally:
             with contextlib.suppress(BufferError):
@@ -279,30 +299,39 @@ def exactness(torch, geo: dict, region: Region, kv: list, stream, staging, n: in
         load(torch, fresh, dst, chunks, region.slots, staging)
     stream.synchronize()
     checks["load_blocks_equal"] = all(
-        torch.equal(f.index_select(0, dst), t.index_select(0, src)) for f, t in zip(fresh, kv))
+        torch.equal(f.index_select(0, dst), t.index_select(0, src)) for f, t in zip(fresh, kv)
+    )
     keep = torch.ones(geo["device_blocks"], dtype=torch.bool, device=dev)
     keep[dst] = False
-    checks["other_device_blocks_untouched"] = all(
-        not bool(f[keep].any()) for f in fresh)
+    checks["other_device_blocks_untouched"] = all(not bool(f[keep].any()) for f in fresh)
     del fresh
     return {"chunks": n, **checks}
 
 
-def measure(torch, geo: dict, args, region: Region, kv: list, stream, bufs: dict, n: int,
-            gen) -> dict:
+def measure(
+    torch, geo: dict, args, region: Region, kv: list, stream, bufs: dict, n: int, gen
+) -> dict:
     """One row of figures: ``n`` chunks stored, loaded, and the raw copies of as many bytes."""
     perm = torch.randperm(geo["device_blocks"], generator=gen)
-    blocks = perm[:n * args.blocks_per_chunk].to(DEVICE)
+    blocks = perm[: n * args.blocks_per_chunk].to(DEVICE)
     chunks = torch.randperm(geo["region_chunks"], generator=gen)[:n].tolist()
     nbytes = n * geo["slot_bytes"]
     h, d, r = bufs["pinned"][:nbytes], bufs["device"][:nbytes], region.base[:nbytes]
     staging = bufs["staging"]
     # store first: load then reads the slots store wrote, so the KV keeps its bytes.
     res = {
-        "store": timed(torch, stream, lambda: store(torch, kv, blocks, chunks, region.slots,
-                                                    staging), args.iters),
-        "load": timed(torch, stream, lambda: load(torch, kv, blocks, chunks, region.slots,
-                                                  staging), args.iters),
+        "store": timed(
+            torch,
+            stream,
+            lambda: store(torch, kv, blocks, chunks, region.slots, staging),
+            args.iters,
+        ),
+        "load": timed(
+            torch,
+            stream,
+            lambda: load(torch, kv, blocks, chunks, region.slots, staging),
+            args.iters,
+        ),
         "raw_d2h": timed(torch, stream, lambda: h.copy_(d, non_blocking=True), args.iters),
         "raw_h2d": timed(torch, stream, lambda: d.copy_(h, non_blocking=True), args.iters),
         "region_d2h": timed(torch, stream, lambda: r.copy_(d, non_blocking=True), args.iters),
@@ -323,37 +352,48 @@ def run(args: argparse.Namespace, torch) -> dict:
     geo = layout(args)
     free = shutil.disk_usage(SHM).free
     if free < geo["region_bytes"]:
-        print(f"gpu_check: {SHM} has {free / 2**20:.0f} MiB free, the region needs "
-              f"{geo['region_bytes'] / 2**20:.0f} MiB: give the container a larger /dev/shm "
-              "(docker --shm-size or --ipc=host) or lower --region-chunks", file=sys.stderr)
+        print(
+            f"gpu_check: {SHM} has {free / 2**20:.0f} MiB free, the region needs "
+            f"{geo['region_bytes'] / 2**20:.0f} MiB: give the container a larger /dev/shm "
+            "(docker --shm-size or --ipc=host) or lower --region-chunks",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
-    out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "layout": geo,
-           "shm": {"path": SHM, "total_bytes": shutil.disk_usage(SHM).total,
-                   "free_bytes": free}}
+    out = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "layout": geo,
+        "shm": {"path": SHM, "total_bytes": shutil.disk_usage(SHM).total, "free_bytes": free},
+    }
     region = Region(torch, geo, os.path.join(SHM, f"sessionkv_gpu_check_{os.getpid()}.mmap"))
     try:
         region.pin()
-        out.update(pinned=region.pinned, pin_error=region.pin_error,
-                   pin_s=round(region.pin_s, 4), populate_s=round(region.populate_s, 4))
+        out.update(
+            pinned=region.pinned,
+            pin_error=region.pin_error,
+            pin_s=round(region.pin_s, 4),
+            populate_s=round(region.populate_s, 4),
+        )
         kv = kv_cache(torch, geo, fill=True)
         stream = torch.cuda.Stream()
         most = max(args.chunks)
-        bufs = {"staging": torch.empty((most, geo["slot_bytes"]), dtype=torch.int8,
-                                       device=DEVICE),
-                "pinned": torch.empty(most * geo["slot_bytes"], dtype=torch.int8,
-                                      pin_memory=True),
-                "device": torch.empty(most * geo["slot_bytes"], dtype=torch.int8,
-                                      device=DEVICE)}
+        bufs = {
+            "staging": torch.empty((most, geo["slot_bytes"]), dtype=torch.int8, device=DEVICE),
+            "pinned": torch.empty(most * geo["slot_bytes"], dtype=torch.int8, pin_memory=True),
+            "device": torch.empty(most * geo["slot_bytes"], dtype=torch.int8, device=DEVICE),
+        }
         out["copies"] = []
         for n in args.chunks:
             out["copies"].append(measure(torch, geo, args, region, kv, stream, bufs, n, gen))
             print(json.dumps(out["copies"][-1]), flush=True)
-        out["checks"] = [exactness(torch, geo, region, kv, stream, bufs["staging"], n, gen)
-                         for n in sorted({1, most})]
+        out["checks"] = [
+            exactness(torch, geo, region, kv, stream, bufs["staging"], n, gen)
+            for n in sorted({1, most})
+        ]
         out["exact"] = all(v for c in out["checks"] for k, v in c.items() if k != "chunks")
         del bufs, kv
     finally:
@@ -365,7 +405,8 @@ def run(args: argparse.Namespace, torch) -> dict:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="G2's host region in vLLM 0.33's layout on one NVIDIA GPU: block copies "
-                    "against raw pinned memcpy, and byte exactness (PyTorch only)")
+        "against raw pinned memcpy, and byte exactness (PyTorch only)"
+    )
     p.add_argument("--json", required=True, help="write the figures here")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--block-size", type=int, default=16, help="tokens per GPU block")
@@ -376,8 +417,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=1, help="the worker this process plays")
     p.add_argument("--region-chunks", type=int, default=1024)
     p.add_argument("--device-blocks", type=int, default=2048)
-    p.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")],
-                   default=[1, 8, 64, 512], help="chunk counts per copy, comma-separated")
+    p.add_argument(
+        "--chunks",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 8, 64, 512],
+        help="chunk counts per copy, comma-separated",
+    )
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -388,19 +433,27 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 0 <= args.rank < args.world:
         p.error("--rank must be in [0, --world)")
-    if min(args.chunks) < 1 or max(args.chunks) > args.region_chunks \
-            or 2 * max(args.chunks) * args.blocks_per_chunk > args.device_blocks:
-        p.error("each of --chunks must be at least 1 and at most --region-chunks, and twice "
-                "its blocks must fit --device-blocks")
+    if (
+        min(args.chunks) < 1
+        or max(args.chunks) > args.region_chunks
+        or 2 * max(args.chunks) * args.blocks_per_chunk > args.device_blocks
+    ):
+        p.error(
+            "each of --chunks must be at least 1 and at most --region-chunks, and twice "
+            "its blocks must fit --device-blocks"
+        )
     try:
         import torch
     except ImportError as e:
         print(f"gpu_check: needs PyTorch with CUDA ({e})", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print(f"gpu_check: no CUDA device (torch {torch.__version__}, built for CUDA "
-              f"{torch.version.cuda}): run it on a machine with an NVIDIA GPU and a CUDA "
-              "build of PyTorch", file=sys.stderr)
+        print(
+            f"gpu_check: no CUDA device (torch {torch.__version__}, built for CUDA "
+            f"{torch.version.cuda}): run it on a machine with an NVIDIA GPU and a CUDA "
+            "build of PyTorch",
+            file=sys.stderr,
+        )
         return 2
     out = run(args, torch)
     with open(args.json, "w") as f:

@@ -28,7 +28,6 @@ from pathlib import Path
 import psutil
 import requests
 
-
 from sessionkv.client import HintClient
 from sessionkv.devtools.engines import TINY, final_outcome, kv_transfer_config, new_engine_id
 from sessionkv.devtools.server import ServerProcess, remove_offload_region
@@ -52,7 +51,7 @@ def tree_sum(pid: int, measure) -> float:
 
 
 def tree_cpu_s(pid: int) -> float:
-    return tree_sum(pid, lambda p: sum(p.cpu_times()[:2]))     # user + system
+    return tree_sum(pid, lambda p: sum(p.cpu_times()[:2]))  # user + system
 
 
 def serve(policy: Path, control: dict | None = None, **extra):
@@ -62,13 +61,18 @@ def serve(policy: Path, control: dict | None = None, **extra):
     engine_id = new_engine_id()
     skv = {"policy_file": str(policy), **({"control": control} if control else {})}
     cfg = kv_transfer_config(engine_id, sessionkv=skv, **extra)
-    srv = ServerProcess(TINY, [*ARGS, "--kv-transfer-config", json.dumps(cfg)],
-                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    srv = ServerProcess(
+        TINY,
+        [*ARGS, "--kv-transfer-config", json.dumps(cfg)],
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
     try:
-        requests.post(srv.url + "/v1/completions", timeout=120, json={
-            "model": TINY, "prompt": "hello " * 200, "max_tokens": 4,
-            "session_id": "idle"}).raise_for_status()
-        time.sleep(5)                      # offloads finish, timers settle
+        requests.post(
+            srv.url + "/v1/completions",
+            timeout=120,
+            json={"model": TINY, "prompt": "hello " * 200, "max_tokens": 4, "session_id": "idle"},
+        ).raise_for_status()
+        time.sleep(5)  # offloads finish, timers settle
     except BaseException:
         srv.stop()
         remove_offload_region(engine_id)
@@ -99,11 +103,16 @@ def copy_in_flight_cpu(d: Path, seconds: float) -> tuple[float, dict]:
     url, server = start_redis(d)
     policy = d / "copy.yaml"
     policy.write_text(f"trust: {{secret_file: {d / 'secret'}}}\ng3: {{write_through: false}}\n")
-    tier = {"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis", "url": url,
-            "timeout_s": 10 * seconds}          # the held write is not abandoned meanwhile
+    tier = {
+        "type": "RedisTier",
+        "module_path": "sessionkv.tiers.g3.backends.redis",
+        "url": url,
+        "timeout_s": 10 * seconds,
+    }  # the held write is not abandoned meanwhile
     try:
-        srv, engine_id = serve(policy, secondary_tiers=[tier],
-                               control={"endpoint_file": str(d / "copy.json")})
+        srv, engine_id = serve(
+            policy, secondary_tiers=[tier], control={"endpoint_file": str(d / "copy.json")}
+        )
         try:
             r = redis.Redis.from_url(url)
             r.execute_command("CLIENT", "PAUSE", int((seconds + 30) * 1000), "WRITE")
@@ -113,7 +122,7 @@ def copy_in_flight_cpu(d: Path, seconds: float) -> tuple[float, dict]:
                 first = c.demote("idle")
                 if first.status != "deferred":
                     raise RuntimeError(f"the Demote did not start a copy: {first}")
-                time.sleep(1)                  # the copy reached the held write
+                time.sleep(1)  # the copy reached the held write
                 cpu = cpu_over(srv, seconds)
                 r.execute_command("CLIENT", "UNPAUSE")
                 final, moved = final_outcome(c, first.hint_id, after)
@@ -135,9 +144,11 @@ def main() -> None:
         (d / "secret").write_bytes(SECRET)
         (d / "with.yaml").write_text(f"trust: {{secret_file: {d / 'secret'}}}\n")
         (d / "without.yaml").write_text("version: 1\n")
-        out = {"seconds": args.seconds,
-               "with_channel_cpu_s": idle_cpu(d / "with.yaml", args.seconds),
-               "without_channel_cpu_s": idle_cpu(d / "without.yaml", args.seconds)}
+        out = {
+            "seconds": args.seconds,
+            "with_channel_cpu_s": idle_cpu(d / "with.yaml", args.seconds),
+            "without_channel_cpu_s": idle_cpu(d / "without.yaml", args.seconds),
+        }
         out["copy_in_flight_cpu_s"], out["copy_final"] = copy_in_flight_cpu(d, args.seconds)
     for k in ("with_channel", "without_channel", "copy_in_flight"):
         out[f"{k}_cores"] = out[f"{k}_cpu_s"] / args.seconds

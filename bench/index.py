@@ -32,11 +32,11 @@ SHARED = 16
 def make_chains(n_blocks: int) -> list[list[bytes]]:
     raw = np.random.default_rng(0).bytes(32 * n_blocks)
     group = bytes(4)
-    keys = [raw[i * 32:(i + 1) * 32] + group for i in range(n_blocks)]
+    keys = [raw[i * 32 : (i + 1) * 32] + group for i in range(n_blocks)]
     prompt = keys[:SHARED]
     rest = keys[SHARED:]
     step = CHAIN - SHARED
-    return [prompt + rest[i:i + step] for i in range(0, len(rest) - step + 1, step)]
+    return [prompt + rest[i : i + step] for i in range(0, len(rest) - step + 1, step)]
 
 
 def admit_all(idx: SessionPrefixIndex, chains: list[list[bytes]]) -> int:
@@ -92,6 +92,7 @@ def main() -> None:
     def hits():
         for i, chain in enumerate(chains):
             idx.admit(f"h{i}", chain, None)
+
     t_hit = timed(hits)
 
     resolved = 0
@@ -100,6 +101,7 @@ def main() -> None:
         nonlocal resolved
         for i in range(len(chains)):
             resolved += len(idx.resolve_session(f"s{i}").keys)
+
     t_resolve = timed(resolve)
 
     # The connector's per-step G1 sweep: 256 nodes re-read through a probe
@@ -113,6 +115,7 @@ def main() -> None:
     def remove():
         for chain in chains:
             idx.set_copies(Tier.G1, chain[SHARED:], 0)
+
     t_remove = timed(remove)
     assert len(idx) == SHARED, len(idx)
 
@@ -130,8 +133,9 @@ def main() -> None:
     out["sweep_256_ms"] = t_sweep / sweeps * 1e3
     # Per scheduler step: ~500 block operations (admissions and hits, at the
     # slower rate) plus one G1 sweep; against a 50 ms step.
-    out["step_cost_ms"] = 500 / min(out["admit_ops_per_s"], out["hit_ops_per_s"]) * 1e3 \
-        + out["sweep_256_ms"]
+    out["step_cost_ms"] = (
+        500 / min(out["admit_ops_per_s"], out["hit_ops_per_s"]) * 1e3 + out["sweep_256_ms"]
+    )
     out["step_cost_pct_of_50ms"] = out["step_cost_ms"] / 50 * 100
     Path(args.json).write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=2))

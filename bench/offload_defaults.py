@@ -41,12 +41,17 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import numpy as np
 
-from sessionkv.devtools.engines import TINY, kv_transfer_config, new_engine_id, serve, \
-    use_engine_env
+from sessionkv.devtools.engines import (
+    TINY,
+    kv_transfer_config,
+    new_engine_id,
+    serve,
+    use_engine_env,
+)
 from sessionkv.devtools.server import remove_offload_region
 
 BLOCK = 32
-KV_BYTES_PER_TOKEN = 2 * 2 * 128 * 4      # tiny: layers x (K, V) x hidden x float32
+KV_BYTES_PER_TOKEN = 2 * 2 * 128 * 4  # tiny: layers x (K, V) x hidden x float32
 
 
 def moved_counter(manager) -> dict[tuple[str, str], int]:
@@ -62,6 +67,7 @@ def moved_counter(manager) -> dict[tuple[str, str], int]:
             pair = tuple(labels)
             total[pair] = total.get(pair, 0) + int(value)
         return stats
+
     manager.stats.take = counting
     return total
 
@@ -73,14 +79,28 @@ def run(offload_prompt_only: bool, template: str, g1: str, args, tmp: Path) -> d
     policy = tmp / f"{engine_id}.yaml"
     policy.write_text("report: {per_tier: all}\ng3: {write_through: true}\n")
     g3_dir = tmp / f"{engine_id}-g3"
-    extra = {"block_size": BLOCK, "offload_prompt_only": offload_prompt_only,
-             "secondary_tiers": [{"type": "DiskTier", "module_path": "sessionkv.tiers.g3.backends.disk",
-                                  "path": str(g3_dir), "max_bytes": 1 << 30}],
-             "sessionkv": {"policy_file": str(policy)}}
-    llm = LLM(model=TINY, enforce_eager=True, block_size=BLOCK, max_model_len=4096, seed=0,
-              dtype="float32",
-              kv_transfer_config=kv_transfer_config(engine_id, cpu_bytes=args.g2_mib << 20,
-                                                    **extra))
+    extra = {
+        "block_size": BLOCK,
+        "offload_prompt_only": offload_prompt_only,
+        "secondary_tiers": [
+            {
+                "type": "DiskTier",
+                "module_path": "sessionkv.tiers.g3.backends.disk",
+                "path": str(g3_dir),
+                "max_bytes": 1 << 30,
+            }
+        ],
+        "sessionkv": {"policy_file": str(policy)},
+    }
+    llm = LLM(
+        model=TINY,
+        enforce_eager=True,
+        block_size=BLOCK,
+        max_model_len=4096,
+        seed=0,
+        dtype="float32",
+        kv_transfer_config=kv_transfer_config(engine_id, cpu_bytes=args.g2_mib << 20, **extra),
+    )
     try:
         sched = llm.llm_engine.engine_core.engine_core.scheduler
         manager = sched.connector.manager
@@ -100,23 +120,37 @@ def run(offload_prompt_only: bool, template: str, g1: str, args, tmp: Path) -> d
                 prompt_tokens += len(prompts[s])
                 for k in sources:
                     sources[k] += getattr(report.tokens, k)
-                kept = tokens if template == "chat" else tokens[-args.answer:]
+                kept = tokens if template == "chat" else tokens[-args.answer :]
                 prompts[s] = prompts[s] + kept + rng.integers(10, 4000, args.user).tolist()
             # The last turn's cascades end on the tier's threads: wait for them.
             until = time.monotonic() + 30
             while manager.has_pending_work() and time.monotonic() < until:
                 time.sleep(0.05)
                 llm.llm_engine.step()
-            delta = {f"{src}->{dst}": moved.get((src, dst), 0) - before.get((src, dst), 0)
-                     for src, dst in (("G1", "G2"), ("G2", "G3"))}
-            turns.append({"turn": turn + 1, "prompt_tokens": prompt_tokens,
-                          "bytes": delta, "sources": sources})
+            delta = {
+                f"{src}->{dst}": moved.get((src, dst), 0) - before.get((src, dst), 0)
+                for src, dst in (("G1", "G2"), ("G2", "G3"))
+            }
+            turns.append(
+                {
+                    "turn": turn + 1,
+                    "prompt_tokens": prompt_tokens,
+                    "bytes": delta,
+                    "sources": sources,
+                }
+            )
         total = {k: sum(t["bytes"][k] for t in turns) for k in ("G1->G2", "G2->G3")}
         later = {k: sum(t["sources"][k] for t in turns[1:]) for k in turns[0]["sources"]}
         g3_files = sum(f.stat().st_size for f in g3_dir.rglob("*") if f.is_file())
-        return {"offload_prompt_only": offload_prompt_only, "template": template, "g1": g1,
-                "turns": turns, "bytes": total, "g3_dir_bytes": g3_files,
-                "later_turns_sources": later}
+        return {
+            "offload_prompt_only": offload_prompt_only,
+            "template": template,
+            "g1": g1,
+            "turns": turns,
+            "bytes": total,
+            "g3_dir_bytes": g3_files,
+            "later_turns_sources": later,
+        }
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -145,9 +179,22 @@ def main() -> None:
                     r = run(prompt_only, template, g1, args, Path(d))
                     r["seconds"] = round(time.monotonic() - t0, 1)
                     runs.append(r)
-                    print(json.dumps({k: r[k] for k in ("g1", "template", "offload_prompt_only",
-                                                        "bytes", "later_turns_sources",
-                                                        "seconds")}), flush=True)
+                    print(
+                        json.dumps(
+                            {
+                                k: r[k]
+                                for k in (
+                                    "g1",
+                                    "template",
+                                    "offload_prompt_only",
+                                    "bytes",
+                                    "later_turns_sources",
+                                    "seconds",
+                                )
+                            }
+                        ),
+                        flush=True,
+                    )
     out = {"args": vars(args), "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "runs": runs}
     Path(args.json).write_text(json.dumps(out, indent=1))
 

@@ -45,9 +45,9 @@ import numpy as np
 import psutil
 
 REGION_SLOTS = 256
-VERIFY_SLOTS = 64           # more G2 slots, which the verifying loads write into
+VERIFY_SLOTS = 64  # more G2 slots, which the verifying loads write into
 VERIFY_EVERY = 25
-STORE_WAVE = 512            # chunks a store call
+STORE_WAVE = 512  # chunks a store call
 SAMPLE_S = 0.002
 TARGET_MIB = 6.0
 MIB = 1 << 20
@@ -80,21 +80,37 @@ def _tier(backend: str, chunk_bytes: int, session_bytes: int, where: Path, regio
     """(tier, services to stop)."""
     from sessionkv.devtools.engines import MODELS
     from sessionkv.devtools.g3_spec import standalone_spec
+
     spec = standalone_spec(str(MODELS / "tiny"), chunk_bytes)
     if backend == "disk":
         from sessionkv.tiers.g3.backends.disk import DiskTier
-        return DiskTier(spec, memoryview(region), "disk", path=str(where / "g3"),
-                        max_bytes=4 * session_bytes, namespace="pin-memory", timeout_s=10.0), []
+
+        return DiskTier(
+            spec,
+            memoryview(region),
+            "disk",
+            path=str(where / "g3"),
+            max_bytes=4 * session_bytes,
+            namespace="pin-memory",
+            timeout_s=10.0,
+        ), []
     if backend == "mooncake":
         from sessionkv.devtools.services import lan_address, start_mooncake
         from sessionkv.tiers.g3.backends.mooncake import MooncakeTier
+
         store_mb = int(session_bytes * 1.5 / MIB) + 256
         ports, master, store = start_mooncake(where / "mooncake", store_size=f"{store_mb}MB")
         try:
-            tier = MooncakeTier(spec, memoryview(region), "mooncake", master=ports.master,
-                                metadata_server=ports.metadata_url,
-                                local_hostname=lan_address(), namespace="pin-memory",
-                                timeout_s=10.0)
+            tier = MooncakeTier(
+                spec,
+                memoryview(region),
+                "mooncake",
+                master=ports.master,
+                metadata_server=ports.metadata_url,
+                local_hostname=lan_address(),
+                namespace="pin-memory",
+                timeout_s=10.0,
+            )
         except Exception:
             store.stop()
             master.stop()
@@ -114,21 +130,24 @@ def measure(backend: str = "disk", chunks: int = 6250, chunk_bytes: int = 512 <<
     """The figures of one run (see the module docstring)."""
     from vllm.utils.hashing import sha256
     from vllm.v1.core import kv_cache_utils
+
     from sessionkv.devtools.keys import block_key
     from sessionkv.tiers.g3 import layout as g3_layout
-    if getattr(kv_cache_utils, "NONE_HASH", None) is None:     # what an engine does at start
+
+    if getattr(kv_cache_utils, "NONE_HASH", None) is None:  # what an engine does at start
         kv_cache_utils.init_none_hash(sha256)
     session_bytes = chunks * chunk_bytes
     where = Path(tempfile.mkdtemp(prefix="sessionkv-pin-memory-"))
-    region = np.random.default_rng(0).integers(0, 256, (REGION_SLOTS + VERIFY_SLOTS, chunk_bytes),
-                                               dtype=np.uint8)
+    region = np.random.default_rng(0).integers(
+        0, 256, (REGION_SLOTS + VERIFY_SLOTS, chunk_bytes), dtype=np.uint8
+    )
     tier, services = _tier(backend, chunk_bytes, session_bytes, where, region)
     try:
         keys = [block_key(i) for i in range(1, chunks + 1)]
         slots = [i % REGION_SLOTS for i in range(chunks)]
         t0 = time.perf_counter()
         for i in range(0, chunks, STORE_WAVE):
-            ok = _copy(tier, False, keys[i:i + STORE_WAVE], slots[i:i + STORE_WAVE])
+            ok = _copy(tier, False, keys[i : i + STORE_WAVE], slots[i : i + STORE_WAVE])
             if not all(ok):
                 raise RuntimeError(f"stores failed: {ok.count(False)} of chunks {i}..")
         store_s = time.perf_counter() - t0
@@ -148,36 +167,51 @@ def measure(backend: str = "disk", chunks: int = 6250, chunk_bytes: int = 512 <<
             peak = tracemalloc.get_traced_memory()[1] if traced else None
             if traced:
                 tracemalloc.stop()
-            runs.append({"idle_rss_mib": round(idle / MIB, 1),
-                         "rss_delta_mib": round((rss.peak - idle) / MIB, 2),
-                         "tracemalloc_peak_mib": None if peak is None else round(peak / MIB, 2),
-                         "pin_s": round(pin_s, 2), "pinned": sum(done[0]) if done else 0})
+            runs.append(
+                {
+                    "idle_rss_mib": round(idle / MIB, 1),
+                    "rss_delta_mib": round((rss.peak - idle) / MIB, 2),
+                    "tracemalloc_peak_mib": None if peak is None else round(peak / MIB, 2),
+                    "pin_s": round(pin_s, 2),
+                    "pinned": sum(done[0]) if done else 0,
+                }
+            )
         # Loaded back through the tier: the load verifies each seal in G2.
         verified = checked = 0
         sample = list(range(0, chunks, VERIFY_EVERY))
         for i in range(0, len(sample), VERIFY_SLOTS):
-            part = sample[i:i + VERIFY_SLOTS]
+            part = sample[i : i + VERIFY_SLOTS]
             dest = list(range(REGION_SLOTS, REGION_SLOTS + len(part)))
             region[dest] = 0xAA
             ok = _copy(tier, True, [keys[j] for j in part], dest)
             checked += len(part)
-            verified += sum(o and np.array_equal(region[d], region[slots[j]])
-                            for o, d, j in zip(ok, dest, part))
+            verified += sum(
+                o and np.array_equal(region[d], region[slots[j]]) for o, d, j in zip(ok, dest, part)
+            )
         first, second = runs
-        worst = max(first["rss_delta_mib"], second["rss_delta_mib"],
-                    second["tracemalloc_peak_mib"])
+        worst = max(first["rss_delta_mib"], second["rss_delta_mib"], second["tracemalloc_peak_mib"])
         if not first["pinned"] == second["pinned"] == chunks or verified < checked:
-            raise RuntimeError(f"the Pin measured nothing: pinned {first['pinned']} and "
-                               f"{second['pinned']} of {chunks}, verified {verified} of {checked}")
-        return {"backend": backend, "chunks": chunks, "chunk_bytes": chunk_bytes,
-                "session_mib": round(session_bytes / MIB, 1),
-                "slice_chunks": tier._pins.slice,
-                "pin_slice_bytes": g3_layout.PIN_SLICE_BYTES if tier.pin_needs_bytes else 0,
-                "store_s": round(store_s, 1),
-                "first_pin_rss_delta_mib": first["rss_delta_mib"], "first_pin": first,
-                "pin": second, "verified": verified, "verify_sampled": checked,
-                "worst_over_idle_mib": worst, "target_mib": TARGET_MIB,
-                "met": worst <= TARGET_MIB}
+            raise RuntimeError(
+                f"the Pin measured nothing: pinned {first['pinned']} and "
+                f"{second['pinned']} of {chunks}, verified {verified} of {checked}"
+            )
+        return {
+            "backend": backend,
+            "chunks": chunks,
+            "chunk_bytes": chunk_bytes,
+            "session_mib": round(session_bytes / MIB, 1),
+            "slice_chunks": tier._pins.slice,
+            "pin_slice_bytes": g3_layout.PIN_SLICE_BYTES if tier.pin_needs_bytes else 0,
+            "store_s": round(store_s, 1),
+            "first_pin_rss_delta_mib": first["rss_delta_mib"],
+            "first_pin": first,
+            "pin": second,
+            "verified": verified,
+            "verify_sampled": checked,
+            "worst_over_idle_mib": worst,
+            "target_mib": TARGET_MIB,
+            "met": worst <= TARGET_MIB,
+        }
     finally:
         tier.shutdown()
         for s in services:

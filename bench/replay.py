@@ -30,13 +30,12 @@ import sys
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
 import tracegen
 from replay_plot import write_plot
 from replay_sim import ALL_POLICIES, RunSpec, gap_breakdown, run_policy
 from replay_time import PARAMS, add_times
 from replay_trace import load_trace
+from tqdm import tqdm
 
 SHARING_G2 = 4096
 SHARING_WORKERS = 8
@@ -44,7 +43,9 @@ SHARING_G3 = (8192, 16384, 32768, 65536)
 SHARING_G3_TARGET = 32768
 SUITE_G2 = (1024, 4096, 16384)
 SUITE_POLICIES = ("lru", "arc", "naive", "naive-unbounded", "session")
-CONVERSATION = str(Path(__file__).resolve().parents[2] / "shared/traces/mooncake/conversation_trace.jsonl")
+CONVERSATION = str(
+    Path(__file__).resolve().parents[2] / "shared/traces/mooncake/conversation_trace.jsonl"
+)
 
 
 def ints(text: str) -> list[int]:
@@ -58,7 +59,7 @@ def specs_from(args) -> list[RunSpec]:
         for routing in args.routing.split(","):
             for g3 in ints(args.shared_g3_blocks):
                 if w == 1 and (routing != args.routing.split(",")[0] or g3):
-                    continue        # one worker: routing and shared G3 change nothing
+                    continue  # one worker: routing and shared G3 change nothing
                 for n in ints(args.g2_blocks):
                     for p in args.policies.split(","):
                         if p not in ALL_POLICIES:
@@ -90,11 +91,19 @@ class Progress:
     def start(self, spec: RunSpec, trace: str = "") -> None:
         self.done()
         self.k += 1
-        label = (f"[{self.k}/{self.runs}] {trace} {spec.policy} g2={spec.g2_blocks} "
-                 f"w={spec.workers} {spec.routing} g3={spec.shared_g3_blocks}")
+        label = (
+            f"[{self.k}/{self.runs}] {trace} {spec.policy} g2={spec.g2_blocks} "
+            f"w={spec.workers} {spec.routing} g3={spec.shared_g3_blocks}"
+        )
         tty = sys.stderr.isatty()
-        self._bar = tqdm(total=self.requests, desc=label, unit="req", leave=tty,
-                         mininterval=0.5 if tty else 30.0, file=sys.stderr)
+        self._bar = tqdm(
+            total=self.requests,
+            desc=label,
+            unit="req",
+            leave=tty,
+            mininterval=0.5 if tty else 30.0,
+            file=sys.stderr,
+        )
         self._at = 0
 
     def __call__(self, i: int) -> None:
@@ -110,8 +119,10 @@ class Progress:
 
 def table(runs: list[dict]) -> str:
     """The Markdown table printed on stdout."""
-    head = ("| policy | G2 blocks | total blocks | workers | routing | shared G3 | token hit | block hit "
-            "| x opt | recomputed prefill tokens | GB G2->G1 | GB G1->G2 | GB G3->G2 | GB G2->G3 |")
+    head = (
+        "| policy | G2 blocks | total blocks | workers | routing | shared G3 | token hit | block hit "
+        "| x opt | recomputed prefill tokens | GB G2->G1 | GB G1->G2 | GB G3->G2 | GB G2->G3 |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     gb = 1e9
     for r in runs:
@@ -122,15 +133,18 @@ def table(runs: list[dict]) -> str:
             f"| {r['total_capacity_blocks']} | {r['workers']} | {r['routing']} "
             f"| {r['shared_g3_blocks']} | {r['token_hit_ratio']:.4f} | {r['block_hit_ratio']:.4f} "
             f"| {x} | {r['recomputed_prefill_tokens']:,} | {b['g2_to_g1'] / gb:.1f} "
-            f"| {b['g1_to_g2'] / gb:.1f} | {b['g3_to_g2'] / gb:.1f} | {b['g2_to_g3'] / gb:.1f} |")
+            f"| {b['g1_to_g2'] / gb:.1f} | {b['g3_to_g2'] / gb:.1f} | {b['g2_to_g3'] / gb:.1f} |"
+        )
     return "\n".join(lines)
 
 
 def time_table(runs: list[dict]) -> str:
     """Resumed-turn TTFT per run and parameter set (``replay_time``): the
     one-worker runs, ``opt`` as the oracle."""
-    head = ("| policy | G2 blocks | parameters | TTFT p50 s | TTFT p90 s | TTFT mean s "
-            "| hint wait s | load s | prefill s | oracle gain captured |")
+    head = (
+        "| policy | G2 blocks | parameters | TTFT p50 s | TTFT p90 s | TTFT mean s "
+        "| hint wait s | load s | prefill s | oracle gain captured |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in runs:
         for name, t in r.get("time", {}).items():
@@ -142,7 +156,8 @@ def time_table(runs: list[dict]) -> str:
                 f"| {r['g2_blocks'] if r['policy'] != 'opt' else '-'} | {name} "
                 f"| {t['ttft_p50_s']:.3f} | {t['ttft_p90_s']:.3f} | {t['ttft_mean_s']:.3f} "
                 f"| {t['hint_wait_mean_s']:.4f} | {t['load_mean_s']:.4f} | {t['prefill_mean_s']:.3f} "
-                f"| {'' if cap is None else f'{cap:.3f}'} |")
+                f"| {'' if cap is None else f'{cap:.3f}'} |"
+            )
     return "\n".join(lines)
 
 
@@ -161,19 +176,32 @@ def replay(trace, specs: list[RunSpec]) -> dict:
         r["ratio_to_opt"] = r["token_hit_ratio"] / ref if ref else None
     gaps = []
     for r in runs:
-        ref = next((o for o in runs if o["policy"] == "opt"
-                    and o["total_capacity_blocks"] == r["total_capacity_blocks"]), None)
+        ref = next(
+            (
+                o
+                for o in runs
+                if o["policy"] == "opt" and o["total_capacity_blocks"] == r["total_capacity_blocks"]
+            ),
+            None,
+        )
         if r["policy"] == "session" and r["workers"] == 1 and ref:
-            gaps.append({"policy": r["policy"], "g2_blocks": r["g2_blocks"],
-                         "lost_vs_opt": gap_breakdown(trace, r, ref)})
+            gaps.append(
+                {
+                    "policy": r["policy"],
+                    "g2_blocks": r["g2_blocks"],
+                    "lost_vs_opt": gap_breakdown(trace, r, ref),
+                }
+            )
     add_times(trace, runs)
     for r in runs:
         for k in ("_per_request", "_g1_tokens", "_events"):
             r.pop(k, None)
-    out = {"trace": trace.name, "trace_stats": trace.stats(), "runs": runs,
-           "gap_to_opt": gaps}
-    by = {(r["policy"], r["workers"], r["routing"], r["shared_g3_blocks"]): r
-          for r in runs if r["g2_blocks"] == SHARING_G2}
+    out = {"trace": trace.name, "trace_stats": trace.stats(), "runs": runs, "gap_to_opt": gaps}
+    by = {
+        (r["policy"], r["workers"], r["routing"], r["shared_g3_blocks"]): r
+        for r in runs
+        if r["g2_blocks"] == SHARING_G2
+    }
     sticky = by.get(("session", SHARING_WORKERS, "sticky", 0))
     shared = by.get(("session", SHARING_WORKERS, "random", SHARING_G3_TARGET))
     if sticky and shared:
@@ -185,8 +213,11 @@ def replay(trace, specs: list[RunSpec]) -> dict:
 def single_worker(runs: list[dict]) -> list[dict]:
     """The one-worker runs and the references for their capacities."""
     grid = {r["total_capacity_blocks"] for r in runs if r["workers"] == 1 and r["policy"] != "opt"}
-    return [r for r in runs if r["workers"] == 1 and (
-        r["policy"] != "opt" or r["total_capacity_blocks"] in grid)]
+    return [
+        r
+        for r in runs
+        if r["workers"] == 1 and (r["policy"] != "opt" or r["total_capacity_blocks"] in grid)
+    ]
 
 
 def suite_traces(args) -> list[Path]:
@@ -211,11 +242,13 @@ def suite_table(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         cells = " | ".join(f"{r['x_opt'][p]:.3f}" for p in SUITE_POLICIES)
-        lines.append(f"| {r['trace']} | {r['g2_blocks']} | {cells} | {r['session_over_best']:.3f} |")
+        lines.append(
+            f"| {r['trace']} | {r['g2_blocks']} | {cells} | {r['session_over_best']:.3f} |"
+        )
     return "\n".join(lines)
 
 
-SIMPLE = ("lru", "arc", "naive")     # the simple policies the shipped one must match on time
+SIMPLE = ("lru", "arc", "naive")  # the simple policies the shipped one must match on time
 
 
 def suite_time(runs: list[dict], n: int) -> dict:
@@ -225,41 +258,51 @@ def suite_time(runs: list[dict], n: int) -> dict:
     out = {}
     at = [r for r in runs if r["policy"] != "opt" and r["g2_blocks"] == n and r["workers"] == 1]
     total = at[0]["total_capacity_blocks"] if at else None
-    orc = next((r for r in runs if r["policy"] == "opt" and r["total_capacity_blocks"] == total),
-               None)
+    orc = next(
+        (r for r in runs if r["policy"] == "opt" and r["total_capacity_blocks"] == total), None
+    )
     for name in PARAMS:
         t = {r["policy"]: r["time"][name] for r in at}
         o = orc["time"][name] if orc else {}
         cap = {p: v.get("oracle_gain_captured") for p, v in t.items()}
-        row = {f"ttft_{k}_s": {p: v.get(f"ttft_{k}_s") for p, v in t.items()}
-               for k in ("p50", "p90", "mean")}
+        row = {
+            f"ttft_{k}_s": {p: v.get(f"ttft_{k}_s") for p, v in t.items()}
+            for k in ("p50", "p90", "mean")
+        }
         row["oracle"] = {k: o.get(f"ttft_{k}_s") for k in ("p50", "p90", "mean")}
         row["oracle"]["mean_unqueued"] = o.get("ttft_mean_s_unqueued")
         row["oracle_gain_captured"] = cap
         best = max((cap[p] for p in SIMPLE if cap.get(p) is not None), default=None)
         s = cap.get("session")
-        row["session_at_or_above_best_simple"] = None if s is None or best is None \
-            else s >= best - 1e-9
+        row["session_at_or_above_best_simple"] = (
+            None if s is None or best is None else s >= best - 1e-9
+        )
         out[name] = row
     return out
 
 
 def suite_time_table(rows: list[dict]) -> str:
     """Oracle gain captured per trace, capacity and parameter set."""
-    head = ("| trace | G2 blocks | parameters | " + " | ".join(SUITE_POLICIES)
-            + " | oracle TTFT mean s | session TTFT mean s | session >= best of lru, arc, naive |")
+    head = (
+        "| trace | G2 blocks | parameters | "
+        + " | ".join(SUITE_POLICIES)
+        + " | oracle TTFT mean s | session TTFT mean s | session >= best of lru, arc, naive |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         for name, t in r["time"].items():
             cap = t["oracle_gain_captured"]
-            cells = " | ".join("-" if cap.get(p) is None else f"{cap[p]:.3f}"
-                               for p in SUITE_POLICIES)
+            cells = " | ".join(
+                "-" if cap.get(p) is None else f"{cap[p]:.3f}" for p in SUITE_POLICIES
+            )
             om, sm = t["oracle"]["mean"], t["ttft_mean_s"].get("session")
             ok = t["session_at_or_above_best_simple"]
-            lines.append(f"| {r['trace']} | {r['g2_blocks']} | {name} | {cells} "
-                         f"| {'-' if om is None else f'{om:.3f}'} "
-                         f"| {'-' if sm is None else f'{sm:.3f}'} "
-                         f"| {'-' if ok is None else ('yes' if ok else 'NO')} |")
+            lines.append(
+                f"| {r['trace']} | {r['g2_blocks']} | {name} | {cells} "
+                f"| {'-' if om is None else f'{om:.3f}'} "
+                f"| {'-' if sm is None else f'{sm:.3f}'} "
+                f"| {'-' if ok is None else ('yes' if ok else 'NO')} |"
+            )
     return "\n".join(lines)
 
 
@@ -268,22 +311,43 @@ def run_suite(args) -> None:
     folder = Path(args.out_dir)
     for path in suite_traces(args):
         trace = load_trace(path, args.limit)
-        specs = [RunSpec(p, n, args.g1_blocks, 1, "sticky", 0, args.seed)
-                 for n in SUITE_G2 for p in SUITE_POLICIES]
-        specs += [RunSpec("opt", s.total_capacity, 0, 1, "sticky", 0, args.seed)
-                  for s in specs if s.policy == "session"]
+        specs = [
+            RunSpec(p, n, args.g1_blocks, 1, "sticky", 0, args.seed)
+            for n in SUITE_G2
+            for p in SUITE_POLICIES
+        ]
+        specs += [
+            RunSpec("opt", s.total_capacity, 0, 1, "sticky", 0, args.seed)
+            for s in specs
+            if s.policy == "session"
+        ]
         out = replay(trace, specs)
         (folder / f"{path.stem}.json").write_text(json.dumps(out, indent=1))
-        print(write_plot(str(folder / f"{path.stem}.png"), single_worker(out["runs"]),
-                         title=f"{path.stem}: token hit ratio by G2 capacity"), file=sys.stderr)
+        print(
+            write_plot(
+                str(folder / f"{path.stem}.png"),
+                single_worker(out["runs"]),
+                title=f"{path.stem}: token hit ratio by G2 capacity",
+            ),
+            file=sys.stderr,
+        )
         for n in SUITE_G2:
-            x = {r["policy"]: r["ratio_to_opt"] for r in out["runs"]
-                 if r["policy"] != "opt" and r["g2_blocks"] == n}
+            x = {
+                r["policy"]: r["ratio_to_opt"]
+                for r in out["runs"]
+                if r["policy"] != "opt" and r["g2_blocks"] == n
+            }
             best = max(x[p] for p in SUITE_POLICIES if p != "session")
-            rows.append({"trace": path.stem, "g2_blocks": n, "x_opt": x,
-                         "session_over_best": x["session"] / best if best else float("inf"),
-                         "time": suite_time(out["runs"], n)})
-        (folder / "suite.json").write_text(json.dumps(rows, indent=1))   # so far, per trace
+            rows.append(
+                {
+                    "trace": path.stem,
+                    "g2_blocks": n,
+                    "x_opt": x,
+                    "session_over_best": x["session"] / best if best else float("inf"),
+                    "time": suite_time(out["runs"], n),
+                }
+            )
+        (folder / "suite.json").write_text(json.dumps(rows, indent=1))  # so far, per trace
     print(suite_table(rows))
     print("\nOracle gain captured on mean resumed-turn TTFT (bench/replay_time.py):\n")
     print(suite_time_table(rows))
@@ -291,20 +355,30 @@ def run_suite(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", default=CONVERSATION,
-                    help="a Mooncake-format trace (with --suite: a comma list)")
-    ap.add_argument("--g1-blocks", type=int, default=None,
-                    help="G1 (vLLM prefix cache) blocks per worker; default G2/4")
-    ap.add_argument("--g2-blocks", default="1024,4096,16384",
-                    help="comma list of G2 capacities (blocks)")
+    ap.add_argument(
+        "--trace", default=CONVERSATION, help="a Mooncake-format trace (with --suite: a comma list)"
+    )
+    ap.add_argument(
+        "--g1-blocks",
+        type=int,
+        default=None,
+        help="G1 (vLLM prefix cache) blocks per worker; default G2/4",
+    )
+    ap.add_argument(
+        "--g2-blocks", default="1024,4096,16384", help="comma list of G2 capacities (blocks)"
+    )
     ap.add_argument("--policies", default="lru,arc,naive,naive-unbounded,session,opt")
     ap.add_argument("--workers", default="1")
     ap.add_argument("--routing", default="sticky", help="sticky, random, or both")
     ap.add_argument("--shared-g3-blocks", default="0")
-    ap.add_argument("--sharing", action="store_true",
-                    help="add the 8-worker routing and shared-G3 matrix")
-    ap.add_argument("--suite", action="store_true",
-                    help="the policy matrix over the given and the generated traces")
+    ap.add_argument(
+        "--sharing", action="store_true", help="add the 8-worker routing and shared-G3 matrix"
+    )
+    ap.add_argument(
+        "--suite",
+        action="store_true",
+        help="the policy matrix over the given and the generated traces",
+    )
     ap.add_argument("--out-dir", default="replay-suite", help="--suite: where JSON and plots go")
     ap.add_argument("--seed", type=int, default=0, help="random routing seed")
     ap.add_argument("--limit", type=int, default=None, help="replay the first N requests only")
@@ -322,12 +396,16 @@ def main() -> None:
     print("\nresumed turns, time model (bench/replay_time.py):\n")
     print(time_table(single_worker(out["runs"])))
     if "sharing_ratio" in out:
-        print(f"\nrandom + shared G3 {SHARING_G3_TARGET} / sticky without G3 "
-              f"(8 workers, G2 {SHARING_G2}): {out['sharing_ratio']:.3f}")
+        print(
+            f"\nrandom + shared G3 {SHARING_G3_TARGET} / sticky without G3 "
+            f"(8 workers, G2 {SHARING_G2}): {out['sharing_ratio']:.3f}"
+        )
     for g in out["gap_to_opt"]:
         parts = ", ".join(f"{k}: {v:.4f}" for k, v in g["lost_vs_opt"].items())
-        print(f"\n{g['policy']} at G2 {g['g2_blocks']}, prompt-token share opt hits and it "
-              f"misses: {parts}")
+        print(
+            f"\n{g['policy']} at G2 {g['g2_blocks']}, prompt-token share opt hits and it "
+            f"misses: {parts}"
+        )
     print(f"\nwall time: {out['wall_s']} s")
     if args.plot:
         print(write_plot(args.plot, single_worker(out["runs"]), title=trace.name))

@@ -7,9 +7,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-STYLE = {"lru": ("tab:red", "o"), "arc": ("tab:orange", "s"), "naive": ("tab:purple", "v"),
-         "naive-unbounded": ("tab:pink", "^"), "session": ("tab:blue", "D"),
-         "opt": ("tab:green", "*")}
+STYLE = {
+    "lru": ("tab:red", "o"),
+    "arc": ("tab:orange", "s"),
+    "naive": ("tab:purple", "v"),
+    "naive-unbounded": ("tab:pink", "^"),
+    "session": ("tab:blue", "D"),
+    "opt": ("tab:green", "*"),
+}
 
 
 def series(runs: list[dict]) -> dict[str, list[tuple[int, float]]]:
@@ -30,8 +35,13 @@ def write_plot(path: str, runs: list[dict], title: str = "") -> str:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for p, pts in series(runs).items():
         color, marker = STYLE.get(p, ("black", "x"))
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker=marker, color=color,
-                label=p + (" (offline reference, G1 + G2)" if p == "opt" else ""))
+        ax.plot(
+            [x for x, _ in pts],
+            [y for _, y in pts],
+            marker=marker,
+            color=color,
+            label=p + (" (offline reference, G1 + G2)" if p == "opt" else ""),
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("G2 capacity per engine (512-token blocks; G1 = G2 / 4)")
     ax.set_ylabel("token hit ratio (hit prompt tokens / prompt tokens)")

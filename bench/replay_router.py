@@ -25,8 +25,8 @@ from collections import Counter
 from typing import Protocol
 
 import msgspec
-
 from replay_trace import BLOCK_TOKENS, SimClock, Trace
+
 from sessionkv.config import Limits
 from sessionkv.engine.executor import HintExecutor
 from sessionkv.hints import Action, KvHint, envelope, hint_action, parse_envelope
@@ -64,7 +64,7 @@ class Router:
         # for replay_time (taken and cleared by the simulator)
         self.work_log: list[tuple[float, int, int]] = []
         self.work_n = 0
-        self.work_s = 0.0                    # wall time the executors spent on them here
+        self.work_s = 0.0  # wall time the executors spent on them here
         self._visited: dict[int, set[int]] = {}
 
     def before(self, i: int, now: float) -> None:
@@ -104,8 +104,9 @@ class Router:
 class NaiveRouter(Router):
     """Protect every continuing session until its next turn; end the others."""
 
-    UNBOUNDED = Limits(max_ttl_s=1e9, pin_fraction_session=1.0, pin_fraction_global=1.0,
-                       hints_per_s_per_client=1e9)
+    UNBOUNDED = Limits(
+        max_ttl_s=1e9, pin_fraction_session=1.0, pin_fraction_global=1.0, hints_per_s_per_client=1e9
+    )
 
     def after(self, i: int, w: int, now: float) -> None:
         super().after(i, w, now)
@@ -117,7 +118,7 @@ class NaiveRouter(Router):
             self.end(s, now)
 
 
-TICK_S = 1.0      # router/app.py's _tick loop: policy.tick() once a second
+TICK_S = 1.0  # router/app.py's _tick loop: policy.tick() once a second
 
 
 class PolicyRouter(Router):
@@ -131,14 +132,20 @@ class PolicyRouter(Router):
     LIMITS = Limits()
     CLIENT = "control:router"
 
-    def __init__(self, trace: Trace, workers: list[Worker], clock: SimClock,
-                 config: HintPolicy = HintPolicy()):
+    def __init__(
+        self,
+        trace: Trace,
+        workers: list[Worker],
+        clock: SimClock,
+        config: HintPolicy = HintPolicy(),
+    ):
         super().__init__(trace, workers, clock)
         self.policy = SessionHints(config, clock)
-        self._next_tick: float | None = None     # from the first request on
+        self._next_tick: float | None = None  # from the first request on
         for w, wk in enumerate(workers):
-            self.policy.add_engine(str(w), wk.g2_blocks, wk.g1.capacity,
-                                   self.LIMITS.hints_per_s_per_client)
+            self.policy.add_engine(
+                str(w), wk.g2_blocks, wk.g1.capacity, self.LIMITS.hints_per_s_per_client
+            )
 
     def before(self, i: int, now: float) -> None:
         # As ``sessionkv router`` does: tick every TICK_S (it drains the paced
@@ -154,8 +161,9 @@ class PolicyRouter(Router):
     def start(self, i: int, w: int, now: float, keys: list[bytes]) -> None:
         full = min(len(keys), self.trace.input_length[i] // BLOCK_TOKENS)
         # the engine stores the partial last block too (plain: no Retain covers it)
-        self.deliver(self.policy.turn_started(f"s{self.trace.session[i]}", str(w), keys[:full],
-                                              keys[full:]))
+        self.deliver(
+            self.policy.turn_started(f"s{self.trace.session[i]}", str(w), keys[:full], keys[full:])
+        )
 
     def after(self, i: int, w: int, now: float) -> None:
         super().after(i, w, now)
@@ -178,8 +186,10 @@ class PolicyRouter(Router):
                 self.worked(w, 1)
                 self.outcomes["end_session"] += 1
                 continue
-            items = [h if not isinstance(h, KvHint) else msgspec.structs.replace(h, signed=True)
-                     for h in parse_envelope(envelope(*o.actions), o.session)]
+            items = [
+                h if not isinstance(h, KvHint) else msgspec.structs.replace(h, signed=True)
+                for h in parse_envelope(envelope(*o.actions), o.session)
+            ]
             t0 = time.perf_counter()
             results = wk.executor.execute_all(items, o.session, client=self.CLIENT)
             self.work_s += time.perf_counter() - t0

@@ -32,12 +32,12 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from vllm.v1.kv_offload.base import LookupResult, ReqContext
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
-
 from replay_router import make_router
 from replay_time import HINTS, TURN
 from replay_trace import BLOCK_TOKENS, SimClock, Trace, key_of
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
 from sessionkv.config import Limits
 from sessionkv.engine.executor import HintExecutor
 from sessionkv.index.prefix_index import SessionPrefixIndex
@@ -54,7 +54,7 @@ G2_POLICIES = {
     "naive-unbounded": ("SessionCachePolicy", "sessionkv.tiers.g2.policy"),
 }
 ALL_POLICIES = ("lru", "arc", "naive", "naive-unbounded", "session", "opt")
-DEFAULT_KV_BYTES_PER_TOKEN = 131_072    # Llama-3-8B in bf16: 32 layers x 8 KV heads x 128 x 2 x 2 B
+DEFAULT_KV_BYTES_PER_TOKEN = 131_072  # Llama-3-8B in bf16: 32 layers x 8 KV heads x 128 x 2 x 2 B
 
 
 class G1Cache:
@@ -134,10 +134,10 @@ class Served:
     g1_hits: int
     g2_hits: int
     g3_hits: int
-    g2_load_tokens: int      # G2 -> G1
-    g3_load_tokens: int      # G3 -> G2 (promotion) and on to G1
-    g2_store_tokens: int     # G1 -> G2
-    g3_store_tokens: int     # G2 -> G3 (write-through)
+    g2_load_tokens: int  # G2 -> G1
+    g3_load_tokens: int  # G3 -> G2 (promotion) and on to G1
+    g2_store_tokens: int  # G1 -> G2
+    g3_store_tokens: int  # G2 -> G3 (write-through)
     store_failed: bool
 
 
@@ -146,28 +146,38 @@ class Worker:
     policies the real SessionPrefixIndex and HintExecutor (see the module
     docstring)."""
 
-    def __init__(self, policy: str, g1_blocks: int, g2_blocks: int, clock: SimClock,
-                 g3: SharedG3 | None = None, limits: Limits | None = None,
-                 hinted: bool = False):
+    def __init__(
+        self,
+        policy: str,
+        g1_blocks: int,
+        g2_blocks: int,
+        clock: SimClock,
+        g3: SharedG3 | None = None,
+        limits: Limits | None = None,
+        hinted: bool = False,
+    ):
         name, module = G2_POLICIES[policy]
         self.g1 = G1Cache(g1_blocks)
         self.g2_blocks = g2_blocks
         self.g3 = g3
-        self.manager = CPUOffloadingManager(num_chunks=g2_blocks, cache_policy=name,
-                                            cache_policy_module_path=module)
-        self.policy = self.manager._policy        # vLLM keeps it private; read-only use
+        self.manager = CPUOffloadingManager(
+            num_chunks=g2_blocks, cache_policy=name, cache_policy_module_path=module
+        )
+        self.policy = self.manager._policy  # vLLM keeps it private; read-only use
         if isinstance(self.policy, SessionCachePolicy):
-            self.policy.clock = clock             # TTLs run on trace time
+            self.policy.clock = clock  # TTLs run on trace time
         self.index: SessionPrefixIndex | None = None
         self.executor: HintExecutor | None = None
         if hinted:
             self.index = SessionPrefixIndex(initial_capacity=4 * (g1_blocks + g2_blocks))
-            self.executor = HintExecutor(self.index, limits or Limits(), self.policy,
-                                         g2_chunks=g2_blocks, clock=clock)
+            self.executor = HintExecutor(
+                self.index, limits or Limits(), self.policy, g2_chunks=g2_blocks, clock=clock
+            )
         self._req = 0
 
-    def serve(self, ids: list[int], keys: list[bytes], toks: list[int],
-              session: str | None, now: float) -> Served:
+    def serve(
+        self, ids: list[int], keys: list[bytes], toks: list[int], session: str | None, now: float
+    ) -> Served:
         """Serve one request (see the module docstring)."""
         mgr, g3, index = self.manager, self.g3, self.index
         self._req += 1
@@ -198,7 +208,7 @@ class Worker:
         # (G3 promotions included, they land in G2); with nothing loaded, every
         # block is offered (G1 hits become G2 reuses or insertions).
         if b:
-            offered = [keys[q] for q in from_g3] + keys[a + b:]
+            offered = [keys[q] for q in from_g3] + keys[a + b :]
         else:
             offered = keys
         out = mgr.prepare_store(offered, ctx) if offered else None
@@ -236,11 +246,11 @@ class Worker:
                 g3_store = sum(id_of[k][1] for k in stored if id_of[k][0] in new)
         return Served(
             hit_blocks=a + b,
-            hit_tokens=sum(toks[:a + b]),
+            hit_tokens=sum(toks[: a + b]),
             g1_hits=a,
             g2_hits=len(from_g2),
             g3_hits=len(from_g3),
-            g2_load_tokens=sum(toks[a:a + b]) - g3_load,
+            g2_load_tokens=sum(toks[a : a + b]) - g3_load,
             g3_load_tokens=g3_load,
             g2_store_tokens=g2_store,
             g3_store_tokens=g3_store,
@@ -250,15 +260,16 @@ class Worker:
 
 # ------------------------------------------------------------------ runs
 
+
 @dataclass
 class RunSpec:
     """One simulated configuration."""
 
     policy: str
     g2_blocks: int
-    g1_blocks: int | None = None          # default: a quarter of G2
+    g1_blocks: int | None = None  # default: a quarter of G2
     workers: int = 1
-    routing: str = "sticky"               # or "random"
+    routing: str = "sticky"  # or "random"
     shared_g3_blocks: int = 0
     seed: int = 0
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
@@ -290,9 +301,9 @@ class Tally:
     g2_to_g3: int = 0
     store_failures: int = 0
     hints: Counter = field(default_factory=Counter)
-    per_request: list = field(default_factory=list)    # hit tokens of each request
-    g1_tokens: list = field(default_factory=list)      # of them, tokens G1 had
-    events: list = field(default_factory=list)         # for replay_time (its docstring)
+    per_request: list = field(default_factory=list)  # hit tokens of each request
+    g1_tokens: list = field(default_factory=list)  # of them, tokens G1 had
+    events: list = field(default_factory=list)  # for replay_time (its docstring)
 
     def add(self, s: Served, tokens: int, blocks: int) -> None:
         self.per_request.append(s.hit_tokens)
@@ -326,8 +337,12 @@ def result(spec: RunSpec, tally: Tally, wall_s: float) -> dict:
         prompt_tokens=tally.tokens,
         recomputed_prefill_tokens=tally.tokens - tally.hit_tokens,
         hits_by_tier={"g1": tally.g1_hits, "g2": tally.g2_hits, "g3": tally.g3_hits},
-        bytes_moved={"g2_to_g1": tally.g2_to_g1 * bpt, "g1_to_g2": tally.g1_to_g2 * bpt,
-                     "g3_to_g2": tally.g3_to_g2 * bpt, "g2_to_g3": tally.g2_to_g3 * bpt},
+        bytes_moved={
+            "g2_to_g1": tally.g2_to_g1 * bpt,
+            "g1_to_g2": tally.g1_to_g2 * bpt,
+            "g3_to_g2": tally.g3_to_g2 * bpt,
+            "g2_to_g3": tally.g2_to_g3 * bpt,
+        },
         store_failures=tally.store_failures,
         hints=dict(sorted(tally.hints.items())),
         wall_s=round(wall_s, 3),
@@ -351,10 +366,15 @@ def gap_breakdown(trace: Trace, run: dict, opt: dict) -> dict:
         s = trace.session[i]
         if s in last:
             gap = trace.t[i] - last[s]
-            kind = ("continuation, gap < 60 s" if gap < 60 else
-                    "continuation, gap 60-180 s" if gap < 180 else
-                    "continuation, gap 180-600 s" if gap < 600 else
-                    "continuation, gap >= 600 s")
+            kind = (
+                "continuation, gap < 60 s"
+                if gap < 60
+                else "continuation, gap 60-180 s"
+                if gap < 180
+                else "continuation, gap 180-600 s"
+                if gap < 600
+                else "continuation, gap >= 600 s"
+            )
         else:
             kind = "first turn (shared prefixes)"
         last[s] = trace.t[i]
@@ -362,15 +382,17 @@ def gap_breakdown(trace: Trace, run: dict, opt: dict) -> dict:
     return dict(sorted(out.items()))
 
 
-_KEYS: list = [None, None]     # [the trace, its keys]: the trace is held, so never a stale id
+_KEYS: list = [None, None]  # [the trace, its keys]: the trace is held, so never a stale id
 
 
 def trace_keys(trace: Trace) -> list[list[bytes]]:
     """Every request's OffloadKeys, built once per trace and shared by all runs."""
     if _KEYS[0] is not trace:
         cache: dict[int, bytes] = {}
-        _KEYS[1] = [[cache[b] if b in cache else cache.setdefault(b, key_of(b)) for b in ids]
-                    for ids in trace.blocks]
+        _KEYS[1] = [
+            [cache[b] if b in cache else cache.setdefault(b, key_of(b)) for b in ids]
+            for ids in trace.blocks
+        ]
         _KEYS[0] = trace
     return _KEYS[1]
 
@@ -388,8 +410,12 @@ def run_policy(trace: Trace, spec: RunSpec, progress: Progress | None = None) ->
     clock = SimClock()
     g3 = SharedG3(spec.shared_g3_blocks) if spec.shared_g3_blocks else None
     router_cls, limits = make_router(spec.policy)
-    workers = [Worker(spec.policy, spec.g1, spec.g2_blocks, clock, g3, limits,
-                      hinted=router_cls is not None) for _ in range(spec.workers)]
+    workers = [
+        Worker(
+            spec.policy, spec.g1, spec.g2_blocks, clock, g3, limits, hinted=router_cls is not None
+        )
+        for _ in range(spec.workers)
+    ]
     router = router_cls(trace, workers, clock) if router_cls is not None else None
     rng = random.Random(spec.seed)
     keys = trace_keys(trace)
@@ -416,8 +442,18 @@ def run_policy(trace: Trace, spec: RunSpec, progress: Progress | None = None) ->
             hint_events()
         served = workers[w].serve(ids, keys[i], toks, f"s{s}", now)
         tally.add(served, trace.input_length[i], len(ids))
-        events.append((TURN, now, w, i, tally.g1_tokens[-1], served.g2_load_tokens,
-                       served.g3_load_tokens, trace.input_length[i] - served.hit_tokens))
+        events.append(
+            (
+                TURN,
+                now,
+                w,
+                i,
+                tally.g1_tokens[-1],
+                served.g2_load_tokens,
+                served.g3_load_tokens,
+                trace.input_length[i] - served.hit_tokens,
+            )
+        )
         if router is not None:
             router.after(i, w, now)
             hint_events()
@@ -428,8 +464,11 @@ def run_policy(trace: Trace, spec: RunSpec, progress: Progress | None = None) ->
     row = result(spec, tally, time.perf_counter() - t0)
     if router is not None:
         n = router.work_n
-        row["hint_work"] = {"hints": n, "wall_s": round(router.work_s, 3),
-                            "wall_s_per_hint": router.work_s / n if n else 0.0}
+        row["hint_work"] = {
+            "hints": n,
+            "wall_s": round(router.work_s, 3),
+            "wall_s_per_hint": router.work_s / n if n else 0.0,
+        }
     if router is not None and hasattr(router, "policy"):
         row["router"] = router.policy.status()
     return row
@@ -440,8 +479,8 @@ def run_opt(trace: Trace, spec: RunSpec, progress: Progress | None = None) -> di
     capacity in one cache."""
     t0 = time.perf_counter()
     cap = spec.total_capacity
-    resident: dict[int, int] = {}        # block -> its next use (request index)
-    heap: list[tuple[int, int, int]] = []   # (-next use, -depth, block), lazily invalidated
+    resident: dict[int, int] = {}  # block -> its next use (request index)
+    heap: list[tuple[int, int, int]] = []  # (-next use, -depth, block), lazily invalidated
     tally = Tally()
     push, pop = heapq.heappush, heapq.heappop
     for i, ids in enumerate(trace.blocks):
@@ -465,7 +504,7 @@ def run_opt(trace: Trace, spec: RunSpec, progress: Progress | None = None) -> di
             negnu, _, b = pop(heap)
             if resident.get(b) == -negnu:
                 del resident[b]
-        if len(heap) > 4 * cap + 1024:      # drop invalidated entries
+        if len(heap) > 4 * cap + 1024:  # drop invalidated entries
             heap = _compact(heap, resident)
         if progress is not None and (i & 255) == 0:
             progress(i)

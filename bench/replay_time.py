@@ -56,9 +56,9 @@ class TimeParams:
     name: str
     kv_bytes_per_token: int
     prefill_tokens_per_s: float
-    g2: Link                     # G2 -> G1
-    g3: Link                     # G3 -> G2
-    hint_s: float                # engine time per hint executed (the step lock held)
+    g2: Link  # G2 -> G1
+    g3: Link  # G3 -> G2
+    hint_s: float  # engine time per hint executed (the step lock held)
     # G1 hits are on the device already: no transfer, no time.
 
     def prefill_s(self, tokens: float) -> float:
@@ -123,10 +123,10 @@ class TurnTime:
 
     ttft: float
     hint_wait: float
-    load: float                  # end of loads - start of loads (queueing included)
+    load: float  # end of loads - start of loads (queueing included)
     prefill: float
-    recomputed: int              # hit tokens the engine chose to recompute
-    late: int                    # prefetched tokens not copied in time (missed)
+    recomputed: int  # hit tokens the engine chose to recompute
+    late: int  # prefetched tokens not copied in time (missed)
 
 
 class _Engine:
@@ -187,14 +187,20 @@ def turn_times(events, params: TimeParams, queue: bool = True) -> dict[int, Turn
             start = max(t0, e.g3_free)
             f3 = start + params.g3.seconds(g3 * bpt)
             f2 = max(f3, e.g2_free) + g3 * bpt / params.g2.bandwidth
-            if f2 - end > params.prefill_s(g3):       # what it adds to the loads
+            if f2 - end > params.prefill_s(g3):  # what it adds to the loads
                 recomputed += g3
             else:
                 e.g3_free, e.g2_free = f3, f2
                 end = max(end, f2)
         prefill = params.prefill_s(miss + recomputed)
-        out[i] = TurnTime(ttft=end - t + prefill, hint_wait=t0 - t, load=end - t0,
-                          prefill=prefill, recomputed=recomputed, late=late)
+        out[i] = TurnTime(
+            ttft=end - t + prefill,
+            hint_wait=t0 - t,
+            load=end - t0,
+            prefill=prefill,
+            recomputed=recomputed,
+            late=late,
+        )
     return out
 
 
@@ -255,16 +261,26 @@ def add_times(trace, runs: list[dict], params=tuple(PARAMS.values())) -> dict:
     for o in runs:
         if o["policy"] != "opt":
             continue
-        ref = next((r for r in runs if r["policy"] != "opt" and r["workers"] == 1
-                    and r["total_capacity_blocks"] == o["total_capacity_blocks"]), None)
+        ref = next(
+            (
+                r
+                for r in runs
+                if r["policy"] != "opt"
+                and r["workers"] == 1
+                and r["total_capacity_blocks"] == o["total_capacity_blocks"]
+            ),
+            None,
+        )
         g1 = ref["_g1_tokens"] if ref else [0] * len(trace)
         ev = oracle_events(trace, o["_per_request"], g1)
         o["time"] = {}
         for p in params:
-            o["time"][p.name] = oracles[p.name][o["total_capacity_blocks"]] = \
-                summary(turn_times(ev, p), resumed)
-            o["time"][p.name]["ttft_mean_s_unqueued"] = \
-                summary(turn_times(ev, p, queue=False), resumed).get("ttft_mean_s")
+            o["time"][p.name] = oracles[p.name][o["total_capacity_blocks"]] = summary(
+                turn_times(ev, p), resumed
+            )
+            o["time"][p.name]["ttft_mean_s_unqueued"] = summary(
+                turn_times(ev, p, queue=False), resumed
+            ).get("ttft_mean_s")
     for r in runs:
         if r["policy"] == "opt" or not r.get("_events"):
             continue
@@ -273,13 +289,22 @@ def add_times(trace, runs: list[dict], params=tuple(PARAMS.values())) -> dict:
     for r in runs:
         if r["policy"] == "opt" or "time" not in r:
             continue
-        lru = next((x for x in runs if x["policy"] == "lru" and "time" in x
-                    and all(x[k] == r[k] for k in shape)), None)
+        lru = next(
+            (
+                x
+                for x in runs
+                if x["policy"] == "lru" and "time" in x and all(x[k] == r[k] for k in shape)
+            ),
+            None,
+        )
         for p in params:
             orc = oracles[p.name].get(r["total_capacity_blocks"]) if r["workers"] == 1 else None
             cap = None
             if lru is not None and orc and orc.get("turns") and r["time"][p.name].get("turns"):
-                cap = gain_captured(lru["time"][p.name]["ttft_mean_s"],
-                                    r["time"][p.name]["ttft_mean_s"], orc["ttft_mean_s"])
+                cap = gain_captured(
+                    lru["time"][p.name]["ttft_mean_s"],
+                    r["time"][p.name]["ttft_mean_s"],
+                    orc["ttft_mean_s"],
+                )
             r["time"][p.name]["oracle_gain_captured"] = cap
     return oracles

@@ -28,8 +28,8 @@ import numpy as np
 from vllm.v1.kv_offload.base import make_offload_key
 
 BLOCK_TOKENS = 512
-NEVER = np.iinfo(np.int64).max     # next use of a block that is never used again
-MAX_CHILDREN = 32                   # a block followed by more distinct blocks is a shared prefix
+NEVER = np.iinfo(np.int64).max  # next use of a block that is never used again
+MAX_CHILDREN = 32  # a block followed by more distinct blocks is a shared prefix
 
 
 def key_of(block_id: int) -> bytes:
@@ -113,10 +113,10 @@ def parse_rows(rows: list[dict], name: str = "") -> Trace:
     rows = [rows[i] for i in order]
     blocks, tokens, t, inl, outl = [], [], [], [], []
     session, turn = [], []
-    tips: dict[int, int] = {}          # last id of a request's full blocks -> its session
-    turns_of: list[int] = []           # per session: requests so far
-    first_owner: dict[int, int] = {}   # block id -> first session that sent it
-    shared: set[int] = set()           # block ids sent by more than one session
+    tips: dict[int, int] = {}  # last id of a request's full blocks -> its session
+    turns_of: list[int] = []  # per session: requests so far
+    first_owner: dict[int, int] = {}  # block id -> first session that sent it
+    shared: set[int] = set()  # block ids sent by more than one session
     # Blocks many different blocks follow (a system prompt, a popular
     # document) name no session either, even when one session sent them
     # first: else a short first request would chain every later one to it.
@@ -143,8 +143,11 @@ def parse_rows(rows: list[dict], name: str = "") -> Trace:
         s = None
         for k in range(len(ids), 0, -1):
             s = tips.get(ids[k - 1])
-            if s is not None and ids[k - 1] not in shared \
-                    and len(children.get(ids[k - 1], ())) <= MAX_CHILDREN:
+            if (
+                s is not None
+                and ids[k - 1] not in shared
+                and len(children.get(ids[k - 1], ())) <= MAX_CHILDREN
+            ):
                 break
             s = None
         if s is None:
@@ -177,8 +180,9 @@ def parse_rows(rows: list[dict], name: str = "") -> Trace:
         next_use[i] = [later.get(b, NEVER) for b in ids]
         for b in ids:
             later[b] = i
-    return Trace(blocks, tokens, t, inl, outl, session, turn, continues, next_use,
-                 len(turns_of), name)
+    return Trace(
+        blocks, tokens, t, inl, outl, session, turn, continues, next_use, len(turns_of), name
+    )
 
 
 def load_trace(path: str | Path, limit: int | None = None) -> Trace:

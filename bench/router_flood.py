@@ -49,12 +49,12 @@ SECRET = b"router-flood-bench-secret-0123456789"
 MIB = 1 << 20
 WARMUP_BYTES = 64 * MIB
 BODY_MIB = 16
-HEADER_TIMEOUT_S = 5           # listen.header_timeout_s, short so the bench sees it
+HEADER_TIMEOUT_S = 5  # listen.header_timeout_s, short so the bench sees it
 # A turn in flight holds its body a few times over (the request's bytes, its
 # parsed document, the forwarded JSON, the engine's reply): the allocator
 # keeps that high-water mark, once.
 TRANSIENT_BODIES = 6
-GOALS = ("sessions", "bodies_all", "slow_clients")     # phases with a growth goal
+GOALS = ("sessions", "bodies_all", "slow_clients")  # phases with a growth goal
 
 
 def rss_mib(pid: int) -> float:
@@ -66,8 +66,11 @@ def phase(router: RouterProcess, out: dict, name: str, fn) -> None:
     fn()
     time.sleep(1.0)
     after = rss_mib(router.proc.pid)
-    out[name] = {"rss_mib": round(after, 1), "growth_mib": round(after - before, 1),
-                 "s": round(time.monotonic() - t0, 1)}
+    out[name] = {
+        "rss_mib": round(after, 1),
+        "growth_mib": round(after - before, 1),
+        "s": round(time.monotonic() - t0, 1),
+    }
     print(f"{name}: {out[name]}", file=sys.stderr, flush=True)
 
 
@@ -78,19 +81,33 @@ def run(sessions: int, bodies: int, slow: int, d: Path) -> dict:
     try:
         url, redis_server = start_redis(d)
         engine = ServerProcess(TINY, ENGINE_ARGS)
-        cfg = {"version": 1, "listen": {"host": "127.0.0.1", "port": free_port(),
-                                        "header_timeout_s": HEADER_TIMEOUT_S},
-               "secret_file": str(d / "secret"), "redis": {"url": url, "namespace": "flood"},
-               "workers": [{"name": "a", "url": engine.url, "plain": True}],
-               "policy": {"strategy": "plain", "max_sessions": sessions // 2,
-                          "warmup": {"enabled": True, "max_bytes": WARMUP_BYTES}}}
+        cfg = {
+            "version": 1,
+            "listen": {
+                "host": "127.0.0.1",
+                "port": free_port(),
+                "header_timeout_s": HEADER_TIMEOUT_S,
+            },
+            "secret_file": str(d / "secret"),
+            "redis": {"url": url, "namespace": "flood"},
+            "workers": [{"name": "a", "url": engine.url, "plain": True}],
+            "policy": {
+                "strategy": "plain",
+                "max_sessions": sessions // 2,
+                "warmup": {"enabled": True, "max_bytes": WARMUP_BYTES},
+            },
+        }
         router = RouterProcess(cfg, d / "router.yaml")
         start = rss_mib(router.proc.pid)
 
         def turn(i: int, extra: dict | None = None) -> int:
             body = {"model": TINY, "prompt": [1, 2, 3, 4], "max_tokens": 0, **(extra or {})}
-            r = requests.post(f"{router.url}/v1/completions", json=body, timeout=120,
-                              headers={"X-Session-ID": f"flood-{i}"})
+            r = requests.post(
+                f"{router.url}/v1/completions",
+                json=body,
+                timeout=120,
+                headers={"X-Session-ID": f"flood-{i}"},
+            )
             return r.status_code
 
         def many() -> None:
@@ -129,18 +146,33 @@ def run(sessions: int, bodies: int, slow: int, d: Path) -> dict:
                 part.stop()
     # Both halves of the bodies together: where the allocator's high-water
     # mark lands (first half or second) varies from run to run.
-    phases["bodies_all"] = {"growth_mib": round(
-        phases["bodies"]["growth_mib"] + phases["bodies_more"]["growth_mib"], 1)}
-    goals = {"sessions_growth_mib_max": 64 * sessions / 10_000,
-             "bodies_all_growth_mib_max": WARMUP_BYTES / MIB + TRANSIENT_BODIES * BODY_MIB,
-             "slow_clients_growth_mib_max": 64}
-    ok = all(phases[name]["growth_mib"] <= goals[f"{name}_growth_mib_max"]
-             for name in GOALS) and phases["slow_clients_closed"] == slow
-    return {"config": {"sessions": sessions, "bodies": bodies, "body_mib": BODY_MIB, "slow": slow,
-                       "max_sessions": cfg["policy"]["max_sessions"],
-                       "warmup_max_bytes": WARMUP_BYTES},
-            "rss_start_mib": round(start, 1), "phases": phases,
-            "router_requests": status.get("requests"), "goals": goals, "ok": ok}
+    phases["bodies_all"] = {
+        "growth_mib": round(phases["bodies"]["growth_mib"] + phases["bodies_more"]["growth_mib"], 1)
+    }
+    goals = {
+        "sessions_growth_mib_max": 64 * sessions / 10_000,
+        "bodies_all_growth_mib_max": WARMUP_BYTES / MIB + TRANSIENT_BODIES * BODY_MIB,
+        "slow_clients_growth_mib_max": 64,
+    }
+    ok = (
+        all(phases[name]["growth_mib"] <= goals[f"{name}_growth_mib_max"] for name in GOALS)
+        and phases["slow_clients_closed"] == slow
+    )
+    return {
+        "config": {
+            "sessions": sessions,
+            "bodies": bodies,
+            "body_mib": BODY_MIB,
+            "slow": slow,
+            "max_sessions": cfg["policy"]["max_sessions"],
+            "warmup_max_bytes": WARMUP_BYTES,
+        },
+        "rss_start_mib": round(start, 1),
+        "phases": phases,
+        "router_requests": status.get("requests"),
+        "goals": goals,
+        "ok": ok,
+    }
 
 
 def _open(s: socket.socket) -> bool:

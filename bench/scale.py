@@ -83,27 +83,27 @@ from pathlib import Path
 
 import numpy as np
 import psutil
-from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
+import vllm.v1.kv_offload
+from replay_router import make_hint
+from scale_steps import BLOCK, StepSpec, make_scheduler, run_both, step_times
 from vllm.v1.kv_offload.base import ReqContext
+from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
-from replay_router import make_hint
 import sessionkv
 import sessionkv.index
 import sessionkv.tiers
-import vllm.v1.kv_offload
-from scale_steps import BLOCK, StepSpec, make_scheduler, run_both, step_times
 from sessionkv import connectors
-from sessionkv.tiers import compat
-from sessionkv.tiers.g2.tier import G3_KNOWN_PER_G2_CHUNK
 from sessionkv.connectors.vllm import EXPIRE_PER_PASS
 from sessionkv.hints import Action
+from sessionkv.tiers import compat
 from sessionkv.tiers.g2.policy import SessionCachePolicy
+from sessionkv.tiers.g2.tier import G3_KNOWN_PER_G2_CHUNK
 from sessionkv.types import Tier
 
 G2_CHUNKS = 262_144
-REPEATS = 5                 # runs of each steps schedule; a step keeps its fastest
-DECODE_STEPS = 256         # a p99 of 128 fell between their 2nd- and 3rd-largest steps
+REPEATS = 5  # runs of each steps schedule; a step keeps its fastest
+DECODE_STEPS = 256  # a p99 of 128 fell between their 2nd- and 3rd-largest steps
 
 
 def pct(xs, q: float) -> float:
@@ -115,12 +115,17 @@ def ms(x: float) -> float:
 
 
 def summary(xs: list[float]) -> dict:
-    return {"p50_ms": ms(pct(xs, 50)), "p99_ms": ms(pct(xs, 99)),
-            "max_ms": ms(max(xs) if xs else 0.0),
-            "mean_ms": ms(sum(xs) / len(xs) if xs else 0.0), "steps": len(xs)}
+    return {
+        "p50_ms": ms(pct(xs, 50)),
+        "p99_ms": ms(pct(xs, 99)),
+        "max_ms": ms(max(xs) if xs else 0.0),
+        "mean_ms": ms(sum(xs) / len(xs) if xs else 0.0),
+        "steps": len(xs),
+    }
 
 
 # ---- steps ------------------------------------------------------------------
+
 
 def step_spec(context: int, running: int, g2_chunks: int, decode_steps: int) -> StepSpec:
     """The schedule at ``context`` tokens with G2 of ``g2_chunks``, full before
@@ -128,29 +133,42 @@ def step_spec(context: int, running: int, g2_chunks: int, decode_steps: int) -> 
     256 x 255 blocks against 262,144 chunks), earlier requests of the same
     length fill it first, as a running engine's traffic has (their blocks
     are what decode steps then evict)."""
-    blocks = context // BLOCK - 1           # full blocks of the shortest prompt
+    blocks = context // BLOCK - 1  # full blocks of the shortest prompt
     warm = 0 if running * blocks >= g2_chunks else -(-g2_chunks // blocks)
-    return StepSpec(context=context, running=running, g2_chunks=g2_chunks,
-                    decode_steps=decode_steps, warm_requests=warm)
+    return StepSpec(
+        context=context,
+        running=running,
+        g2_chunks=g2_chunks,
+        decode_steps=decode_steps,
+        warm_requests=warm,
+    )
 
 
 def steps(spec: StepSpec, repeats: int, same: bool = False) -> dict:
     """Ours minus vLLM's per step, per phase, on one schedule (``same``:
     vLLM's against itself)."""
     base, ours = run_both(spec, repeats, same)
-    out = {"context": spec.context, "running": spec.running, "g2_chunks": spec.g2_chunks,
-           "repeats": repeats}
+    out = {
+        "context": spec.context,
+        "running": spec.running,
+        "g2_chunks": spec.g2_chunks,
+        "repeats": repeats,
+    }
     for phase in ("prefill", "decode", "finish"):
         a, b = base[phase], ours[phase]
         if len(a["total"]) != len(b["total"]):
-            raise RuntimeError(f"{phase}: the schedules differ "
-                               f"({len(a['total'])} vs {len(b['total'])} steps)")
+            raise RuntimeError(
+                f"{phase}: the schedules differ ({len(a['total'])} vs {len(b['total'])} steps)"
+            )
         out[phase] = {
-            "vllm": summary(a["total"]), "ours": summary(b["total"]),
-            "vllm_work": summary(a["work"]), "ours_work": summary(b["work"]),
+            "vllm": summary(a["total"]),
+            "ours": summary(b["total"]),
+            "vllm_work": summary(a["work"]),
+            "ours_work": summary(b["work"]),
             # The figure: works' difference (vLLM's shared code left out of both).
             "extra": summary([y - x for x, y in zip(a["work"], b["work"])]),
-            "extra_of_totals": summary([y - x for x, y in zip(a["total"], b["total"])])}
+            "extra_of_totals": summary([y - x for x, y in zip(a["total"], b["total"])]),
+        }
     return out
 
 
@@ -159,8 +177,10 @@ def steps(spec: StepSpec, repeats: int, same: bool = False) -> dict:
 # Where a connector's work runs: our packages, and vLLM's offloading managers
 # and policies (its manager is the baseline's work). Not vLLM's connector code,
 # which both run alike, nor its scheduler.
-WORK_DIRS = tuple(str(Path(m.__file__).parent) + "/" for m in (
-    sessionkv, connectors, sessionkv.index, sessionkv.tiers, vllm.v1.kv_offload))
+WORK_DIRS = tuple(
+    str(Path(m.__file__).parent) + "/"
+    for m in (sessionkv, connectors, sessionkv.index, sessionkv.tiers, vllm.v1.kv_offload)
+)
 
 
 def lines_per_step(spec: StepSpec, traced: int = 16, skip: int = 8) -> dict:
@@ -174,7 +194,7 @@ def lines_per_step(spec: StepSpec, traced: int = 16, skip: int = 8) -> dict:
         def tracer(frame, event, arg, counts=counts):
             code = frame.f_code
             if not code.co_filename.startswith(WORK_DIRS):
-                return None                    # its callees are still traced
+                return None  # its callees are still traced
             if event == "line":
                 counts[f"{Path(code.co_filename).name}:{code.co_name}"] += 1
             return tracer
@@ -193,13 +213,19 @@ def lines_per_step(spec: StepSpec, traced: int = 16, skip: int = 8) -> dict:
     base, mine = per_side
     extra = Counter(mine)
     extra.subtract(base)
-    return {"context": spec.context, "running": spec.running,
-            "vllm": round(sum(base.values())), "ours": round(sum(mine.values())),
-            "extra": round(sum(extra.values())), "traced_steps": traced,
-            "top": [[name, round(n)] for name, n in extra.most_common(12)]}
+    return {
+        "context": spec.context,
+        "running": spec.running,
+        "vllm": round(sum(base.values())),
+        "ours": round(sum(mine.values())),
+        "extra": round(sum(extra.values())),
+        "traced_steps": traced,
+        "top": [[name, round(n)] for name, n in extra.most_common(12)],
+    }
 
 
 # ---- evict ------------------------------------------------------------------
+
 
 def _ready(i: int) -> ChunkStatus:
     c = ChunkStatus(i)
@@ -220,25 +246,35 @@ def evict_cost(chunks: int, rounds: int) -> dict:
         compat.insert(lru, _key(i), _ready(i))
         ours.insert(_key(i), _ready(i))
     for i in range(0, chunks, 512):
-        ours.retain([_key(j) for j in range(i, min(chunks, i + 512))], rng.randint(1, 80),
-                    None, owner=f"s{i // 512}")
+        ours.retain(
+            [_key(j) for j in range(i, min(chunks, i + 512))],
+            rng.randint(1, 80),
+            None,
+            owner=f"s{i // 512}",
+        )
     times = {"lru": [], "ours": []}
     nxt = chunks
     for r in range(rounds):
         for name, p in (("lru", lru), ("ours", ours)):
             t0 = time.perf_counter()
-            (k, c), = p.evict(1, set())
+            ((k, c),) = p.evict(1, set())
             compat.insert(p, _key(nxt), c)
             if name == "ours":
                 p.retain([_key(nxt)], rng.randint(1, 80), None, owner=f"s{r}")
             times[name].append(time.perf_counter() - t0)
         nxt += 1
     lru_p99, ours_p99 = pct(times["lru"], 99), pct(times["ours"], 99)
-    return {"chunks": chunks, "rounds": rounds, "lru_p99_ms": ms(lru_p99),
-            "ours_p99_ms": ms(ours_p99), "ratio": round(ours_p99 / lru_p99, 3)}
+    return {
+        "chunks": chunks,
+        "rounds": rounds,
+        "lru_p99_ms": ms(lru_p99),
+        "ours_p99_ms": ms(ours_p99),
+        "ratio": round(ours_p99 / lru_p99, 3),
+    }
 
 
 # ---- expiry and status ------------------------------------------------------
+
 
 def sessions_and_pins(sessions: int, pins: int, expiring: int, blocks: int) -> dict:
     """The tier manager of a real scheduler; ``sessions`` live sessions of
@@ -272,24 +308,31 @@ def sessions_and_pins(sessions: int, pins: int, expiring: int, blocks: int) -> d
     t0 = time.perf_counter()
     status = manager.service.status()
     status_s = time.perf_counter() - t0
-    passes = []             # as the connector expires: a budget per scheduler pass
+    passes = []  # as the connector expires: a budget per scheduler pass
     more = True
     while more:
         t0 = time.perf_counter()
         more = manager.service.expire_sessions(t_new + 1.0, EXPIRE_PER_PASS)
         passes.append(time.perf_counter() - t0)
     sched.shutdown()
-    return {"sessions": sessions, "pins_live": pinned_live, "pins_before_expiry": live_pins,
-            "expired": expiring, "expire_passes": len(passes),
-            "expire_worst_pass_ms": ms(max(passes)), "expire_total_ms": ms(sum(passes)),
-            "status_lock_max_ms": status["lock_max_ms"], "status_total_ms": ms(status_s),
-            "status_sessions": len(status["sessions"]),
-            "sessions_after": index.num_sessions}
+    return {
+        "sessions": sessions,
+        "pins_live": pinned_live,
+        "pins_before_expiry": live_pins,
+        "expired": expiring,
+        "expire_passes": len(passes),
+        "expire_worst_pass_ms": ms(max(passes)),
+        "expire_total_ms": ms(sum(passes)),
+        "status_lock_max_ms": status["lock_max_ms"],
+        "status_total_ms": ms(status_s),
+        "status_sessions": len(status["sessions"]),
+        "sessions_after": index.num_sessions,
+    }
 
 
 # ---- soak -------------------------------------------------------------------
 
-TURN_BLOCKS = 32            # blocks a turn adds (512 tokens at block size 16)
+TURN_BLOCKS = 32  # blocks a turn adds (512 tokens at block size 16)
 
 
 def soak(hours: float, turns_per_min: int, g2_chunks: int, live: int) -> dict:
@@ -314,16 +357,21 @@ def soak(hours: float, turns_per_min: int, g2_chunks: int, live: int) -> dict:
         made += 1
         return f"soak{made}", None, rng.randint(2, 30)
 
-    ring = [new_session() for _ in range(live)]    # (session, its last key, turns left)
+    ring = [new_session() for _ in range(live)]  # (session, its last key, turns left)
     t0, turn = time.perf_counter(), 0
     for minute in range(int(hours * 60) + 1):
         now = 60.0 * minute
         if minute % 60 == 0:
             gc.collect()
-            samples.append({"hour": minute // 60, "nodes": len(index),
-                            "sessions": index.num_sessions, "rss_mib": round(
-                                proc.memory_info().rss / 2**20, 1),
-                            "wall_s": round(time.perf_counter() - t0, 1)})
+            samples.append(
+                {
+                    "hour": minute // 60,
+                    "nodes": len(index),
+                    "sessions": index.num_sessions,
+                    "rss_mib": round(proc.memory_info().rss / 2**20, 1),
+                    "wall_s": round(time.perf_counter() - t0, 1),
+                }
+            )
         for _ in range(turns_per_min):
             i = turn % live
             turn += 1
@@ -337,7 +385,7 @@ def soak(hours: float, turns_per_min: int, g2_chunks: int, live: int) -> dict:
                 out = primary.prepare_store(new, ctx)
                 if out is not None and out.keys_to_store:
                     primary.complete_store(out.keys_to_store, ctx)
-                    primary.set_copies(Tier.G3, out.keys_to_store, 1)   # the cascade's end
+                    primary.set_copies(Tier.G3, out.keys_to_store, 1)  # the cascade's end
                 index.set_copies(Tier.G1, new, 0)
                 primary.on_request_finished(ctx)
             if left > 1:
@@ -356,29 +404,45 @@ def soak(hours: float, turns_per_min: int, g2_chunks: int, live: int) -> dict:
     # Resident: G2's chunks and the G3 copies known (G1 holds none between
     # turns here); the rest are sessions' frontiers, one per session at most.
     bound = g2_chunks * (1 + G3_KNOWN_PER_G2_CHUNK) + max(s["sessions"] for s in samples)
-    return {"nodes_bound": bound, "nodes_max": max(s["nodes"] for s in samples), "hours": hours, "turns_per_min": turns_per_min, "g2_chunks": g2_chunks,
-            "live_sessions": live, "turn_blocks": TURN_BLOCKS, "sessions_made": made,
-            "blocks_admitted": next_key, "growth_from_hour_2": growth, "per_hour": samples}
+    return {
+        "nodes_bound": bound,
+        "nodes_max": max(s["nodes"] for s in samples),
+        "hours": hours,
+        "turns_per_min": turns_per_min,
+        "g2_chunks": g2_chunks,
+        "live_sessions": live,
+        "turn_blocks": TURN_BLOCKS,
+        "sessions_made": made,
+        "blocks_admitted": next_key,
+        "growth_from_hour_2": growth,
+        "per_hour": samples,
+    }
 
 
 # ---- pin memory (issue 52) -----------------------------------------------------
 
+
 def hint_hold_figures(quick: bool) -> dict:
     """``bench/scale_holds.py``'s figures, sliced and as one slice."""
     import scale_holds
+
     g2, n = (16_384, 2048) if quick else (G2_CHUNKS, 16_384)
-    return {"sliced": scale_holds.hint_holds(g2, n),
-            "one_slice": scale_holds.hint_holds(g2, n, slice_chunks=n)}
+    return {
+        "sliced": scale_holds.hint_holds(g2, n),
+        "one_slice": scale_holds.hint_holds(g2, n, slice_chunks=n),
+    }
 
 
 def pin_memory_figures(quick: bool) -> dict:
     """``bench/pin_memory.py``'s figures for a Pin of a 6,250-chunk session
     (625 with ``quick``) on the disk tier."""
     import pin_memory
+
     return pin_memory.measure("disk", 625 if quick else 6250)
 
 
 # ---- main -------------------------------------------------------------------
+
 
 def check(figure: float, target: float) -> dict:
     return {"value": figure, "target": target, "met": figure <= target}
@@ -403,10 +467,12 @@ def main() -> None:
     out["noise_floor_64k"] = {"extra": aa["extra"], "extra_of_totals": aa["extra_of_totals"]}
     out["lines_4k"] = lines_per_step(step_spec(short_ctx, running, g2, 32))
     out["evict"] = evict_cost(16_384 if q else G2_CHUNKS, 200 if q else 2000)
-    out["expiry"] = sessions_and_pins(1000 if q else 10_000, 1600 if q else 16_384,
-                                      100 if q else 1000, 16)
-    out["soak"] = soak(3 if q else 24, 50 if q else 200, 4096 if q else G2_CHUNKS,
-                       500 if q else 10_000)
+    out["expiry"] = sessions_and_pins(
+        1000 if q else 10_000, 1600 if q else 16_384, 100 if q else 1000, 16
+    )
+    out["soak"] = soak(
+        3 if q else 24, 50 if q else 200, 4096 if q else G2_CHUNKS, 500 if q else 10_000
+    )
     out["pin_memory"] = pin_memory_figures(q)
     out["hint_holds"] = hint_hold_figures(q)
     dec_long = out["steps_64k"]["decode"]["extra"]["p99_ms"]
@@ -418,12 +484,15 @@ def main() -> None:
         "expire_1000_sessions_ms": check(out["expiry"]["expire_worst_pass_ms"], 5.0),
         "status_lock_ms": check(out["expiry"]["status_lock_max_ms"], 5.0),
         "soak_index_nodes_growth_hour_2_to_end": check(
-            abs(out["soak"]["growth_from_hour_2"]["nodes"]), 0.05),
+            abs(out["soak"]["growth_from_hour_2"]["nodes"]), 0.05
+        ),
         "soak_rss_growth_hour_2_to_end": check(out["soak"]["growth_from_hour_2"]["rss_mib"], 0.05),
         "soak_index_nodes_over_resident_bound": check(
-            round(out["soak"]["nodes_max"] / out["soak"]["nodes_bound"], 4), 1.0),
-        "pin_memory_over_idle_mib": check(out["pin_memory"]["worst_over_idle_mib"],
-                                          out["pin_memory"]["target_mib"]),
+            round(out["soak"]["nodes_max"] / out["soak"]["nodes_bound"], 4), 1.0
+        ),
+        "pin_memory_over_idle_mib": check(
+            out["pin_memory"]["worst_over_idle_mib"], out["pin_memory"]["target_mib"]
+        ),
     }
     out["targets_met"] = all(t["met"] for t in out["targets"].values())
     out["wall_s"] = round(time.time() - t0, 1)
@@ -431,8 +500,10 @@ def main() -> None:
     for name, t in out["targets"].items():
         print(f"{name}: {t['value']} (target {t['target']}) {'met' if t['met'] else 'NOT met'}")
     lines = out["lines_4k"]
-    print(f"lines per decode step ({lines['running']} x {lines['context']}): ours "
-          f"{lines['ours']}, vLLM's {lines['vllm']}, extra {lines['extra']}")
+    print(
+        f"lines per decode step ({lines['running']} x {lines['context']}): ours "
+        f"{lines['ours']}, vLLM's {lines['vllm']}, extra {lines['extra']}"
+    )
     print("targets_met:", out["targets_met"], f"({out['wall_s']} s)")
 
 

@@ -23,25 +23,25 @@ import threading
 import time
 import uuid
 
+from replay_router import make_hint
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-from replay_router import make_hint
 from sessionkv.config import SessionKVConfig
-from sessionkv.engine import mover as moves
-from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier
 from sessionkv.connectors.manager import SessionTierManager
-from sessionkv.engine.service import G3Copies
 from sessionkv.devtools.engines import MODELS
 from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.keys import block_key
+from sessionkv.engine import mover as moves
+from sessionkv.engine.service import G3Copies
 from sessionkv.events import EventLog, Outcome
 from sessionkv.hints import Action, Status
 from sessionkv.index.prefix_index import SessionPrefixIndex
-from sessionkv.tiers.g3.backends.disk import DiskTier
 from sessionkv.tiers.g2.policy import SessionCachePolicy
+from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier
+from sessionkv.tiers.g3.backends.disk import DiskTier
 from sessionkv.tiers.g3.tier import Quarantine
 from sessionkv.types import Tier
 
@@ -73,17 +73,35 @@ class TimedLock:
 
 
 def _manager(g2_chunks: int, g3_dir: str):
-    init_none_hash(sha256)              # what the engine does at start
-    region = SharedOffloadRegion(engine_id=f"holds-{uuid.uuid4().hex[:8]}", num_chunks=g2_chunks,
-                                 rank=None, kv_bytes_per_chunk=CHUNK, cpu_page_size=CHUNK)
+    init_none_hash(sha256)  # what the engine does at start
+    region = SharedOffloadRegion(
+        engine_id=f"holds-{uuid.uuid4().hex[:8]}",
+        num_chunks=g2_chunks,
+        rank=None,
+        kv_bytes_per_chunk=CHUNK,
+        cpu_page_size=CHUNK,
+    )
     index, quarantine, copies, events = SessionPrefixIndex(), Quarantine(), G3Copies(), EventLog()
     primary = QuarantinedPrimaryTier(
-        num_chunks=g2_chunks, mmap_region=region, cache_policy=SessionCachePolicy.__name__,
-        cache_policy_module_path=SessionCachePolicy.__module__, index=index,
-        blocks_per_chunk=1, quarantine=quarantine, event_log=events)
-    g3 = DiskTier(standalone_spec(str(MODELS / "tiny"), CHUNK), primary.get_kv_memoryview(),
-                  "disk", path=g3_dir, max_bytes=1 << 40, namespace="holds",
-                  quarantine=quarantine, observer=copies.observe)
+        num_chunks=g2_chunks,
+        mmap_region=region,
+        cache_policy=SessionCachePolicy.__name__,
+        cache_policy_module_path=SessionCachePolicy.__module__,
+        index=index,
+        blocks_per_chunk=1,
+        quarantine=quarantine,
+        event_log=events,
+    )
+    g3 = DiskTier(
+        standalone_spec(str(MODELS / "tiny"), CHUNK),
+        primary.get_kv_memoryview(),
+        "disk",
+        path=g3_dir,
+        max_bytes=1 << 40,
+        namespace="holds",
+        quarantine=quarantine,
+        observer=copies.observe,
+    )
     m = SessionTierManager(primary, [g3], index, SessionKVConfig(), copies, events)
     return m
 
@@ -93,7 +111,7 @@ def _store(m, session: str, n: int, tag: str) -> list[bytes]:
     ctx = ReqContext(req_id=f"store-{tag}")
     with m.lock:
         for i in range(0, n, 4096):
-            part = keys[i:i + 4096]
+            part = keys[i : i + 4096]
             out = m.primary_tier.prepare_store(part, ctx)
             m.primary_tier.complete_store(out.keys_to_store, ctx)
         m.index.admit(session, keys, Tier.G2)
@@ -115,16 +133,24 @@ def _hint(m, lock: TimedLock, action: Action, session: str, **kw) -> dict:
         evs, _, _ = m.event_log.since(seen, 100_000)
         seen += len(evs)
         for e in evs:
-            if (isinstance(e, Outcome) and e.outcome.hint_id == first.hint_id
-                    and e.outcome.status is not Status.DEFERRED):
+            if (
+                isinstance(e, Outcome)
+                and e.outcome.hint_id == first.hint_id
+                and e.outcome.status is not Status.DEFERRED
+            ):
                 final = e.outcome
-    return {"status": final.status.value, "blocks": final.blocks_affected,
-            "holds": len(lock.holds), "longest_hold_ms": round(max(lock.holds) * 1e3, 3),
-            "first_hold_ms": round(lock.holds[0] * 1e3, 3),
-            "copy_hold_ms": round(max(lock.holds[1:], default=0.0) * 1e3, 3),
-            "copy_hold_p50_ms": round(sorted(lock.holds[1:])[len(lock.holds[1:]) // 2] * 1e3, 3)
-            if len(lock.holds) > 1 else 0.0,
-            "wall_s": round(time.perf_counter() - t0, 2)}
+    return {
+        "status": final.status.value,
+        "blocks": final.blocks_affected,
+        "holds": len(lock.holds),
+        "longest_hold_ms": round(max(lock.holds) * 1e3, 3),
+        "first_hold_ms": round(lock.holds[0] * 1e3, 3),
+        "copy_hold_ms": round(max(lock.holds[1:], default=0.0) * 1e3, 3),
+        "copy_hold_p50_ms": round(sorted(lock.holds[1:])[len(lock.holds[1:]) // 2] * 1e3, 3)
+        if len(lock.holds) > 1
+        else 0.0,
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
 
 
 def hint_holds(g2_chunks: int, session_chunks: int, slice_chunks: int | None = None) -> dict:
@@ -138,12 +164,12 @@ def hint_holds(g2_chunks: int, session_chunks: int, slice_chunks: int | None = N
     try:
         with tempfile.TemporaryDirectory(prefix="sessionkv-holds-") as d:
             m = _manager(g2_chunks, d)
-            lock = m._lock = TimedLock()        # the instrument (module docstring)
+            lock = m._lock = TimedLock()  # the instrument (module docstring)
             try:
                 _store(m, "s", session_chunks, "s")
                 _store(m, "other", g2_chunks - session_chunks, "o")
                 out = {"share": _hint(m, lock, Action.SHARE, "s", destination="self")}
-                _store(m, "later", g2_chunks, "l")    # G2 forgets the session
+                _store(m, "later", g2_chunks, "l")  # G2 forgets the session
                 out["prefetch"] = _hint(m, lock, Action.PREFETCH, "s")
                 out["pin"] = _hint(m, lock, Action.PIN, "s", ttl_s=60)
             finally:
@@ -159,6 +185,6 @@ def hint_holds(g2_chunks: int, session_chunks: int, slice_chunks: int | None = N
 if __name__ == "__main__":
     import json
     import sys
+
     g2, n = (int(a) for a in sys.argv[1:3]) if len(sys.argv) > 2 else (262_144, 16_384)
-    print(json.dumps({"sliced": hint_holds(g2, n), "one_slice": hint_holds(g2, n, n)},
-                     indent=1))
+    print(json.dumps({"sliced": hint_holds(g2, n), "one_slice": hint_holds(g2, n, n)}, indent=1))

@@ -48,17 +48,24 @@ from dataclasses import dataclass
 
 import torch
 from vllm import SamplingParams
-from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
-                         SchedulerConfig, VllmConfig)
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-    OffloadingConnectorMetadata, OffloadingWorkerMetadata)
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
-    OffloadingConnector)
+    OffloadingConnectorMetadata,
+    OffloadingWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -71,9 +78,16 @@ BLOCK = 16
 # bytes), which vLLM's CPU spec rounds up to its alignment; the scheduler
 # side sizes G2 from it and never touches the bytes.
 CHUNK_BYTES = CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
-TIMED = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-         "update_connector_output", "request_finished", "request_finished_all_groups",
-         "get_kv_connector_stats", "take_events")
+TIMED = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "get_kv_connector_stats",
+    "take_events",
+)
 
 
 class _Timer:
@@ -83,7 +97,7 @@ class _Timer:
 
     spent = 0.0
     shared = 0.0
-    in_shared = 0           # depth of OffloadingConnector's own timed methods
+    in_shared = 0  # depth of OffloadingConnector's own timed methods
 
     @classmethod
     def take(cls) -> tuple[float, float]:
@@ -112,14 +126,17 @@ def _timed(cls):
                 depth[0] -= 1
                 if not depth[0]:
                     _Timer.spent += time.perf_counter() - t0
+
         call.__name__ = name
         return call
+
     return type(f"Timed{cls.__name__}", (cls,), {n: wrap(n) for n in TIMED if hasattr(cls, n)})
 
 
 def _shared(base):
     """``OffloadingConnector``'s own ``base`` method, adding its time to
     ``_Timer.shared`` (the manager calls inside are taken back out)."""
+
     def call(self, *args, **kwargs):
         _Timer.in_shared += 1
         t0 = time.perf_counter()
@@ -129,6 +146,7 @@ def _shared(base):
             _Timer.in_shared -= 1
             if not _Timer.in_shared:
                 _Timer.shared += time.perf_counter() - t0
+
     call.__name__ = base.__name__
     return call
 
@@ -136,8 +154,10 @@ def _shared(base):
 # vLLM's connector with its own timed methods measured as shared code: both
 # timed connectors derive from it, so ours reaches it by ``super()``.
 _SharedOffloadingConnector = type(
-    "SharedOffloadingConnector", (OffloadingConnector,),
-    {n: _shared(getattr(OffloadingConnector, n)) for n in TIMED if hasattr(OffloadingConnector, n)})
+    "SharedOffloadingConnector",
+    (OffloadingConnector,),
+    {n: _shared(getattr(OffloadingConnector, n)) for n in TIMED if hasattr(OffloadingConnector, n)},
+)
 
 
 class _SessionTierConnector(SessionTierConnector, _SharedOffloadingConnector):
@@ -148,10 +168,21 @@ class _SessionTierConnector(SessionTierConnector, _SharedOffloadingConnector):
 def _watch_manager(manager) -> None:
     """The offloading manager's calls made from the shared code: their time
     is the connector's own work, so it leaves ``_Timer.shared``."""
-    for name in ("lookup", "on_new_request", "get_load_source", "prepare_load",
-                 "prepare_store", "on_schedule_end", "on_request_finished",
-                 "complete_store", "complete_load", "get_stats", "take_events",
-                 "touch", "has_pending_work"):
+    for name in (
+        "lookup",
+        "on_new_request",
+        "get_load_source",
+        "prepare_load",
+        "prepare_store",
+        "on_schedule_end",
+        "on_request_finished",
+        "complete_store",
+        "complete_load",
+        "get_stats",
+        "take_events",
+        "touch",
+        "has_pending_work",
+    ):
         base = getattr(manager, name, None)
         if base is None:
             continue
@@ -159,13 +190,14 @@ def _watch_manager(manager) -> None:
         def call(*args, _base=base, **kwargs):
             if not _Timer.in_shared:
                 return _base(*args, **kwargs)
-            held, _Timer.in_shared = _Timer.in_shared, 0     # nested: not shared
+            held, _Timer.in_shared = _Timer.in_shared, 0  # nested: not shared
             t0 = time.perf_counter()
             try:
                 return _base(*args, **kwargs)
             finally:
                 _Timer.shared -= time.perf_counter() - t0
                 _Timer.in_shared = held
+
         setattr(manager, name, call)
 
 
@@ -196,50 +228,88 @@ class StepSpec:
         return self.context + 2 * (prefill_steps + self.decode_steps) + BLOCK
 
 
-def make_scheduler(ours: bool, spec: StepSpec, policy_file: str | None = None, *,
-                   connector: tuple[str, str] | None = None,
-                   extra_config: dict | None = None) -> Scheduler:
+def make_scheduler(
+    ours: bool,
+    spec: StepSpec,
+    policy_file: str | None = None,
+    *,
+    connector: tuple[str, str] | None = None,
+    extra_config: dict | None = None,
+) -> Scheduler:
     """vLLM's scheduler with our connector (``ours``) or vLLM's, timed;
     ``connector`` names another (class, module), ``extra_config`` adds to
     its ``kv_connector_extra_config`` (G3 tiers, say; a key given as None
     drops the default)."""
     blocks = spec.running * (spec.max_len // BLOCK + 1) + 64
     # Both offload generated tokens (agentic turns reuse them; the default is prompt only).
-    extra = {"cpu_bytes_to_use": spec.g2_chunks * CHUNK_BYTES, "block_size": BLOCK,
-             "offload_prompt_only": False, **(extra_config or {})}
+    extra = {
+        "cpu_bytes_to_use": spec.g2_chunks * CHUNK_BYTES,
+        "block_size": BLOCK,
+        "offload_prompt_only": False,
+        **(extra_config or {}),
+    }
     extra = {k: v for k, v in extra.items() if v is not None}
     if ours and policy_file is not None:
         extra["sessionkv"] = {"policy_file": policy_file}
     name, module = connector or (
         "TimedSessionTierConnector" if ours else "TimedOffloadingConnector",
-        __name__ if __name__ != "__main__" else "scale_steps")
+        __name__ if __name__ != "__main__" else "scale_steps",
+    )
     kvt = KVTransferConfig(
         kv_connector=name,
         kv_connector_module_path=module,
-        kv_role="kv_both", engine_id="scale", kv_connector_extra_config=extra)
+        kv_role="kv_both",
+        engine_id="scale",
+        kv_connector_extra_config=extra,
+    )
     config = VllmConfig(
         # No model runs: the tiny model's config only sizes the schedule, its
         # 8,192 positions raised to the contexts scheduled here.
-        model_config=ModelConfig(model=TINY, dtype="float32", seed=0, max_model_len=spec.max_len,
-                                 hf_overrides={"max_position_embeddings": spec.max_len}),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=spec.running, max_num_batched_tokens=spec.batch_tokens,
+        model_config=ModelConfig(
+            model=TINY,
+            dtype="float32",
+            seed=0,
             max_model_len=spec.max_len,
-            enable_chunked_prefill=True, is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9,
-                                 enable_prefix_caching=True),
-        kv_transfer_config=kvt, device_config=DeviceConfig("cpu"))
+            hf_overrides={"max_position_embeddings": spec.max_len},
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=spec.running,
+            max_num_batched_tokens=spec.batch_tokens,
+            max_model_len=spec.max_len,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(
+            block_size=BLOCK, gpu_memory_utilization=0.9, enable_prefix_caching=True
+        ),
+        kv_transfer_config=kvt,
+        device_config=DeviceConfig("cpu"),
+    )
     config.cache_config.num_gpu_blocks = blocks
-    kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1,
-                                                      head_size=1, dtype=torch.float32))])
-    return Scheduler(vllm_config=config, kv_cache_config=kv, log_stats=False,
-                     structured_output_manager=StructuredOutputManager(config),
-                     block_size=BLOCK)
+    kv = KVCacheConfig(
+        num_blocks=blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(
+                    block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32
+                ),
+            )
+        ],
+    )
+    return Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv,
+        log_stats=False,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK,
+    )
 
 
-def make_requests(spec: StepSpec, seed: int = 0, n: int | None = None,
-                  max_tokens: int = 1 << 20) -> list[Request]:
+def make_requests(
+    spec: StepSpec, seed: int = 0, n: int | None = None, max_tokens: int = 1 << 20
+) -> list[Request]:
     """``n`` requests (``spec.running``). Seed 0's and seed 1's sets differ
     in prompts, request and session ids, whatever seed 1's ``n`` (its
     prompts start after seed 0's ``spec.running``): the warm requests are
@@ -260,10 +330,14 @@ def make_requests(spec: StepSpec, seed: int = 0, n: int | None = None,
         # offset with the start into 8 phases, 32 blocks every other step
         # and none between, against 16 every step at 4k (16 prefill a step).
         length = spec.context - rng.randrange(BLOCK)
-        req = Request(request_id=f"r{seed}-{i}", prompt_token_ids=[
-            (base + t) % 50_000 + 1 for t in range(length)],
-            sampling_params=params, pooling_params=None, mm_features=None,
-            block_hasher=hasher)
+        req = Request(
+            request_id=f"r{seed}-{i}",
+            prompt_token_ids=[(base + t) % 50_000 + 1 for t in range(length)],
+            sampling_params=params,
+            pooling_params=None,
+            mm_features=None,
+            block_hasher=hasher,
+        )
         req.kv_transfer_params = {"session_id": f"s{seed}-{i}"}
         out.append(req)
     return out
@@ -277,10 +351,14 @@ def model_output(sched_out, done_jobs: set[int]) -> ModelRunnerOutput:
     for j in done_jobs:
         meta.mark_completed(j)
     return ModelRunnerOutput(
-        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[7] for _ in ids], logprobs=None, prompt_logprobs_dict={},
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[7] for _ in ids],
+        logprobs=None,
+        prompt_logprobs_dict={},
         pooler_output=None,
-        kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=meta))
+        kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=meta),
+    )
 
 
 def step(sched, done_jobs: set[int]) -> set[int]:
@@ -296,8 +374,9 @@ def step(sched, done_jobs: set[int]) -> set[int]:
     return set(getattr(meta, "load_jobs", ())) | set(getattr(meta, "store_jobs", ()))
 
 
-def step_times(ours: bool, spec: StepSpec, policy_file: str | None = None
-               ) -> Iterator[tuple[str, tuple[float, float]]]:
+def step_times(
+    ours: bool, spec: StepSpec, policy_file: str | None = None
+) -> Iterator[tuple[str, tuple[float, float]]]:
     """Prefill ``spec``'s requests, decode them ``decode_steps`` steps once
     all are decoding, then finish them all, one step per ``next``: yields
     (phase, (the connector's seconds in that step, its work: those less
@@ -318,8 +397,9 @@ def step_times(ours: bool, spec: StepSpec, policy_file: str | None = None
         pending = set()
         if isinstance(meta, OffloadingConnectorMetadata):
             pending = set(meta.load_jobs) | set(meta.store_jobs)
-        return bool(out.num_scheduled_tokens) and \
-            all(n == 1 for n in out.num_scheduled_tokens.values())
+        return bool(out.num_scheduled_tokens) and all(
+            n == 1 for n in out.num_scheduled_tokens.values()
+        )
 
     def took() -> tuple[float, float]:
         spent, shared = _Timer.take()
@@ -369,21 +449,25 @@ def run_both(spec: StepSpec, repeats: int = 1, same: bool = False) -> tuple[dict
             runs = [p[side][phase] for p in passes]
             if len({len(r) for r in runs}) != 1:
                 raise RuntimeError(f"{phase}: the repeats' schedules differ")
-            per_phase[phase] = {m: [min(t[i] for t in ts) for ts in zip(*runs)]
-                                for i, m in enumerate(("total", "work"))}
+            per_phase[phase] = {
+                m: [min(t[i] for t in ts) for ts in zip(*runs)]
+                for i, m in enumerate(("total", "work"))
+            }
         out.append(per_phase)
     return out[0], out[1]
 
 
-def _run_both_once(spec: StepSpec, ours_first: bool = False,
-                   same: bool = False) -> tuple[dict, dict]:
+def _run_both_once(
+    spec: StepSpec, ours_first: bool = False, same: bool = False
+) -> tuple[dict, dict]:
     """One run of the schedule, a step of each connector in turn: (vLLM's,
     ours). ``run_both`` alternates which steps first, since the second of a
     pair meets the caches the first left."""
     sides = (True, False) if ours_first else (False, True)
     runs = [step_times(ours and not same, spec) for ours in sides]
     out: list[dict[str, list[tuple[float, float]]]] = [
-        {"warm": [], "prefill": [], "decode": [], "finish": []} for _ in runs]
+        {"warm": [], "prefill": [], "decode": [], "finish": []} for _ in runs
+    ]
     for (pa, a), (pb, b) in zip(*runs, strict=True):
         if pa != pb:
             raise RuntimeError(f"the schedules differ: {pa} vs {pb}")

@@ -54,7 +54,7 @@ def rates(variants: dict, nbytes: int, repeat: int) -> dict[str, float]:
     for r in range(repeat):
         # Each round starts with another variant: a slow phase of the
         # backend (a Python server's allocator, say) hits no one position.
-        for name, (fn, cleanup) in order[r % len(order):] + order[:r % len(order)]:
+        for name, (fn, cleanup) in order[r % len(order) :] + order[: r % len(order)]:
             t0 = time.perf_counter()
             fn()
             per[name].append(nbytes / (time.perf_counter() - t0) / 1e6)
@@ -71,22 +71,30 @@ def rates(variants: dict, nbytes: int, repeat: int) -> dict[str, float]:
 def raw_calls(backend: str, tier):
     """The backend's own batch put and get over the tier's client."""
     from sessionkv.tiers.g3.tier import address_of
+
     b = tier._backend
     if backend == "mooncake":
+
         def put(names, bufs):
-            rcs = b._store.batch_put_from(names, [address_of(x) for x in bufs], [len(x) for x in bufs])
+            rcs = b._store.batch_put_from(
+                names, [address_of(x) for x in bufs], [len(x) for x in bufs]
+            )
             assert all(rc == 0 for rc in rcs), rcs
 
         def get(names, bufs):
-            rcs = b._store.batch_get_into(names, [address_of(x) for x in bufs], [len(x) for x in bufs])
+            rcs = b._store.batch_get_into(
+                names, [address_of(x) for x in bufs], [len(x) for x in bufs]
+            )
             assert all(rc == len(x) for rc, x in zip(rcs, bufs)), rcs
     elif backend == "lmcache":
+
         def put(names, bufs):
             assert all(b.put_chunks(names, bufs))
 
         def get(names, bufs):
             assert b.get_chunks(names, bufs) == [len(x) for x in bufs]
     else:
+
         def put(names, bufs):
             pipe = b._redis.pipeline(transaction=False)
             for n, x in zip(names, bufs):
@@ -99,6 +107,7 @@ def raw_calls(backend: str, tier):
                 pipe.get(n)
             for v, x in zip(pipe.execute(), bufs):
                 x[:] = v
+
     return put, get
 
 
@@ -108,10 +117,11 @@ def measure(backend: str, where, chunk: int, repeat: int, mac: bool = False) -> 
     from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.tiering.base import TransferJob
 
-    from sessionkv.keys import G3_MAC, derive
-    from sessionkv.tiers.g3.tier import checksum
-    from sessionkv.tiers.g3.backend import Seal
     from sessionkv.devtools.g3_spec import standalone_spec
+    from sessionkv.keys import G3_MAC, derive
+    from sessionkv.tiers.g3.backend import Seal
+    from sessionkv.tiers.g3.tier import checksum
+
     init_none_hash(sha256)
     n = max(1, BATCH_BYTES // chunk)
     region = np.random.default_rng(0).integers(0, 256, (2 * n, chunk), dtype=np.uint8)
@@ -124,15 +134,25 @@ def measure(backend: str, where, chunk: int, repeat: int, mac: bool = False) -> 
     if backend == "mooncake":
         from sessionkv.devtools.services import lan_address
         from sessionkv.tiers.g3.backends.mooncake import MooncakeTier
-        tier = MooncakeTier(spec, view, "mooncake", master=where.master,
-                            metadata_server=where.metadata_url, local_hostname=lan_address(),
-                            namespace=ns, timeout_s=30.0, **kw)
+
+        tier = MooncakeTier(
+            spec,
+            view,
+            "mooncake",
+            master=where.master,
+            metadata_server=where.metadata_url,
+            local_hostname=lan_address(),
+            namespace=ns,
+            timeout_s=30.0,
+            **kw,
+        )
     elif backend == "lmcache":
         from sessionkv.tiers.g3.backends.lmcache import LMCacheTier
-        tier = LMCacheTier(spec, view, "lmcache", url=where, namespace=ns, timeout_s=30.0,
-                           **kw)
+
+        tier = LMCacheTier(spec, view, "lmcache", url=where, namespace=ns, timeout_s=30.0, **kw)
     else:
         from sessionkv.tiers.g3.backends.redis import RedisTier
+
         tier = RedisTier(spec, view, "redis", url=where, namespace=ns, timeout_s=30.0, **kw)
     try:
         src = [memoryview(region[i]) for i in range(n)]
@@ -140,7 +160,7 @@ def measure(backend: str, where, chunk: int, repeat: int, mac: bool = False) -> 
         put, get = raw_calls(backend, tier)
         jobs = iter(range(1, 1 << 30))
         total = n * chunk
-        created: list[str] = []     # objects a put made; removed untimed after it
+        created: list[str] = []  # objects a put made; removed untimed after it
 
         def fresh():
             names = [f"{ns}/raw-{uuid.uuid4().hex}" for _ in range(n)]
@@ -152,8 +172,9 @@ def measure(backend: str, where, chunk: int, repeat: int, mac: bool = False) -> 
             created.clear()
 
         def tier_job(keys, slots, load):
-            j = TransferJob(next(jobs), keys, np.asarray(slots, np.int64), load,
-                            ReqContext(req_id="bench"))
+            j = TransferJob(
+                next(jobs), keys, np.asarray(slots, np.int64), load, ReqContext(req_id="bench")
+            )
             (tier.submit_load if load else tier.submit_store)(j)
             tier.drain_jobs()
             (r,) = [r for r in tier.get_finished_jobs() if r.job_id == j.job_id]
@@ -193,20 +214,40 @@ def measure(backend: str, where, chunk: int, repeat: int, mac: bool = False) -> 
         def nothing():
             return None
 
-        puts = rates({"raw_MBps": (lambda: put(fresh(), src), remove_created),
-                      "raw_checksum_MBps": (raw_checksum_put, remove_created),
-                      "raw_mac_MBps": (raw_mac_put, remove_created),
-                      "tier_MBps": (tier_put, remove_created)}, total, repeat)
-        gets = rates({"raw_MBps": (lambda: get(stored, dst), nothing),
-                      "raw_checksum_MBps": (raw_checksum_get, nothing),
-                      "raw_mac_MBps": (raw_mac_get, nothing),
-                      "tier_MBps": (lambda: tier_job(tier_keys, range(n, 2 * n), True), nothing)},
-                     total, repeat)
-        memcpy = rates({"memcpy_MBps": (lambda: np.copyto(region[n:], region[:n]), nothing)},
-                       total, repeat)
-        rows = [{"backend": backend, "block_bytes": chunk, "op": op,
-                 "seal": "mac" if mac else "xxh3", **r, **memcpy}
-                for op, r in (("put", puts), ("get", gets))]
+        puts = rates(
+            {
+                "raw_MBps": (lambda: put(fresh(), src), remove_created),
+                "raw_checksum_MBps": (raw_checksum_put, remove_created),
+                "raw_mac_MBps": (raw_mac_put, remove_created),
+                "tier_MBps": (tier_put, remove_created),
+            },
+            total,
+            repeat,
+        )
+        gets = rates(
+            {
+                "raw_MBps": (lambda: get(stored, dst), nothing),
+                "raw_checksum_MBps": (raw_checksum_get, nothing),
+                "raw_mac_MBps": (raw_mac_get, nothing),
+                "tier_MBps": (lambda: tier_job(tier_keys, range(n, 2 * n), True), nothing),
+            },
+            total,
+            repeat,
+        )
+        memcpy = rates(
+            {"memcpy_MBps": (lambda: np.copyto(region[n:], region[:n]), nothing)}, total, repeat
+        )
+        rows = [
+            {
+                "backend": backend,
+                "block_bytes": chunk,
+                "op": op,
+                "seal": "mac" if mac else "xxh3",
+                **r,
+                **memcpy,
+            }
+            for op, r in (("put", puts), ("get", gets))
+        ]
         # Leave the store as it was: the next chunk size needs the room.
         tier._backend.remove(stored + [o for k in tier_keys for o in tier.objects(k)])
         return rows
@@ -221,10 +262,16 @@ def parse_args() -> argparse.Namespace:
     # One round's ratio varies 0.7-1.5 here (a few ms of noise on 20-40 ms):
     # the median of 15 moved ±0.06 run to run, of 45 about ±0.03.
     ap.add_argument("--repeat", type=int, default=45)
-    ap.add_argument("--mac", action="store_true",
-                    help="the tier seals its objects with a keyed MAC (a cluster secret)")
-    ap.add_argument("--sizes", default=",".join(str(x) for x in SIZES),
-                    help="chunk sizes in bytes, a comma list")
+    ap.add_argument(
+        "--mac",
+        action="store_true",
+        help="the tier seals its objects with a keyed MAC (a cluster secret)",
+    )
+    ap.add_argument(
+        "--sizes",
+        default=",".join(str(x) for x in SIZES),
+        help="chunk sizes in bytes, a comma list",
+    )
     return ap.parse_args()
 
 
@@ -239,9 +286,22 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as out:
             for backend in backends:
                 part = Path(out) / f"{backend}.json"
-                subprocess.run([sys.executable, __file__, "--backend", backend, "--repeat",
-                                str(args.repeat), "--json", str(part), "--sizes", args.sizes]
-                               + (["--mac"] if args.mac else []), check=True)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--backend",
+                        backend,
+                        "--repeat",
+                        str(args.repeat),
+                        "--json",
+                        str(part),
+                        "--sizes",
+                        args.sizes,
+                    ]
+                    + (["--mac"] if args.mac else []),
+                    check=True,
+                )
                 rows += json.loads(part.read_text())["rows"]
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))
         return
@@ -264,13 +324,19 @@ def main() -> None:
                 for chunk in map(int, args.sizes.split(",")):
                     rows += measure(backend, where, chunk, args.repeat, args.mac)
                     r = rows[-2:]
-                    print(" ".join(f"{x['backend']:8s} {x['block_bytes'] >> 10:6d} KiB {x['op']}: "
-                                   f"tier {x['tier_MBps']:8.0f} raw {x['raw_MBps']:8.0f} "
-                                   f"raw+sum {x['raw_checksum_MBps']:8.0f} "
-                                   f"raw+mac {x['raw_mac_MBps']:8.0f} "
-                                   f"memcpy {x['memcpy_MBps']:8.0f} MB/s, tier/raw+sum "
-                                   f"{x['tier_over_raw_checksum']:.2f}, tier/raw+mac "
-                                   f"{x['tier_over_raw_mac']:.2f}\n" for x in r), end="")
+                    print(
+                        " ".join(
+                            f"{x['backend']:8s} {x['block_bytes'] >> 10:6d} KiB {x['op']}: "
+                            f"tier {x['tier_MBps']:8.0f} raw {x['raw_MBps']:8.0f} "
+                            f"raw+sum {x['raw_checksum_MBps']:8.0f} "
+                            f"raw+mac {x['raw_mac_MBps']:8.0f} "
+                            f"memcpy {x['memcpy_MBps']:8.0f} MB/s, tier/raw+sum "
+                            f"{x['tier_over_raw_checksum']:.2f}, tier/raw+mac "
+                            f"{x['tier_over_raw_mac']:.2f}\n"
+                            for x in r
+                        ),
+                        end="",
+                    )
             finally:
                 for s in stop:
                     s.stop()

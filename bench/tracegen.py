@@ -81,7 +81,7 @@ class Params:
     tokens_per_s: float = 2000.0
 
     @classmethod
-    def load(cls, path: str) -> "Params":
+    def load(cls, path: str) -> Params:
         doc = yaml.safe_load(Path(path).read_text()) or {}
         known = {f.name for f in fields(cls)}
         for k in doc:
@@ -90,8 +90,11 @@ class Params:
         kw = dict(doc)
         for f in fields(cls):
             default = getattr(cls, f.name, None)
-            if f.name in kw and isinstance(default, (int, float)) and (
-                    isinstance(kw[f.name], bool) or not isinstance(kw[f.name], (int, float))):
+            if (
+                f.name in kw
+                and isinstance(default, (int, float))
+                and (isinstance(kw[f.name], bool) or not isinstance(kw[f.name], (int, float)))
+            ):
                 raise ValueError(f"{path}: {f.name} must be a number, got {kw[f.name]!r}")
         if "documents" in kw:
             kw["documents"] = Documents(**kw["documents"])
@@ -146,10 +149,12 @@ def generate(p: Params) -> list[dict]:
     blocks = _Blocks()
     seg = iter(range(1, 1 << 62))
     system = [(0, p.system_tokens)] if p.system_tokens else []
-    docs = [(next(seg), max(1, int(_lognormal(rng, p.documents.tokens_median, 0.5))))
-            for _ in range(p.documents.count)]
+    docs = [
+        (next(seg), max(1, int(_lognormal(rng, p.documents.tokens_median, 0.5))))
+        for _ in range(p.documents.count)
+    ]
     zipf = [1.0 / (k + 1) ** p.documents.zipf for k in range(len(docs))]
-    cum = [sum(zipf[:k + 1]) for k in range(len(zipf))]
+    cum = [sum(zipf[: k + 1]) for k in range(len(zipf))]
     weights = [g.weight for g in p.gaps]
     out = []
     t = 0.0
@@ -160,16 +165,25 @@ def generate(p: Params) -> list[dict]:
             prompt.append(docs[bisect.bisect_left(cum, rng.random() * cum[-1])])
         prompt.append((next(seg), max(1, int(_lognormal(rng, p.first_user_tokens_median, 0.8)))))
         history = [list(prompt)]
-        turns = 1 + int(math.log(max(rng.random(), 1e-12)) / math.log(1 - 1 / p.turns_mean)) \
-            if p.turns_mean > 1 else 1
+        turns = (
+            1 + int(math.log(max(rng.random(), 1e-12)) / math.log(1 - 1 / p.turns_mean))
+            if p.turns_mean > 1
+            else 1
+        )
         now = t
         for turn in range(turns):
             n_in = sum(n for _, n in prompt)
             if n_in > p.max_input_tokens:
                 break
             n_out = max(1, int(_lognormal(rng, p.output_tokens_median, 0.8)))
-            out.append({"timestamp": int(now * 1000), "input_length": n_in,
-                        "output_length": n_out, "hash_ids": blocks.of(prompt)})
+            out.append(
+                {
+                    "timestamp": int(now * 1000),
+                    "input_length": n_in,
+                    "output_length": n_out,
+                    "hash_ids": blocks.of(prompt),
+                }
+            )
             if turn == turns - 1:
                 break
             now += n_out / p.tokens_per_s

@@ -87,9 +87,7 @@ class TorchCopyWorker(OffloadingWorker):
                 continue
             skip = start % self._bpc
             n_chunks = -(-(size + skip) // self._bpc)
-            c, s = expand_chunks(
-                chunk_ids[chunk_off : chunk_off + n_chunks], self._bpc, skip, size
-            )
+            c, s = expand_chunks(chunk_ids[chunk_off : chunk_off + n_chunks], self._bpc, skip, size)
             chunks.append(c)
             slots.append(s)
             chunk_off += n_chunks
@@ -99,9 +97,7 @@ class TorchCopyWorker(OffloadingWorker):
         return dev_idx, torch.cat(chunks), torch.cat(slots)
 
     def _done(self, job_id: int, nbytes: int, t0: float) -> bool:
-        self._finished.append(
-            TransferResult(job_id, True, nbytes, time.perf_counter() - t0)
-        )
+        self._finished.append(TransferResult(job_id, True, nbytes, time.perf_counter() - t0))
         return True
 
     def submit_store(
@@ -117,7 +113,10 @@ class TorchCopyWorker(OffloadingWorker):
         return self._done(job_id, nbytes, t0)
 
     def submit_load(
-        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
         expedited: bool = False,
     ) -> bool:
         """G2 -> G1, copied before returning (so ``expedited``, vLLM 0.33's

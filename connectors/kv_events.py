@@ -40,6 +40,7 @@ from vllm.v1.kv_offload.base import OffloadingEvent
 # A chunk's users: a session id, None (requests without one), or this.
 _SHARED = object()
 
+
 class SessionEventsTracker(OffloadingEventsTracker):
     """vLLM's tracker, plus each chunk's sole session (module docstring)."""
 
@@ -47,7 +48,7 @@ class SessionEventsTracker(OffloadingEventsTracker):
     _cap: int
 
     @classmethod
-    def replacing(cls, tracker: OffloadingEventsTracker, cap: int) -> "SessionEventsTracker":
+    def replacing(cls, tracker: OffloadingEventsTracker, cap: int) -> SessionEventsTracker:
         """This tracker in place of vLLM's just-built ``tracker`` (whose
         constructor differs between releases: its state is taken over as is)."""
         if cap <= 0:
@@ -67,7 +68,7 @@ class SessionEventsTracker(OffloadingEventsTracker):
             if len(users) > self._cap:
                 users.popitem(last=False)
             return
-        if users[key] != session:           # another session, or none: shared
+        if users[key] != session:  # another session, or none: shared
             users[key] = _SHARED
         users.move_to_end(key)
 

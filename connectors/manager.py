@@ -61,11 +61,14 @@ class VllmTiering(compat.CascadeGate, compat.ParkedCascades, TieringOffloadingMa
     """vLLM's tiering manager over G2 and the G3 tiers, cascading G2 -> G3
     only with ``g3.write_through``."""
 
-    def __init__(self, primary_tier: SessionPrimaryTier,
-                 secondary_tiers: list[SecondaryTierManager], write_through: bool,
-                 **vllm_kwargs):
-        super().__init__(primary_tier=primary_tier, secondary_tiers=secondary_tiers,
-                         **vllm_kwargs)
+    def __init__(
+        self,
+        primary_tier: SessionPrimaryTier,
+        secondary_tiers: list[SecondaryTierManager],
+        write_through: bool,
+        **vllm_kwargs,
+    ):
+        super().__init__(primary_tier=primary_tier, secondary_tiers=secondary_tiers, **vllm_kwargs)
         self._write_through = write_through
 
     def cascades(self) -> bool:
@@ -103,20 +106,33 @@ class SessionTierManager(OffloadingManager):
         self.primary_tier = primary_tier
         self.secondary_tiers = secondary_tiers
         self.vllm: OffloadingManager = (
-            VllmTiering(primary_tier, secondary_tiers, config.policy.g3.write_through,
-                        **vllm_kwargs) if secondary_tiers else primary_tier)
+            VllmTiering(
+                primary_tier, secondary_tiers, config.policy.g3.write_through, **vllm_kwargs
+            )
+            if secondary_tiers
+            else primary_tier
+        )
         self.lock = compat.manager_lock(self.vllm)
         self.index = index
         self.event_log = event_log
-        self.stats = SessionStats(primary_tier.get_kv_memoryview().strides[0],
-                                  primary_tier.blocks_per_chunk)
+        self.stats = SessionStats(
+            primary_tier.get_kv_memoryview().strides[0], primary_tier.blocks_per_chunk
+        )
         # G1 <-> G2 chunks copied since the last ``get_stats``, (src, dst) ->
         # chunks, counted under the lock rather than under the stats' own
         # (a decode step stores a block of every 16th request).
         self._copied: dict[tuple[str, str], int] = {}
         g3 = [t for t in secondary_tiers if isinstance(t, G3Tier)]
-        self.service = SessionService(primary_tier, g3[0] if g3 else None, index, config,
-                                      g3_copies, event_log, self.stats, self.lock)
+        self.service = SessionService(
+            primary_tier,
+            g3[0] if g3 else None,
+            index,
+            config,
+            g3_copies,
+            event_log,
+            self.stats,
+            self.lock,
+        )
 
     def shutdown(self) -> None:
         self.service.drain()
@@ -126,11 +142,14 @@ class SessionTierManager(OffloadingManager):
     def get_stats(self):
         """vLLM's offloading stats, with sessionkv's (``connectors.metrics``)."""
         copied, self._copied = self._copied, {}
-        return self.stats.take(len(self.index), self.index.num_sessions,
-                               self.service.executor.pinned_chunks,
-                               {t.tier_type: t.rejected for t in self.secondary_tiers
-                                if isinstance(t, G3Tier)}, into=self.vllm.get_stats(),
-                               copied=copied)
+        return self.stats.take(
+            len(self.index),
+            self.index.num_sessions,
+            self.service.executor.pinned_chunks,
+            {t.tier_type: t.rejected for t in self.secondary_tiers if isinstance(t, G3Tier)},
+            into=self.vllm.get_stats(),
+            copied=copied,
+        )
 
     def reset_cache(self) -> None:
         # vLLM's reset waits for its own jobs (drain_jobs); hint copies are
@@ -149,8 +168,7 @@ class SessionTierManager(OffloadingManager):
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return self.vllm.get_load_source(key, req_context)
 
-    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext
-                     ) -> LoadStoreSpec:
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         return self.vllm.prepare_load(keys, req_context)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -160,15 +178,17 @@ class SessionTierManager(OffloadingManager):
         self.vllm.complete_load(keys, req_context)
         self._transferred(_G2, _G1, keys, True, req_context)
 
-    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext
-                      ) -> PrepareStoreOutput | None:
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
         out = self.vllm.prepare_store(keys, req_context)
         if out is not None and out.evicted_keys:
             self.service.evicted(out.evicted_keys)
         return out
 
-    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
-                       success: bool = True) -> None:
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
         self.vllm.complete_store(keys, req_context, success)
         self._transferred(_G1, _G2, keys, success, req_context)
         self.service.stored(keys, success)
@@ -190,21 +210,23 @@ class SessionTierManager(OffloadingManager):
     def has_pending_work(self) -> bool:
         return self.vllm.has_pending_work()
 
-    def on_reset_flushed(self) -> None:        # vLLM 0.33
+    def on_reset_flushed(self) -> None:  # vLLM 0.33
         self.vllm.on_reset_flushed()
         self.service.reset_flushed()
 
-    def config_info(self):                      # vLLM 0.33
+    def config_info(self):  # vLLM 0.33
         return self.vllm.config_info()
 
-    def _transferred(self, src: str, dst: str, keys: Collection[OffloadKey], ok: bool,
-                     req_context: ReqContext) -> None:
+    def _transferred(
+        self, src: str, dst: str, keys: Collection[OffloadKey], ok: bool, req_context: ReqContext
+    ) -> None:
         """A G1<->G2 copy ended (tier names): counted, and logged when there is
         a log. Without one no event is built (a decode step stores a block of
         every 16th request)."""
         if self.event_log is not None:
-            self.service.emit(Transfer(src=src, dst=dst, keys=list(keys), ok=ok,
-                                       req_id=req_context.req_id))
+            self.service.emit(
+                Transfer(src=src, dst=dst, keys=list(keys), ok=ok, req_id=req_context.req_id)
+            )
         elif ok:
             pair = (src, dst)
             self._copied[pair] = self._copied.get(pair, 0) + len(keys)

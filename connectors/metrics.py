@@ -60,25 +60,35 @@ CONTROL = "sessionkv:control_seconds"
 SOURCES = ("g1", "g2", "g3", "recomputed")
 
 DEFINITIONS: dict[str, OffloadingMetricMetadata] = {
-    OUTCOMES: OffloadingCounterMetadata("Hint outcomes by action and outcome.",
-                                        ("action", "outcome")),
+    OUTCOMES: OffloadingCounterMetadata(
+        "Hint outcomes by action and outcome.", ("action", "outcome")
+    ),
     MOVED_BLOCKS: OffloadingCounterMetadata("KV blocks copied between tiers.", ("src", "dst")),
     MOVED_BYTES: OffloadingCounterMetadata("KV bytes copied between tiers.", ("src", "dst")),
-    PROMPT_TOKENS: OffloadingCounterMetadata("Prompt tokens by where their KV came from.",
-                                             ("source",)),
-    HIT_RATIO: OffloadingGaugeMetadata("Share of prompt tokens served from each tier since "
-                                       "the engine started.", ("tier",)),
+    PROMPT_TOKENS: OffloadingCounterMetadata(
+        "Prompt tokens by where their KV came from.", ("source",)
+    ),
+    HIT_RATIO: OffloadingGaugeMetadata(
+        "Share of prompt tokens served from each tier since the engine started.", ("tier",)
+    ),
     INDEX_BLOCKS: OffloadingGaugeMetadata("Blocks in the SessionPrefixIndex."),
     INDEX_SESSIONS: OffloadingGaugeMetadata("Live sessions in the SessionPrefixIndex."),
     PINNED: OffloadingGaugeMetadata("G2 chunks pinned by hints."),
-    G3_REJECTED: OffloadingCounterMetadata("G3 objects found but unreadable or failing their "
-                                           "checksum or MAC: unlisted and recomputed.",
-                                           ("tier",)),
-    LOCK_WAIT: OffloadingCounterMetadata("Seconds the scheduler waited at a step's start for "
-                                         "another thread's hold of the tier manager's lock."),
-    CONTROL: OffloadingCounterMetadata("Seconds the control thread spent per op (hints, "
-                                       "end_session, moves: finishing hint copies; ...), its "
-                                       "wait for the lock included.", ("op",)),
+    G3_REJECTED: OffloadingCounterMetadata(
+        "G3 objects found but unreadable or failing their "
+        "checksum or MAC: unlisted and recomputed.",
+        ("tier",),
+    ),
+    LOCK_WAIT: OffloadingCounterMetadata(
+        "Seconds the scheduler waited at a step's start for "
+        "another thread's hold of the tier manager's lock."
+    ),
+    CONTROL: OffloadingCounterMetadata(
+        "Seconds the control thread spent per op (hints, "
+        "end_session, moves: finishing hint copies; ...), its "
+        "wait for the lock included.",
+        ("op",),
+    ),
 }
 
 
@@ -90,10 +100,10 @@ class SessionStats:
         self._bpc = blocks_per_chunk
         self._lock = threading.Lock()
         self._stats = OffloadingConnectorStats()
-        self._tokens = dict.fromkeys(SOURCES, 0)        # since start, for the ratio
-        self._outcomes: dict[str, int] = {}             # "action/outcome" -> since start
-        self._rejected: dict[str, int] = {}             # G3 tier -> rejected objects counted
-        self._chunks_moved: dict[tuple[str, str], int] = {}   # (src, dst) -> since ``take``
+        self._tokens = dict.fromkeys(SOURCES, 0)  # since start, for the ratio
+        self._outcomes: dict[str, int] = {}  # "action/outcome" -> since start
+        self._rejected: dict[str, int] = {}  # G3 tier -> rejected objects counted
+        self._chunks_moved: dict[tuple[str, str], int] = {}  # (src, dst) -> since ``take``
 
     def record(self, event: object) -> None:
         """Count an event the manager emits (outcomes, G1<->G2 transfers)."""
@@ -138,18 +148,24 @@ class SessionStats:
                     self._stats.increase_counter(PROMPT_TOKENS, n, (source,))
             total = sum(self._tokens.values())
             for source in SOURCES[:3]:
-                self._stats.set_gauge(HIT_RATIO, self._tokens[source] / total if total else 0.0,
-                                      (source,))
+                self._stats.set_gauge(
+                    HIT_RATIO, self._tokens[source] / total if total else 0.0, (source,)
+                )
 
     def outcome_totals(self) -> dict[str, int]:
         """Final hint outcomes since start, by ``action/outcome``."""
         with self._lock:
             return dict(sorted(self._outcomes.items()))
 
-    def take(self, blocks: int, sessions: int, pinned: int,
-             rejected: dict[str, int] | None = None,
-             into: OffloadingConnectorStats | None = None,
-             copied: dict[tuple[str, str], int] | None = None) -> OffloadingConnectorStats:
+    def take(
+        self,
+        blocks: int,
+        sessions: int,
+        pinned: int,
+        rejected: dict[str, int] | None = None,
+        into: OffloadingConnectorStats | None = None,
+        copied: dict[tuple[str, str], int] | None = None,
+    ) -> OffloadingConnectorStats:
         """The observations since the last call, with the gauges as read now
         by the caller: index blocks, live sessions, pinned chunks; each G3
         tier's rejected objects since start (counted here by difference); and
@@ -160,7 +176,7 @@ class SessionStats:
         step calls this."""
         with self._lock:
             if into is not None and not into.is_empty():
-                stats = into                # a new object only after something was recorded
+                stats = into  # a new object only after something was recorded
                 if not self._stats.is_empty():
                     stats, self._stats = into.aggregate(self._stats), OffloadingConnectorStats()
             else:

@@ -25,8 +25,7 @@ if TYPE_CHECKING:
 Probe = Callable[[list[int]], dict[str, Any]]
 
 
-def make_probe(vllm_config: "VllmConfig", block_size: int,
-               manager: "SessionTierManager") -> Probe:
+def make_probe(vllm_config: VllmConfig, block_size: int, manager: SessionTierManager) -> Probe:
     """The engine's answer to a probe of token ids (see the module docstring)."""
     from vllm import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
@@ -39,8 +38,9 @@ def make_probe(vllm_config: "VllmConfig", block_size: int,
     g3 = [t for t in manager.secondary_tiers if isinstance(t, G3Tier)]
 
     def probe(tokens: list[int]) -> dict[str, Any]:
-        req = Request("sessionkv-probe", list(tokens), SamplingParams(max_tokens=1), None,
-                      block_hasher=hasher)
+        req = Request(
+            "sessionkv-probe", list(tokens), SamplingParams(max_tokens=1), None, block_hasher=hasher
+        )
         return {
             "block_hashes": [bytes(h).hex() for h in req.block_hashes],
             "block_size": block_size,
@@ -48,8 +48,15 @@ def make_probe(vllm_config: "VllmConfig", block_size: int,
             "hash_root": bytes(kv_cache_utils.NONE_HASH).hex(),
             # Reported, not used: vLLM derives the root from it (unset: random per start).
             "pythonhashseed": os.environ.get("PYTHONHASHSEED"),
-            "g3": [{"tier": t.tier_type, "objects": t.prefix, "identity": t.identity,
-                    "error": t.health()} for t in g3],
+            "g3": [
+                {
+                    "tier": t.tier_type,
+                    "objects": t.prefix,
+                    "identity": t.identity,
+                    "error": t.health(),
+                }
+                for t in g3
+            ],
         }
 
     return probe

@@ -24,20 +24,19 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from sessionkv.config import SessionKVConfig, parse_extra_config, vllm_extra_config
-from sessionkv.keys import G3_MAC, derive
+from sessionkv.connectors.cpu_worker import TorchCopyWorker
+from sessionkv.connectors.manager import SessionTierManager
+from sessionkv.connectors.metrics import DEFINITIONS as METRICS
+from sessionkv.engine.service import G3Copies
 from sessionkv.events import EventLog
 from sessionkv.index.prefix_index import SessionPrefixIndex
-from sessionkv.tiers.g2.policy import SessionCachePolicy
-from sessionkv.tiers.g3.tier import BATCH_BYTES, G3Tier, Quarantine
-from sessionkv.tiers.g3.backpressure import CascadeQueue, default_max_chunks
-
+from sessionkv.keys import G3_MAC, derive
 from sessionkv.tiers import compat
 from sessionkv.tiers.g2 import regions
-from sessionkv.connectors.cpu_worker import TorchCopyWorker
+from sessionkv.tiers.g2.policy import SessionCachePolicy
 from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier, SessionPrimaryTier
-from sessionkv.connectors.manager import SessionTierManager
-from sessionkv.engine.service import G3Copies
-from sessionkv.connectors.metrics import DEFINITIONS as METRICS
+from sessionkv.tiers.g3.backpressure import CascadeQueue, default_max_chunks
+from sessionkv.tiers.g3.tier import BATCH_BYTES, G3Tier, Quarantine
 
 
 def has_device_worker() -> bool:
@@ -52,8 +51,11 @@ class SessionTierSpec(TieringOffloadingSpec):
         self.sessionkv: SessionKVConfig = parse_extra_config(config.extra_config)
         # vLLM's spec reads G2's size and the G3 tiers from extra_config: the
         # policy file's tier stack, when it gives one, goes there.
-        super().__init__(dataclasses.replace(
-            config, extra_config=vllm_extra_config(config.extra_config, self.sessionkv)))
+        super().__init__(
+            dataclasses.replace(
+                config, extra_config=vllm_extra_config(config.extra_config, self.sessionkv)
+            )
+        )
         # Ours, not vLLM's ``_manager``/``_worker``: get_manager and get_worker
         # are ours here, and the region is the primary tier's to release.
         self._session_manager: SessionTierManager | None = None
@@ -86,8 +88,10 @@ class SessionTierSpec(TieringOffloadingSpec):
         if int(self.extra_config.get("store_threshold", 0)) >= 2:
             raise ValueError("store_threshold is not supported with SessionTierConnector")
         policy = self.sessionkv.policy
-        index = SessionPrefixIndex(idle_timeout_s=policy.sessions.idle_timeout_s,
-                                   max_tombstones=policy.sessions.max_tombstones)
+        index = SessionPrefixIndex(
+            idle_timeout_s=policy.sessions.idle_timeout_s,
+            max_tombstones=policy.sessions.max_tombstones,
+        )
         quarantine, g3_copies = Quarantine(), G3Copies()
         events = EventLog() if policy.trust.secret is not None else None
         region = self._scheduler_region()
@@ -95,27 +99,39 @@ class SessionTierSpec(TieringOffloadingSpec):
         secondary = []
         try:
             g2 = dict(
-                num_chunks=self.num_chunks, mmap_region=region,
+                num_chunks=self.num_chunks,
+                mmap_region=region,
                 cache_policy=self.eviction_policy,
                 cache_policy_module_path=self.cache_policy_module_path,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
-                index=index, blocks_per_chunk=self.blocks_per_chunk,
-                event_log=events, **compat.primary_kwargs(self),
+                index=index,
+                blocks_per_chunk=self.blocks_per_chunk,
+                event_log=events,
+                **compat.primary_kwargs(self),
             )
             # Only a G3 load can hold a G2 slot past its job (the quarantine).
-            primary = (QuarantinedPrimaryTier(quarantine=quarantine, **g2)
-                       if self.secondary_tier_configs else SessionPrimaryTier(**g2))
+            primary = (
+                QuarantinedPrimaryTier(quarantine=quarantine, **g2)
+                if self.secondary_tier_configs
+                else SessionPrimaryTier(**g2)
+            )
             view = primary.get_kv_memoryview()
             for tier_config in self.secondary_tier_configs:
                 secondary.append(self._secondary_tier(tier_config, view, quarantine, g3_copies))
-            manager = SessionTierManager(primary, secondary, index, self.sessionkv,
-                                         g3_copies=g3_copies, event_log=events,
-                                         **compat.manager_kwargs(self))
+            manager = SessionTierManager(
+                primary,
+                secondary,
+                index,
+                self.sessionkv,
+                g3_copies=g3_copies,
+                event_log=events,
+                **compat.manager_kwargs(self),
+            )
         except Exception:
             for tier in reversed(secondary):
                 tier.shutdown()
             if primary is not None:
-                primary.shutdown()      # releases the region too
+                primary.shutdown()  # releases the region too
             else:
                 region.cleanup()
             raise
@@ -133,7 +149,9 @@ class SessionTierSpec(TieringOffloadingSpec):
         regions.register(path)
         made_by_workers = regions.expect_existing(path) if has_device_worker() else None
         region = SharedOffloadRegion(
-            engine_id=self.config.engine_id, num_chunks=self.num_chunks, rank=None,
+            engine_id=self.config.engine_id,
+            num_chunks=self.num_chunks,
+            rank=None,
             kv_bytes_per_chunk=self.kv_bytes_per_chunk,
             cpu_page_size=self.cpu_page_size_per_worker,
         )
@@ -145,8 +163,9 @@ class SessionTierSpec(TieringOffloadingSpec):
                 raise
         return region
 
-    def _secondary_tier(self, tier_config: dict, view: memoryview, quarantine: Quarantine,
-                        g3_copies: G3Copies):
+    def _secondary_tier(
+        self, tier_config: dict, view: memoryview, quarantine: Quarantine, g3_copies: G3Copies
+    ):
         """One of vLLM's secondary tiers; a G3 tier also gets the G2
         quarantine, reports its copies to ``g3_copies``, seals its
         objects with a MAC when the policy names a cluster secret, and,
@@ -157,17 +176,22 @@ class SessionTierSpec(TieringOffloadingSpec):
         if issubclass(SecondaryTierFactory.get_tier_class(tier_config), G3Tier):
             for key in ("quarantine", "observer", "seal_key"):
                 if key in tier_config:
-                    raise ValueError(f"secondary_tiers: {key} is set by sessionkv; remove "
-                                     f"it from the {tier_config['type']} tier")
+                    raise ValueError(
+                        f"secondary_tiers: {key} is set by sessionkv; remove "
+                        f"it from the {tier_config['type']} tier"
+                    )
             secret = self.sessionkv.policy.trust.secret
-            tier_config = {**tier_config, "quarantine": quarantine,
-                           "observer": g3_copies.observe,
-                           "seal_key": derive(secret, G3_MAC) if secret else None}
-            if "backpressure" not in tier_config:   # vLLM merged in the user's, if any
+            tier_config = {
+                **tier_config,
+                "quarantine": quarantine,
+                "observer": g3_copies.observe,
+                "seal_key": derive(secret, G3_MAC) if secret else None,
+            }
+            if "backpressure" not in tier_config:  # vLLM merged in the user's, if any
                 tier_config["backpressure"] = {
                     "backpressure_cls": f"{CascadeQueue.__module__}.{CascadeQueue.__name__}",
-                    "max_chunks": default_max_chunks(self.num_chunks, view.strides[0],
-                                                     BATCH_BYTES)}
+                    "max_chunks": default_max_chunks(self.num_chunks, view.strides[0], BATCH_BYTES),
+                }
         return SecondaryTierFactory.create_secondary_tier(tier_config, view, self)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-from vllm.logger import init_logger
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     PromMetric,
@@ -54,25 +53,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
+from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from sessionkv.events import Association, Op
-from sessionkv.hints import HintOutcome, KvHint, Status, is_id
-from sessionkv.index.prefix_index import SessionPrefixIndex
-from sessionkv.report import RequestReport
-from sessionkv.tiers.g3.spec import IDENTITY_KEY
-from sessionkv.types import Tier
-
-from sessionkv.tiers import compat
-from sessionkv.engine.control import ControlChannel
 from sessionkv.connectors.fills import FillWatch
-from sessionkv.engine.executor import Turn, read_request
 from sessionkv.connectors.kv_events import SessionEventsTracker
 from sessionkv.connectors.manager import SessionTierManager
 from sessionkv.connectors.probe import Probe, make_probe
 from sessionkv.connectors.spec import SessionTierSpec, has_device_worker
+from sessionkv.engine.control import ControlChannel
+from sessionkv.engine.executor import Turn, read_request
+from sessionkv.events import Association, Op
+from sessionkv.hints import HintOutcome, KvHint, Status, is_id
+from sessionkv.index.prefix_index import SessionPrefixIndex
+from sessionkv.report import RequestReport
+from sessionkv.tiers import compat
+from sessionkv.tiers.g3.spec import IDENTITY_KEY
+from sessionkv.types import Tier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -89,7 +88,7 @@ SESSION_PARAM = "session_id"
 # Sessions a router-signed request named, least recent out past this: an
 # unsigned request naming one runs without a session (it cannot join it).
 MAX_SIGNED_SESSIONS = 65_536
-SIG_WARNING_EVERY_S = 60.0      # a failing router signature is logged this often at most
+SIG_WARNING_EVERY_S = 60.0  # a failing router signature is logged this often at most
 # Per step: nodes whose G1 copies are re-read from the block pool (vLLM reports
 # no G1 evictions), as many as the blocks the step schedules (each eviction
 # from G1 makes room for one), at least G1_SWEEP_MIN and at most
@@ -108,7 +107,7 @@ EVENT_SESSIONS_PER_G2_CHUNK = 2
 
 def check_supported(
     kv_role: str | None,
-    kv_cache_groups: "list[KVCacheGroupSpec]",
+    kv_cache_groups: list[KVCacheGroupSpec],
     tensor_parallel_size: int,
     pipeline_parallel_size: int,
     device_worker: bool,
@@ -130,7 +129,8 @@ def check_supported(
             "SessionTierConnector supports pipeline_parallel_size=1 only, got "
             f"{pipeline_parallel_size}: every worker lays out its slot of each G2 row "
             "from one per-worker size, and pipeline stages with different layer counts "
-            "may map different region geometry; no test covers it yet")
+            "may map different region geometry; no test covers it yet"
+        )
     if not device_worker and (tensor_parallel_size != 1 or pipeline_parallel_size != 1):
         raise ValueError(
             "SessionTierConnector supports tensor_parallel_size=1 and "
@@ -148,13 +148,12 @@ def bind_spec(extra: dict[str, Any]) -> None:
     for key, ours in (("spec_name", SPEC_NAME), ("spec_module_path", SPEC_MODULE)):
         if extra.get(key, ours) != ours:
             raise ValueError(
-                f"{key} is set by SessionTierConnector; remove it from "
-                "kv_connector_extra_config"
+                f"{key} is set by SessionTierConnector; remove it from kv_connector_extra_config"
             )
         extra[key] = ours
 
 
-def model_identity(vllm_config: "VllmConfig") -> dict[str, Any]:
+def model_identity(vllm_config: VllmConfig) -> dict[str, Any]:
     """What changes K/V beyond what vLLM's offloading config names (the
     model's path and KV dtype), for the G3 fingerprint (``tiers.g3.spec``):
     plain values, so the config stays picklable. ``hf_overrides`` is None
@@ -178,11 +177,12 @@ def model_identity(vllm_config: "VllmConfig") -> dict[str, Any]:
     }
 
 
-def g1_probe(block_pool: "BlockPool"):
+def g1_probe(block_pool: BlockPool):
     """G1 copies of keys, read from vLLM's block pool: 1 while the pool caches
     a block of the key (duplicates count once: the index asks whether G1
     holds a block, not how many). An ``OffloadKey`` of group g is byte for
     byte vLLM's ``BlockHashWithGroupId``."""
+
     def probe(keys: Sequence[bytes]) -> list[int]:
         # Read the map each time: reset_prefix_cache() replaces it.
         get = block_pool.cached_block_hash_to_block.get_one_block
@@ -191,9 +191,15 @@ def g1_probe(block_pool: "BlockPool"):
     return probe
 
 
-def start_control(manager: SessionTierManager, engine_id: str | None, dp_rank: int,
-                  block_size: int, probe: Probe | None = None,
-                  g1_blocks: int = 0, dp_size: int = 1) -> ControlChannel | None:
+def start_control(
+    manager: SessionTierManager,
+    engine_id: str | None,
+    dp_rank: int,
+    block_size: int,
+    probe: Probe | None = None,
+    g1_blocks: int = 0,
+    dp_size: int = 1,
+) -> ControlChannel | None:
     """The control channel of one engine's DP rank, or None when the policy
     names no secret (the channel always authenticates). ``probe`` answers
     ``sessionkv doctor``. Its ``hello`` names the engine and what a router's
@@ -205,13 +211,23 @@ def start_control(manager: SessionTierManager, engine_id: str | None, dp_rank: i
         return None
     port = cfg.control.port + 2 * dp_rank if cfg.control.port else 0
     channel = ControlChannel(
-        manager.service, secret, host=cfg.control.host, port=port,
-        info={"engine_id": engine_id, "dp_rank": dp_rank, "dp_size": dp_size,
-              "block_size": block_size,
-              "g1_blocks": g1_blocks, "g2_chunks": manager.primary_tier.num_chunks,
-              "blocks_per_chunk": manager.primary_tier.blocks_per_chunk,
-              "hints_per_s": cfg.policy.limits.hints_per_s_per_client},
-        rate=cfg.policy.limits.hints_per_s_per_client, probe=probe)
+        manager.service,
+        secret,
+        host=cfg.control.host,
+        port=port,
+        info={
+            "engine_id": engine_id,
+            "dp_rank": dp_rank,
+            "dp_size": dp_size,
+            "block_size": block_size,
+            "g1_blocks": g1_blocks,
+            "g2_chunks": manager.primary_tier.num_chunks,
+            "blocks_per_chunk": manager.primary_tier.blocks_per_chunk,
+            "hints_per_s": cfg.policy.limits.hints_per_s_per_client,
+        },
+        rate=cfg.policy.limits.hints_per_s_per_client,
+        probe=probe,
+    )
     try:
         if cfg.control.endpoint_file:
             path = cfg.control.endpoint_file + (f".dp{dp_rank}" if dp_rank else "")
@@ -219,8 +235,9 @@ def start_control(manager: SessionTierManager, engine_id: str | None, dp_rank: i
     except Exception:
         channel.close()
         raise
-    logger.info("sessionkv: control channel %s, events %s",
-                channel.endpoint, channel.events_endpoint)
+    logger.info(
+        "sessionkv: control channel %s, events %s", channel.endpoint, channel.events_endpoint
+    )
     return channel.start()
 
 
@@ -228,14 +245,14 @@ def start_control(manager: SessionTierManager, engine_id: str | None, dp_rank: i
 class _Tracked:
     """What the connector follows of one request (scheduler side)."""
 
-    request: "Request"
+    request: Request
     session: str | None
-    hints: tuple[KvHint | HintOutcome, ...] = ()      # parsed on arrival, run at the end
-    per_tier: bool = False       # its report may carry per-tier counts (report.per_tier)
-    keys: list[bytes] = field(default_factory=list)   # OffloadKey per full block
-    admitted: int = 0            # leading blocks the index holds as computed in G1
-    due: int = 0                 # tokens computed when the next block fills (admitted + 1)
-    g1_tokens: int = 0           # G1 prefix hits of the last scheduling attempt
+    hints: tuple[KvHint | HintOutcome, ...] = ()  # parsed on arrival, run at the end
+    per_tier: bool = False  # its report may carry per-tier counts (report.per_tier)
+    keys: list[bytes] = field(default_factory=list)  # OffloadKey per full block
+    admitted: int = 0  # leading blocks the index holds as computed in G1
+    due: int = 0  # tokens computed when the next block fills (admitted + 1)
+    g1_tokens: int = 0  # G1 prefix hits of the last scheduling attempt
     sources: dict[CacheHitSource, int] = field(default_factory=dict)
 
     def admit_upto(self, n_blocks: int, block_size: int) -> None:
@@ -247,7 +264,7 @@ class _Tracked:
 
     def keys_between(self, first: int, end: int) -> list[bytes]:
         keys, n = self.keys, len(self.keys)
-        if n + 1 == end:                # a decode step's block
+        if n + 1 == end:  # a decode step's block
             keys.append(make_offload_key(self.request.block_hashes[n], 0))
         elif n < end:
             keys.extend(make_offload_key(h, 0) for h in self.request.block_hashes[n:end])
@@ -259,9 +276,9 @@ class SessionTierConnector(OffloadingConnector):
 
     def __init__(
         self,
-        vllm_config: "VllmConfig",
+        vllm_config: VllmConfig,
         role: KVConnectorRole,
-        kv_cache_config: "KVCacheConfig",
+        kv_cache_config: KVCacheConfig,
     ):
         kvt = vllm_config.kv_transfer_config
         bind_spec(kvt.kv_connector_extra_config)
@@ -281,31 +298,43 @@ class SessionTierConnector(OffloadingConnector):
         if self.connector_scheduler is not None:
             manager = self.connector_scheduler.manager
             if not isinstance(manager, SessionTierManager):
-                raise TypeError(f"SessionTierConnector's offloading manager is "
-                                f"{type(manager).__name__}, not a SessionTierManager")
+                raise TypeError(
+                    f"SessionTierConnector's offloading manager is "
+                    f"{type(manager).__name__}, not a SessionTierManager"
+                )
             self._manager = manager
         self._block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         # vLLM stores a request's output too only without offload_prompt_only.
-        self._prompt_only = self.connector_scheduler is not None and \
-            self.connector_scheduler.config.offload_prompt_only
+        self._prompt_only = (
+            self.connector_scheduler is not None
+            and self.connector_scheduler.config.offload_prompt_only
+        )
         self._tracked: dict[str, _Tracked] = {}
-        self._signed_sessions: OrderedDict[str, None] = OrderedDict()   # scheduler thread
+        self._signed_sessions: OrderedDict[str, None] = OrderedDict()  # scheduler thread
         self._next_sig_warning = 0.0
-        self._fills = FillWatch()   # which of them to look at in a step (connectors/fills.py)
+        self._fills = FillWatch()  # which of them to look at in a step (connectors/fills.py)
         self._next_expiry = 0.0
-        self._in_pass = False       # the lock is held for the current schedule() pass
+        self._in_pass = False  # the lock is held for the current schedule() pass
         self.control: ControlChannel | None = None
         if self.connector_scheduler is not None:
-            if vllm_config.kv_events_config is not None and \
-                    vllm_config.kv_events_config.enable_kv_cache_events:
+            if (
+                vllm_config.kv_events_config is not None
+                and vllm_config.kv_events_config.enable_kv_cache_events
+            ):
                 # G2 and G3 BlockStored events carry the storing session.
                 cap = EVENT_SESSIONS_PER_G2_CHUNK * self.manager.primary_tier.num_chunks
                 compat.replace_events_tracker(
-                    self.scheduler, lambda t: SessionEventsTracker.replacing(t, cap))
+                    self.scheduler, lambda t: SessionEventsTracker.replacing(t, cap)
+                )
             self.control = start_control(
-                self.manager, kvt.engine_id, par.data_parallel_rank, self._block_size,
+                self.manager,
+                kvt.engine_id,
+                par.data_parallel_rank,
+                self._block_size,
                 make_probe(vllm_config, self._block_size, self.manager),
-                g1_blocks=kv_cache_config.num_blocks, dp_size=par.data_parallel_size)
+                g1_blocks=kv_cache_config.num_blocks,
+                dp_size=par.data_parallel_size,
+            )
 
     def shutdown(self) -> None:
         if self.control is not None:
@@ -333,7 +362,7 @@ class SessionTierConnector(OffloadingConnector):
             if waited:
                 self.manager.stats.lock_waited(waited)
             self._in_pass = True
-            self.manager.service.apply_moves()      # hint copies that ended become visible
+            self.manager.service.apply_moves()  # hint copies that ended become visible
 
     def _leave_pass(self) -> None:
         if self._in_pass:
@@ -354,7 +383,7 @@ class SessionTierConnector(OffloadingConnector):
         inside a pass the pass already holds it: never taken twice."""
         return compat.NO_LOCK if self._in_pass else self.manager.lock
 
-    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         if self.connector_scheduler is not None:
             pool, g2 = kv_cache_manager.block_pool, self.manager.primary_tier
@@ -362,11 +391,10 @@ class SessionTierConnector(OffloadingConnector):
             # What G1 and G2 hold is what the index holds in steady state.
             self.index.reserve(pool.num_gpu_blocks + g2.num_chunks * g2.blocks_per_chunk)
 
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params
         params = params if isinstance(params, dict) else {}
-        given = request.session_id if request.session_id is not None \
-            else params.get(SESSION_PARAM)
+        given = request.session_id if request.session_id is not None else params.get(SESSION_PARAM)
         # An invalid id runs without a session; its hints get one rejected outcome.
         session = given if is_id(given) else None
         hints, signed = self._read_hints(request, params, given)
@@ -394,25 +422,34 @@ class SessionTierConnector(OffloadingConnector):
             return session
         return None if session in seen else session
 
-    def _read_hints(self, request: "Request", params: dict,
-                    session: Any) -> tuple[tuple[KvHint | HintOutcome, ...], bool]:
+    def _read_hints(
+        self, request: Request, params: dict, session: Any
+    ) -> tuple[tuple[KvHint | HintOutcome, ...], bool]:
         """Everything the request carries, parsed once (``read_request``), and
         whether the router signed it."""
         try:
-            got = read_request(params, request.kv_hints, session,
-                               self.manager.service.config.policy.trust.secret)
+            got = read_request(
+                params, request.kv_hints, session, self.manager.service.config.policy.trust.secret
+            )
             if got.problem and time.monotonic() >= self._next_sig_warning:
                 self._next_sig_warning = time.monotonic() + SIG_WARNING_EVERY_S
-                logger.warning("sessionkv: request %s: a router signature failed, its hints "
-                               "act as unsigned: %s", request.request_id, got.problem)
+                logger.warning(
+                    "sessionkv: request %s: a router signature failed, its hints "
+                    "act as unsigned: %s",
+                    request.request_id,
+                    got.problem,
+                )
             return tuple(got.hints), got.signed
-        except Exception:       # a parser bug must cost one hint, never the engine
+        except Exception:  # a parser bug must cost one hint, never the engine
             logger.exception("sessionkv: hints of request %s unreadable", request.request_id)
-            return (HintOutcome("kv_hints", None, Status.REJECTED,
-                                reason="internal error reading hints"),), False
+            return (
+                HintOutcome(
+                    "kv_hints", None, Status.REJECTED, reason="internal error reading hints"
+                ),
+            ), False
 
     def get_num_new_matched_tokens(
-        self, request: "Request", num_computed_tokens: int
+        self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         self._enter_pass()
         ext, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -431,8 +468,9 @@ class SessionTierConnector(OffloadingConnector):
         if ext:
             # G2 holds whole chunks: the chunk the load starts in is resident too.
             bpc = self.scheduler.config.blocks_per_chunk
-            self.index.admit(tr.session, tr.keys_upto(g1 + ext // bs), Tier.G2,
-                             start=g1 - g1 % bpc, now=now)
+            self.index.admit(
+                tr.session, tr.keys_upto(g1 + ext // bs), Tier.G2, start=g1 - g1 % bpc, now=now
+            )
             self._associated(tr, g1 + ext // bs, Tier.G2)
         # A (re)scheduled request, preempted ones included, computes from here.
         tr.admit_upto(g1 + (ext or 0) // bs, bs)
@@ -440,7 +478,7 @@ class SessionTierConnector(OffloadingConnector):
         return ext, is_async
 
     def update_state_after_alloc(
-        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ):
         self._enter_pass()
         super().update_state_after_alloc(request, blocks, num_external_tokens)
@@ -451,7 +489,7 @@ class SessionTierConnector(OffloadingConnector):
             # The split by tier exists only once the load is planned (above).
             tr.sources = self.get_external_cache_hit_sources(request, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput"):
+    def build_connector_meta(self, scheduler_output: SchedulerOutput):
         self._enter_pass()
         try:
             meta = super().build_connector_meta(scheduler_output)
@@ -461,21 +499,23 @@ class SessionTierConnector(OffloadingConnector):
         finally:
             self._leave_pass()
 
-    def _after_step(self, scheduler_output: "SchedulerOutput") -> None:
+    def _after_step(self, scheduler_output: SchedulerOutput) -> None:
         # Full-block admission and decode-block completion: blocks this step
         # fills are cached in G1 now (vLLM caches them at allocation).
         bs, now, index, tracked = self._block_size, time.monotonic(), self.index, self._tracked
-        scheduled, total = (scheduler_output.num_scheduled_tokens,
-                            scheduler_output.total_num_scheduled_tokens)
+        scheduled, total = (
+            scheduler_output.num_scheduled_tokens,
+            scheduler_output.total_num_scheduled_tokens,
+        )
         fills = self._fills
-        filled: list[tuple[_Tracked, int, int]] = []    # (request, blocks before, after)
-        for req_id in fills.step(scheduled, total):     # those that may fill a block now
+        filled: list[tuple[_Tracked, int, int]] = []  # (request, blocks before, after)
+        for req_id in fills.step(scheduled, total):  # those that may fill a block now
             tr = tracked.get(req_id)
             if tr is None:
                 fills.forget(req_id)
                 continue
             n_sched = scheduled.get(req_id)
-            if n_sched is None:                 # not scheduled in this step
+            if n_sched is None:  # not scheduled in this step
                 fills.file(req_id, 1)
                 continue
             computed = tr.request.num_computed_tokens + n_sched
@@ -499,7 +539,7 @@ class SessionTierConnector(OffloadingConnector):
         blocks admitted before; the whole chain for a request that had none,
         or whose last one was pruned meanwhile."""
         index = self.index
-        below: list[tuple[str | None, bytes, list[bytes]]] = []   # extends, in one call
+        below: list[tuple[str | None, bytes, list[bytes]]] = []  # extends, in one call
         below_of: list[tuple[_Tracked, int, int]] = []
         for f in filled:
             tr, start, full = f
@@ -519,18 +559,26 @@ class SessionTierConnector(OffloadingConnector):
     def _associated(self, tr: _Tracked, n_blocks: int, tier: Tier) -> None:
         events = self.manager.event_log
         if events is not None and tr.session is not None:
-            events.append(Association(session_id=tr.session, op=Op.EXTEND, tier=tier.name,
-                                      blocks=n_blocks, frontier=tr.keys[n_blocks - 1]))
+            events.append(
+                Association(
+                    session_id=tr.session,
+                    op=Op.EXTEND,
+                    tier=tier.name,
+                    blocks=n_blocks,
+                    frontier=tr.keys[n_blocks - 1],
+                )
+            )
 
-    def _turn(self, tr: _Tracked, request: "Request") -> Turn | None:
+    def _turn(self, tr: _Tracked, request: Request) -> Turn | None:
         """A finished request's full blocks up to vLLM's last store of it (its
         last computed token; with async scheduling the block its last tokens
         filled is hashed only when it finished) join the index; its chunks
         vLLM stores (its prompt's only, with ``offload_prompt_only``), which
         its hints cover to the end, when it has hints."""
         bs = self._block_size
-        end = min(request.num_computed_tokens,
-                  max(request.num_prompt_tokens, request.num_tokens - 1))
+        end = min(
+            request.num_computed_tokens, max(request.num_prompt_tokens, request.num_tokens - 1)
+        )
         full = min(len(request.block_hashes), end // bs)
         if full > tr.admitted:
             self._admit_filled([(tr, tr.admitted, full)], time.monotonic())
@@ -540,9 +588,9 @@ class SessionTierConnector(OffloadingConnector):
         bpc = self.manager.primary_tier.blocks_per_chunk
         if self._prompt_only:
             full = min(full, request.num_prompt_tokens // bs)
-        return Turn(request.request_id, tr.keys_upto(full)[bpc - 1::bpc])
+        return Turn(request.request_id, tr.keys_upto(full)[bpc - 1 :: bpc])
 
-    def _report(self, request: "Request") -> RequestReport:
+    def _report(self, request: Request) -> RequestReport:
         tr = self._tracked.pop(request.request_id, None)
         self._fills.forget(request.request_id)
         g1, sources = (tr.g1_tokens, tr.sources) if tr else (0, {})
@@ -551,7 +599,8 @@ class SessionTierConnector(OffloadingConnector):
         turn = self._turn(tr, request) if tr else None
         report = RequestReport.build(
             hints=self.manager.service.execute_request_hints(tr.hints, tr.session, turn)
-            if tr else (),
+            if tr
+            else (),
             session_id=tr.session if tr else None,
             block_size=self._block_size,
             prompt_tokens=request.num_prompt_tokens,
@@ -563,7 +612,7 @@ class SessionTierConnector(OffloadingConnector):
         return report if tr is not None and tr.per_tier else report.totals_only()
 
     def request_finished(
-        self, request: "Request", block_ids: list[int]
+        self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         with self._around_vllm():
             delay, params = super().request_finished(request, block_ids)
@@ -571,7 +620,7 @@ class SessionTierConnector(OffloadingConnector):
             return delay, {**(params or {}), **self._report(request).to_params()}
 
     def request_finished_all_groups(
-        self, request: "Request", block_ids: tuple[list[int], ...]
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         # The path vLLM's scheduler takes for connectors that support HMA (ours).
         with self._around_vllm():
@@ -600,7 +649,7 @@ class SessionTierConnector(OffloadingConnector):
     @classmethod
     def build_prom_metrics(
         cls,
-        vllm_config: "VllmConfig",
+        vllm_config: VllmConfig,
         metric_types: dict[type[PromMetric], type[PromMetricT]],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sessionkv.report import RequestReport
 from sessionkv.devtools.server import offload_region_path
+from sessionkv.report import RequestReport
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = Path(os.environ.get("SESSIONKV_MODELS", ROOT / ".cache" / "models"))
@@ -40,8 +40,11 @@ def kv_transfer_config(engine_id: str, cpu_bytes: int = 64 << 20, **extra) -> di
         "kv_connector_module_path": "sessionkv.connectors.vllm",
         "kv_role": "kv_both",
         "engine_id": engine_id,
-        "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes,
-                                      "offload_prompt_only": False, **extra},
+        "kv_connector_extra_config": {
+            "cpu_bytes_to_use": cpu_bytes,
+            "offload_prompt_only": False,
+            **extra,
+        },
     }
 
 
@@ -66,8 +69,9 @@ def serve(llm, prompt, params, session=None, kv_hints=None):
     session_id and kv_hints: (token ids, logprobs per step, report)."""
     engine = llm.llm_engine
     req_id = f"req-{next(_REQ_IDS)}"
-    engine.add_request(req_id, {"prompt_token_ids": prompt}, params, session_id=session,
-                       kv_hints=kv_hints)
+    engine.add_request(
+        req_id, {"prompt_token_ids": prompt}, params, session_id=session, kv_hints=kv_hints
+    )
     out = None
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -83,9 +87,16 @@ def final_outcome(client, hint_id, after, timeout_s=30.0):
     it made (None when it moved nothing), read from the event log (the
     engine may stay idle)."""
     from sessionkv.events import Transfer
+
     outcome = client.final_outcome(hint_id, after, timeout_s)
-    transfer = next((ev for ev in client.events(after=after).events
-                     if isinstance(ev, Transfer) and ev.hint_id == hint_id), None)
+    transfer = next(
+        (
+            ev
+            for ev in client.events(after=after).events
+            if isinstance(ev, Transfer) and ev.hint_id == hint_id
+        ),
+        None,
+    )
     return outcome, transfer
 
 
@@ -106,9 +117,14 @@ def engine_process(tmp_path, spec: dict) -> dict:
     import json
     import subprocess
     import sys
+
     spec_path, out = tmp_path / "spec.json", tmp_path / "out.json"
     spec_path.write_text(json.dumps(spec))
-    p = subprocess.run([sys.executable, "-m", "sessionkv.devtools.g3_engine",
-                        str(spec_path), str(out)], capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-m", "sessionkv.devtools.g3_engine", str(spec_path), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     return {**json.loads(out.read_text()), "log": p.stderr[-4000:]}

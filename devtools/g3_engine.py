@@ -31,8 +31,14 @@ import time
 def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
-    from sessionkv.devtools.engines import (POISON_EXT, control_hint, kv_transfer_config, new_engine_id,
-                         poison_g2, serve)
+    from sessionkv.devtools.engines import (
+        POISON_EXT,
+        control_hint,
+        kv_transfer_config,
+        new_engine_id,
+        poison_g2,
+        serve,
+    )
     from sessionkv.devtools.keys import keys_of
     from sessionkv.devtools.server import remove_offload_region
 
@@ -44,9 +50,16 @@ def main(spec_path: str, out_path: str) -> None:
             f.write(spec["policy"])
         extra["sessionkv"] = {"policy_file": policy}
     engine_id = new_engine_id()
-    llm = LLM(model=spec["model"], enforce_eager=True, block_size=spec["block_size"],
-              max_model_len=1024, seed=0, dtype="float32", worker_extension_cls=POISON_EXT,
-              kv_transfer_config=kv_transfer_config(engine_id, cpu_bytes=16 << 20, **extra))
+    llm = LLM(
+        model=spec["model"],
+        enforce_eager=True,
+        block_size=spec["block_size"],
+        max_model_len=1024,
+        seed=0,
+        dtype="float32",
+        worker_extension_cls=POISON_EXT,
+        kv_transfer_config=kv_transfer_config(engine_id, cpu_bytes=16 << 20, **extra),
+    )
     try:
         if spec.get("poison"):
             (n,) = llm.collective_rpc("poison_kv", args=(json.dumps(None), "7"))
@@ -58,6 +71,7 @@ def main(spec_path: str, out_path: str) -> None:
         out, prefetched = [], []
         if spec.get("prefetch"):
             from sessionkv.client import HintClient
+
             p = spec["prefetch"]
             with HintClient(connector.control.endpoint, bytes.fromhex(p["secret"])) as c:
                 keys = [bytes.fromhex(k) for k in p["keys"]]
@@ -69,14 +83,21 @@ def main(spec_path: str, out_path: str) -> None:
         fetched = [fetch(llm, connector, f) for f in spec.get("fetch", ())]
         for prompt in spec["prompts"]:
             tok, lps, rep = serve(llm, prompt, params, session="g3")
-            out.append({"tokens": tok, "logprobs": [{str(k): v for k, v in s.items()} for s in lps],
-                        "report": rep.to_params()["sessionkv"],
-                        "objects": [tier.name(k) for k in keys_of(llm, prompt)],
-                        "g3_trips": tier.guard.trips})
+            out.append(
+                {
+                    "tokens": tok,
+                    "logprobs": [{str(k): v for k, v in s.items()} for s in lps],
+                    "report": rep.to_params()["sessionkv"],
+                    "objects": [tier.name(k) for k in keys_of(llm, prompt)],
+                    "g3_trips": tier.guard.trips,
+                }
+            )
 
         def held() -> bool:
-            return (not tier.has_pending_work()
-                    and all(all(tier.listed(keys_of(llm, p))) for p in spec["prompts"]))
+            return not tier.has_pending_work() and all(
+                all(tier.listed(keys_of(llm, p))) for p in spec["prompts"]
+            )
+
         # Held for a settling second: objects another writer planted are
         # listed before this engine's cascade replaces them, and vLLM submits
         # a cascade only some steps after the G2 store ends.
@@ -90,13 +111,20 @@ def main(spec_path: str, out_path: str) -> None:
                 settled = now
             elif now - settled >= 1.0:
                 break
-            llm.llm_engine.step()           # stores still running: let them end
+            llm.llm_engine.step()  # stores still running: let them end
             time.sleep(0.05)
-        json.dump({"runs": out, "prefetch": prefetched, "fetch": fetched,
-                   "stored_at_exit": held(),
-                   "names": [[tier.name(k) for k in keys_of(llm, p)]
-                             for p in spec.get("names_of", ())]},
-                  open(out_path, "w"))
+        json.dump(
+            {
+                "runs": out,
+                "prefetch": prefetched,
+                "fetch": fetched,
+                "stored_at_exit": held(),
+                "names": [
+                    [tier.name(k) for k in keys_of(llm, p)] for p in spec.get("names_of", ())
+                ],
+            },
+            open(out_path, "w"),
+        )
     finally:
         llm.llm_engine.engine_core.shutdown()
         remove_offload_region(engine_id)
@@ -108,15 +136,29 @@ def fetch(llm, connector, f: dict) -> list:
     blocks_affected, reason] of the first outcome, of the final one]."""
     from vllm import SamplingParams
 
-    from sessionkv.devtools.engines import serve
     from sessionkv.client import HintClient
+    from sessionkv.devtools.engines import serve
     from sessionkv.hints import sign
+
     secret = bytes.fromhex(f["secret"])
-    kvcr = {"protocol_version": "0.1", "message_id": f["id"], "actions": [{
-        "action_type": "kv.fetch", "action_id": f["id"],
-        "payload": {"source_control_endpoint": f["source"], "block_hashes": f["hashes"]}}]}
-    params = SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {
-        "kv_hint": kvcr, "kv_hint_sig": sign(kvcr, "fetch", secret)}})
+    kvcr = {
+        "protocol_version": "0.1",
+        "message_id": f["id"],
+        "actions": [
+            {
+                "action_type": "kv.fetch",
+                "action_id": f["id"],
+                "payload": {"source_control_endpoint": f["source"], "block_hashes": f["hashes"]},
+            }
+        ],
+    }
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=1,
+        extra_args={
+            "kv_transfer_params": {"kv_hint": kvcr, "kv_hint_sig": sign(kvcr, "fetch", secret)}
+        },
+    )
     _, _, rep = serve(llm, [7, 8, 9], params, session="fetch")
     (first,) = rep.hints
     last = first
@@ -128,5 +170,6 @@ def fetch(llm, connector, f: dict) -> list:
 
 if __name__ == "__main__":
     from sessionkv.devtools.engines import use_engine_env
+
     use_engine_env()
     main(sys.argv[1], sys.argv[2])

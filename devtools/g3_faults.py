@@ -24,8 +24,14 @@ from pathlib import Path
 
 import numpy as np
 
-from sessionkv.devtools.engines import (POISON_EXT, TINY, kv_transfer_config, new_engine_id,
-                                        poison_g2, use_engine_env)
+from sessionkv.devtools.engines import (
+    POISON_EXT,
+    TINY,
+    kv_transfer_config,
+    new_engine_id,
+    poison_g2,
+    use_engine_env,
+)
 from sessionkv.devtools.keys import keys_of
 from sessionkv.report import RequestReport
 from sessionkv.tiers.g3.tier import Guard
@@ -51,9 +57,14 @@ def make_engine(tier: dict, workdir: Path):
     """An engine on ``tier`` with the cluster secret in its policy: its G3
     objects are sealed with the MAC key derived from it."""
     from vllm import LLM
+
     engine_id = new_engine_id()
-    tier = {**tier, "namespace": f"faults-{uuid.uuid4().hex[:8]}", "timeout_s": HEALTHY_TIMEOUT_S,
-            "retry_s": RETRY_S}
+    tier = {
+        **tier,
+        "namespace": f"faults-{uuid.uuid4().hex[:8]}",
+        "timeout_s": HEALTHY_TIMEOUT_S,
+        "retry_s": RETRY_S,
+    }
     secret, policy = workdir / "cluster.secret", workdir / "policy.yaml"
     secret.write_text("g3-faults-cluster-secret-0123456789")
     # report.per_tier all: the bench reads which tier served each request.
@@ -63,10 +74,19 @@ def make_engine(tier: dict, workdir: Path):
     # before every request, and writing 1 GiB of noise each time starved the
     # backend's threads of CPU (its calls missed the 1 s deadline in the
     # normal phase on this 2-core machine).
-    llm = LLM(model=TINY, enforce_eager=True, block_size=BLOCK, max_model_len=1024, seed=0,
-              dtype="float32", worker_extension_cls=POISON_EXT, num_gpu_blocks_override=64,
-              kv_transfer_config=kv_transfer_config(engine_id, cpu_bytes=G2_CHUNKS * CHUNK_BYTES,
-                                                    **extra))
+    llm = LLM(
+        model=TINY,
+        enforce_eager=True,
+        block_size=BLOCK,
+        max_model_len=1024,
+        seed=0,
+        dtype="float32",
+        worker_extension_cls=POISON_EXT,
+        num_gpu_blocks_override=64,
+        kv_transfer_config=kv_transfer_config(
+            engine_id, cpu_bytes=G2_CHUNKS * CHUNK_BYTES, **extra
+        ),
+    )
     return llm, engine_id
 
 
@@ -76,10 +96,15 @@ _ids = iter(range(1 << 30))
 def serve_timed(llm, name):
     """One request alone; (tokens, logprobs, report, step durations in s)."""
     from vllm import SamplingParams
+
     engine = llm.llm_engine
     req_id = f"f-{next(_ids)}"
-    engine.add_request(req_id, {"prompt_token_ids": PROMPTS[name]},
-                       SamplingParams(temperature=0, max_tokens=6, logprobs=2), session_id=name)
+    engine.add_request(
+        req_id,
+        {"prompt_token_ids": PROMPTS[name]},
+        SamplingParams(temperature=0, max_tokens=6, logprobs=2),
+        session_id=name,
+    )
     out, steps = None, []
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
@@ -121,30 +146,36 @@ def run(llm, engine_id, victims) -> dict:
             steps += st
             for k in sources:
                 sources[k] += getattr(rep.blocks, k)
-        phases[label] = {"requests": len(names), "steps": len(steps),
-                         "max_step_s": max(steps), "median_step_s": float(np.median(steps)),
-                         "blocks": sources, "wall_s": time.monotonic() - t0,
-                         "g3_trips": tier.guard.trips - trips0}
+        phases[label] = {
+            "requests": len(names),
+            "steps": len(steps),
+            "max_step_s": max(steps),
+            "median_step_s": float(np.median(steps)),
+            "blocks": sources,
+            "wall_s": time.monotonic() - t0,
+            "g3_trips": tier.guard.trips - trips0,
+        }
 
-    phase("warmup", "W")         # the engine's first, slow steps: before anything to G3
-    phase("cold", "ABCD")                              # references; everything to G3
+    phase("warmup", "W")  # the engine's first, slow steps: before anything to G3
+    phase("cold", "ABCD")  # references; everything to G3
     # The normal phase starts with G2 empty (the reset drains the G3 stores
     # first); cold prompts whose store missed its deadline are recorded.
     assert llm.reset_prefix_cache(reset_connector=True)
     phases["cold"]["missing_in_g3"] = "".join(
-        n for n in "ABCD" if not all(tier.listed(keys_of(llm, PROMPTS[n]))))
+        n for n in "ABCD" if not all(tier.listed(keys_of(llm, PROMPTS[n])))
+    )
     phase("normal", "ABCDABCD")
     for who, service in victims:
         tier.guard.timeout_s = FAULT_TIMEOUT_S
         service.signal(signal.SIGSTOP)
         try:
             phase(f"{who}_stopped", "ABCD")
-            t0 = time.monotonic()          # reset drains the tier's jobs: bounded too
+            t0 = time.monotonic()  # reset drains the tier's jobs: bounded too
             assert llm.reset_prefix_cache(reset_connector=True)
             phases[f"{who}_stopped"]["reset_s"] = time.monotonic() - t0
         finally:
             service.signal(signal.SIGCONT)
-        time.sleep(1.0)                                # past the breaker's retry
+        time.sleep(1.0)  # past the breaker's retry
         phase(f"{who}_continued", "ABCD")
         service.signal(signal.SIGKILL)
         service.proc.wait()
@@ -182,9 +213,13 @@ def scenario(log_dir: Path, backend: str) -> dict:
     if backend == "mooncake":
         ports, master, store = start_mooncake(log_dir)
         services = [("master", master), ("store", store)]
-        tier = {"type": "MooncakeTier", "module_path": "sessionkv.tiers.g3.backends.mooncake",
-                "master": ports.master, "metadata_server": ports.metadata_url,
-                "local_hostname": lan_address()}
+        tier = {
+            "type": "MooncakeTier",
+            "module_path": "sessionkv.tiers.g3.backends.mooncake",
+            "master": ports.master,
+            "metadata_server": ports.metadata_url,
+            "local_hostname": lan_address(),
+        }
     elif backend == "redis":
         url, server = start_redis(log_dir)
         services = [("redis", server)]
@@ -192,7 +227,11 @@ def scenario(log_dir: Path, backend: str) -> dict:
     else:
         url, server = start_lmcache(log_dir)
         services = [("lmcache", server)]
-        tier = {"type": "LMCacheTier", "module_path": "sessionkv.tiers.g3.backends.lmcache", "url": url}
+        tier = {
+            "type": "LMCacheTier",
+            "module_path": "sessionkv.tiers.g3.backends.lmcache",
+            "url": url,
+        }
     try:
         llm, engine_id = make_engine(tier, log_dir)
         try:
@@ -212,17 +251,22 @@ def scenario_process(log_dir: Path, backend: str) -> dict:
     end with it, and nothing earlier tests left in this process slows it."""
     import subprocess
     import sys
+
     out = log_dir / "scenario.json"
     log = log_dir / "scenario.log"
     with log.open("w") as f:
-        p = subprocess.run([sys.executable, "-m", "sessionkv.devtools.g3_faults", backend,
-                            str(log_dir), str(out)],
-                           stdout=f, stderr=subprocess.STDOUT, timeout=1200)
+        p = subprocess.run(
+            [sys.executable, "-m", "sessionkv.devtools.g3_faults", backend, str(log_dir), str(out)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=1200,
+        )
     assert p.returncode == 0, log.read_text()[-8000:]
     return json.loads(out.read_text())
 
 
 if __name__ == "__main__":
     import sys
+
     use_engine_env()
     Path(sys.argv[3]).write_text(json.dumps(scenario(Path(sys.argv[2]), sys.argv[1])))

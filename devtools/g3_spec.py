@@ -20,9 +20,18 @@ def standalone_identity(**changes) -> dict:
     """What ``SessionTierConnector`` passes a G3 tier about the model
     (``connectors.vllm.model_identity``) for an engine with no quantization,
     no overrides, no LoRA, on one node; ``changes`` replace fields."""
-    return {"revision": None, "quantization": None, "kv_cache_dtype": "auto",
-            "kv_scales": "checkpoint", "kv_skip_layers": [], "hf_overrides": {},
-            "lora": False, "nnodes": 1, "executor": "mp", **changes}
+    return {
+        "revision": None,
+        "quantization": None,
+        "kv_cache_dtype": "auto",
+        "kv_scales": "checkpoint",
+        "kv_skip_layers": [],
+        "hf_overrides": {},
+        "lora": False,
+        "nnodes": 1,
+        "executor": "mp",
+        **changes,
+    }
 
 
 def standalone_spec(model: str, chunk_bytes: int, block_size: int = 32, dtype: str = "float32"):
@@ -32,8 +41,12 @@ def standalone_spec(model: str, chunk_bytes: int, block_size: int = 32, dtype: s
     extra = {IDENTITY_KEY: standalone_identity()}
     cfg = OffloadingConfig(
         groups=(OffloadingGroupConfig(block_size, ("layer.0",), 0),),
-        worker_kv_bytes_per_block=chunk_bytes, enable_kv_cache_events=False, extra_config=extra,
-        engine_id="standalone", model=OffloadingModelConfig(model, dtype),
+        worker_kv_bytes_per_block=chunk_bytes,
+        enable_kv_cache_events=False,
+        extra_config=extra,
+        engine_id="standalone",
+        model=OffloadingModelConfig(model, dtype),
         cache=OffloadingCacheConfig(block_size, 1),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True))
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
+    )
     return types.SimpleNamespace(config=cfg, extra_config=extra)

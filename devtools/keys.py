@@ -24,6 +24,6 @@ def keys_of(llm, tokens: list[int]) -> list[bytes]:
     fn, bs = get_hash_fn_by_name(cfg.prefix_caching_hash_algo), cfg.block_size
     parent, out = None, []
     for i in range(len(tokens) // bs):
-        parent = hash_block_tokens(fn, parent, tokens[i * bs:(i + 1) * bs])
+        parent = hash_block_tokens(fn, parent, tokens[i * bs : (i + 1) * bs])
         out.append(parent + GROUP_0)
     return out

@@ -25,7 +25,9 @@ class RouterProcess:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sessionkv-router-", suffix=".log")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sessionkv.cli", "router", "--config", str(path)],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -67,9 +69,20 @@ class RouterProcess:
                 self.kill()
 
 
-ENGINE_ARGS = ["--enforce-eager", "--block-size", "32", "--max-model-len", "1024",
-               "--dtype", "float32", "--seed", "0", "--max-num-seqs", "8",
-               "--enable-prompt-tokens-details"]   # the cold replays read vLLM's cached_tokens
+ENGINE_ARGS = [
+    "--enforce-eager",
+    "--block-size",
+    "32",
+    "--max-model-len",
+    "1024",
+    "--dtype",
+    "float32",
+    "--seed",
+    "0",
+    "--max-num-seqs",
+    "8",
+    "--enable-prompt-tokens-details",
+]  # the cold replays read vLLM's cached_tokens
 
 
 @contextlib.contextmanager
@@ -80,26 +93,46 @@ def engine_pair(d, mooncake, secret: bytes, multiprocessing: str = "1"):
     from sessionkv.devtools.engines import TINY, kv_transfer_config, new_engine_id
     from sessionkv.devtools.server import ServerProcess, remove_offload_region
     from sessionkv.devtools.services import lan_address
+
     (d / "secret").write_bytes(secret)
     (d / "tiers.yaml").write_text(
         "version: 1\nlimits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n"
-        f"trust: {{secret_file: {d / 'secret'}}}\n")
-    tier = {"type": "MooncakeTier", "module_path": "sessionkv.tiers.g3.backends.mooncake",
-            "master": mooncake.master, "metadata_server": mooncake.metadata_url,
-            "local_hostname": lan_address(), "namespace": f"router-{uuid.uuid4().hex[:8]}",
-            "timeout_s": 10.0}
+        f"trust: {{secret_file: {d / 'secret'}}}\n"
+    )
+    tier = {
+        "type": "MooncakeTier",
+        "module_path": "sessionkv.tiers.g3.backends.mooncake",
+        "master": mooncake.master,
+        "metadata_server": mooncake.metadata_url,
+        "local_hostname": lan_address(),
+        "namespace": f"router-{uuid.uuid4().hex[:8]}",
+        "timeout_s": 10.0,
+    }
     engines, workers = [], []
     try:
         for name in "ab":
             engine_id = new_engine_id()
-            cfg = kv_transfer_config(engine_id, secondary_tiers=[tier], sessionkv={
-                "policy_file": str(d / "tiers.yaml"),
-                "control": {"endpoint_file": str(d / f"{name}.json")}})
-            engines.append((ServerProcess(
-                TINY, [*ENGINE_ARGS, "--kv-transfer-config", json.dumps(cfg)],
-                env={"VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing}), engine_id))
-            workers.append({"name": name, "url": engines[-1][0].url,
-                            "endpoint_file": str(d / f"{name}.json")})
+            cfg = kv_transfer_config(
+                engine_id,
+                secondary_tiers=[tier],
+                sessionkv={
+                    "policy_file": str(d / "tiers.yaml"),
+                    "control": {"endpoint_file": str(d / f"{name}.json")},
+                },
+            )
+            engines.append(
+                (
+                    ServerProcess(
+                        TINY,
+                        [*ENGINE_ARGS, "--kv-transfer-config", json.dumps(cfg)],
+                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing},
+                    ),
+                    engine_id,
+                )
+            )
+            workers.append(
+                {"name": name, "url": engines[-1][0].url, "endpoint_file": str(d / f"{name}.json")}
+            )
         yield workers, {w["name"]: s for w, (s, _) in zip(workers, engines)}
     finally:
         for srv, engine_id in engines:

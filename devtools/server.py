@@ -52,16 +52,33 @@ class ServerProcess:
     start, ``TimeoutError`` when it is not healthy in time.
     """
 
-    def __init__(self, model: str, args: list[str], env: dict[str, str] | None = None,
-                 timeout_s: float = 300):
+    def __init__(
+        self, model: str, args: list[str], env: dict[str, str] | None = None, timeout_s: float = 300
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(
-            "w+", prefix=f"sessionkv-server-{self.port}-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-               "--host", "127.0.0.1", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+            "w+", prefix=f"sessionkv-server-{self.port}-", suffix=".log", delete=False
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -115,7 +132,7 @@ class ServerProcess:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.log.name)
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc) -> None:

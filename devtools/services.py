@@ -75,15 +75,19 @@ class Service:
     def log(self) -> Path:
         return self.log_dir / f"{self.name}.log"
 
-    def start(self, timeout_s: float = 30) -> "Service":
+    def start(self, timeout_s: float = 30) -> Service:
         exe = shutil.which(self.cmd[0]) or self.cmd[0]
         if not os.path.exists(exe):
             raise FileNotFoundError(f"{self.name}: {self.cmd[0]} not found (run scripts/setup)")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([exe, *self.cmd[1:]], stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, **self.env})
+            self.proc = subprocess.Popen(
+                [exe, *self.cmd[1:]],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, **self.env},
+            )
         self.pidfile.write_text(str(self.proc.pid))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -118,7 +122,7 @@ class Service:
         pid = self.pid()
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)      # a stopped process cannot exit
+                os.kill(pid, signal.SIGCONT)  # a stopped process cannot exit
                 os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and _alive(pid, self.proc):
@@ -161,32 +165,82 @@ class MooncakePorts:
 def mooncake_master(log_dir: Path, ports: MooncakePorts = MooncakePorts()) -> Service:
     """The master with its HTTP metadata server; healthy when ``/health``
     answers on the metrics port. Soft pins hold (``--allow_evict_soft_pinned_objects=false``)."""
-    return Service("mooncake_master", [
-        str(BIN / "mooncake_master"), "--rpc_address", "127.0.0.1", "--rpc_port", str(ports.rpc),
-        "--enable_http_metadata_server=true", "--http_metadata_server_host", "127.0.0.1",
-        "--http_metadata_server_port", str(ports.metadata), "--metrics_port", str(ports.metrics),
-        "--allow_evict_soft_pinned_objects=false"],
-        lambda: http_ok(f"http://127.0.0.1:{ports.metrics}/health"), log_dir)
+    return Service(
+        "mooncake_master",
+        [
+            str(BIN / "mooncake_master"),
+            "--rpc_address",
+            "127.0.0.1",
+            "--rpc_port",
+            str(ports.rpc),
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host",
+            "127.0.0.1",
+            "--http_metadata_server_port",
+            str(ports.metadata),
+            "--metrics_port",
+            str(ports.metrics),
+            "--allow_evict_soft_pinned_objects=false",
+        ],
+        lambda: http_ok(f"http://127.0.0.1:{ports.metrics}/health"),
+        log_dir,
+    )
 
 
-def mooncake_store(log_dir: Path, ports: MooncakePorts = MooncakePorts(),
-                   size: str = "512MB", name: str = "mooncake_store") -> Service:
+def mooncake_store(
+    log_dir: Path,
+    ports: MooncakePorts = MooncakePorts(),
+    size: str = "512MB",
+    name: str = "mooncake_store",
+) -> Service:
     """A standalone store process mounting ``size`` of storage into the cluster."""
     host = lan_address()
-    return Service(name, [
-        str(BIN / "mooncake_client"), "--host", host, "--master_server_address", ports.master,
-        "--metadata_server", ports.metadata_url, "--global_segment_size", size,
-        "--protocol", "tcp", "--port", str(ports.store)],
-        lambda: port_open(ports.store, host), log_dir)
+    return Service(
+        name,
+        [
+            str(BIN / "mooncake_client"),
+            "--host",
+            host,
+            "--master_server_address",
+            ports.master,
+            "--metadata_server",
+            ports.metadata_url,
+            "--global_segment_size",
+            size,
+            "--protocol",
+            "tcp",
+            "--port",
+            str(ports.store),
+        ],
+        lambda: port_open(ports.store, host),
+        log_dir,
+    )
 
 
 def redis(log_dir: Path, port: int = 6379, maxmemory: str = "256mb") -> Service:
     """redis-server on 127.0.0.1, no persistence, ``volatile-lru`` under ``maxmemory``."""
-    return Service("redis", [
-        "redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-        "--appendonly", "no", "--maxmemory", maxmemory, "--maxmemory-policy", "volatile-lru",
-        "--protected-mode", "yes"],
-        lambda: port_open(port), log_dir)
+    return Service(
+        "redis",
+        [
+            "redis-server",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxmemory",
+            maxmemory,
+            "--maxmemory-policy",
+            "volatile-lru",
+            "--protected-mode",
+            "yes",
+        ],
+        lambda: port_open(port),
+        log_dir,
+    )
 
 
 # LMCache's server binds without SO_REUSEADDR: after a crash it could not bind
@@ -210,21 +264,31 @@ def lmcache_server(log_dir: Path, port: int = 65432) -> Service:
     127.0.0.1, objects in its memory (it has no capacity limit: see
     ``tiers/g3/backends/lmcache.py``). Healthy when it answers a HEALTH request. No usage
     telemetry leaves the machine."""
+
     def healthy() -> bool:
         from sessionkv.tiers.g3.backends.lmcache import health
+
         return port_open(port) and health(f"lm://127.0.0.1:{port}")
-    return Service("lmcache_server",
-                   [sys.executable, "-c", LMCACHE_SERVER, "127.0.0.1", str(port), "cpu"],
-                   healthy, log_dir,
-                   env={"LMCACHE_TRACK_USAGE": "false", "PYTHONHASHSEED": "0"})
+
+    return Service(
+        "lmcache_server",
+        [sys.executable, "-c", LMCACHE_SERVER, "127.0.0.1", str(port), "cpu"],
+        healthy,
+        log_dir,
+        env={"LMCACHE_TRACK_USAGE": "false", "PYTHONHASHSEED": "0"},
+    )
 
 
-def start_mooncake(log_dir: Path, store_size: str = "512MB",
-                   ) -> tuple[MooncakePorts, Service, Service]:
+def start_mooncake(
+    log_dir: Path,
+    store_size: str = "512MB",
+) -> tuple[MooncakePorts, Service, Service]:
     """A master and one store process on free ports, started: (ports, master, store)."""
     from sessionkv.devtools.server import free_port
-    ports = MooncakePorts(rpc=free_port(), metadata=free_port(), metrics=free_port(),
-                          store=free_port())
+
+    ports = MooncakePorts(
+        rpc=free_port(), metadata=free_port(), metrics=free_port(), store=free_port()
+    )
     master = mooncake_master(log_dir, ports).start()
     try:
         return ports, master, mooncake_store(log_dir, ports, size=store_size).start()
@@ -236,6 +300,7 @@ def start_mooncake(log_dir: Path, store_size: str = "512MB",
 def start_redis(log_dir: Path, maxmemory: str = "256mb") -> tuple[str, Service]:
     """redis-server on a free port, started: (its URL, the service)."""
     from sessionkv.devtools.server import free_port
+
     port = free_port()
     return f"redis://127.0.0.1:{port}/0", redis(log_dir, port, maxmemory).start()
 
@@ -243,21 +308,30 @@ def start_redis(log_dir: Path, maxmemory: str = "256mb") -> tuple[str, Service]:
 def start_lmcache(log_dir: Path) -> tuple[str, Service]:
     """An LMCache server on a free port, started: (its lm:// URL, the service)."""
     from sessionkv.devtools.server import free_port
+
     port = free_port()
     return f"lm://127.0.0.1:{port}", lmcache_server(log_dir, port).start(timeout_s=60)
 
 
 def all_services(log_dir: Path) -> list[Service]:
-    return [mooncake_master(log_dir), mooncake_store(log_dir), redis(log_dir),
-            lmcache_server(log_dir)]
+    return [
+        mooncake_master(log_dir),
+        mooncake_store(log_dir),
+        redis(log_dir),
+        lmcache_server(log_dir),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
+
     ap = argparse.ArgumentParser(prog="scripts/services", description=__doc__.split("\n")[0])
     ap.add_argument("command", choices=["start", "stop", "status"])
-    ap.add_argument("--dir", default=os.environ.get("SESSIONKV_RUN_DIR", ".run/services"),
-                    help="pid files and logs")
+    ap.add_argument(
+        "--dir",
+        default=os.environ.get("SESSIONKV_RUN_DIR", ".run/services"),
+        help="pid files and logs",
+    )
     args = ap.parse_args(argv)
     services = all_services(Path(args.dir))
     if args.command == "start":
@@ -278,8 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         pid = s.pid()
         ok = pid is not None and s.healthy()
         bad += not ok
-        print(f"{s.name}: {'healthy' if ok else 'running, unhealthy' if pid else 'stopped'}"
-              + (f" (pid {pid})" if pid else ""))
+        print(
+            f"{s.name}: {'healthy' if ok else 'running, unhealthy' if pid else 'stopped'}"
+            + (f" (pid {pid})" if pid else "")
+        )
     return 1 if bad else 0
 
 

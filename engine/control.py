@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import tempfile
 import threading
@@ -43,22 +44,20 @@ from typing import Any
 
 import msgspec
 import zmq
-import logging
 
 from sessionkv import control as wire
+from sessionkv.engine.executor import TokenBuckets
+from sessionkv.engine.service import SessionService
 from sessionkv.events import Via
 from sessionkv.events import encode as encode_event
 from sessionkv.hints import MAX_KEYS, HintOutcome, Status, id_problem, parse_envelope
 
-from sessionkv.engine.executor import TokenBuckets
-from sessionkv.engine.service import SessionService
-
 logger = logging.getLogger(__name__)
 QUEUE_FRAMES = 1024  # frames sent and not yet taken, per peer
-RECV_FRAMES = 64     # requests received and not yet served, per peer
+RECV_FRAMES = 64  # requests received and not yet served, per peer
 HANDSHAKE_MS = 2000  # a connection that does not finish its handshake by then is dropped
-ZAP_ENDPOINT = "inproc://zeromq.zap.01"     # fixed by RFC 27, one per ZMQ context
-BATCH = 64          # requests handled before the event log gets a turn
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27, one per ZMQ context
+BATCH = 64  # requests handled before the event log gets a turn
 
 
 class ControlChannel:
@@ -86,7 +85,7 @@ class ControlChannel:
         self._frames = TokenBuckets(rate, clock or time.monotonic)
         self._ctx = zmq.Context(io_threads=1)
         try:
-            self._zap = self._ctx.socket(zmq.REP)   # bound before any socket can handshake
+            self._zap = self._ctx.socket(zmq.REP)  # bound before any socket can handshake
             self._zap.setsockopt(zmq.LINGER, 0)
             self._zap.bind(ZAP_ENDPOINT)
             self._router = self._socket(zmq.ROUTER)
@@ -100,8 +99,8 @@ class ControlChannel:
             raise
         self.info = {**(info or {}), "events": self.events_endpoint}
         self._engine_id = str(self.info.get("engine_id") or "")
-        self.dropped_events = 0      # events that could not be encoded (not published)
-        self.peers = {"admitted": 0, "refused": 0}     # CURVE handshakes, by ZAP answer
+        self.dropped_events = 0  # events that could not be encoded (not published)
+        self.peers = {"admitted": 0, "refused": 0}  # CURVE handshakes, by ZAP answer
         self._stop_r, self._stop_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name="sessionkv-control", daemon=True)
         self._closed = False
@@ -114,7 +113,7 @@ class ControlChannel:
         wire.secure_server(s, self._secret)
         return s
 
-    def start(self) -> "ControlChannel":
+    def start(self) -> ControlChannel:
         self._thread.start()
         return self
 
@@ -173,9 +172,9 @@ class ControlChannel:
                 wake.drain()
                 t0 = time.perf_counter()
                 try:
-                    with self._service.lock:        # hint work waits: go on with it
+                    with self._service.lock:  # hint work waits: go on with it
                         self._service.apply_moves()
-                except Exception:   # a bug costs these copies' outcomes, never the thread
+                except Exception:  # a bug costs these copies' outcomes, never the thread
                     logger.exception("sessionkv: finishing hint copies failed")
                 self._service.stats.control_work("moves", time.perf_counter() - t0)
             if self._events.wake_fd in ready:
@@ -194,33 +193,34 @@ class ControlChannel:
         for ev in self._events.drain_new():
             try:
                 payload = encode_event(ev)
-            except Exception:        # unencodable (a bug upstream): dropped and counted
+            except Exception:  # unencodable (a bug upstream): dropped and counted
                 self.dropped_events += 1
                 logger.exception("sessionkv: event %d not published", ev.seq)
                 continue
             tag = wire.mac(wire.EVENT_DOMAIN, payload, self._secret)
             try:
-                self._pub.send_multipart([ev.__struct_config__.tag.encode(), payload, tag],
-                                         zmq.NOBLOCK)
-            except zmq.Again:        # a slow subscriber catches up with op "events"
+                self._pub.send_multipart(
+                    [ev.__struct_config__.tag.encode(), payload, tag], zmq.NOBLOCK
+                )
+            except zmq.Again:  # a slow subscriber catches up with op "events"
                 pass
 
     def _serve(self, frames: list[bytes]) -> None:
         identity, body = frames[0], frames[1:]
         try:
             reply = self._handle(body)
-        except Exception:            # a bug costs this request, never the thread
+        except Exception:  # a bug costs this request, never the thread
             logger.exception("sessionkv: control request failed")
             reply = wire.refused(0, "internal error")
         try:
             payload = wire.request_encoder.encode(reply)
-        except Exception:            # unencodable (a bug upstream)
+        except Exception:  # unencodable (a bug upstream)
             logger.exception("sessionkv: control reply not encodable")
             payload = self._encode_without_bad_events(reply)
         tag = wire.mac(wire.REPLY_DOMAIN, payload, self._secret)
         try:
             self._router.send_multipart([identity, payload, tag], zmq.NOBLOCK)
-        except zmq.ZMQError:         # the client is gone or not reading
+        except zmq.ZMQError:  # the client is gone or not reading
             pass
 
     def _encode_without_bad_events(self, reply: wire.ControlReply) -> bytes:
@@ -237,7 +237,8 @@ class ControlChannel:
             return wire.request_encoder.encode(msgspec.structs.replace(reply, events=good))
         except Exception:
             return wire.request_encoder.encode(
-                wire.refused(reply.counter, "internal error: reply not encodable"))
+                wire.refused(reply.counter, "internal error: reply not encodable")
+            )
 
     def _handle(self, body: list[bytes]) -> wire.ControlReply:
         if len(body) != 2:
@@ -268,8 +269,9 @@ class ControlChannel:
         try:
             return self._answer(req, client)
         finally:
-            self._service.stats.control_work(req.op if req.op in wire.OPS else "other",
-                                             time.perf_counter() - t0)
+            self._service.stats.control_work(
+                req.op if req.op in wire.OPS else "other", time.perf_counter() - t0
+            )
 
     def _answer(self, req: wire.ControlRequest, client: str) -> wire.ControlReply:
         reply = wire.ControlReply(counter=req.counter)
@@ -281,17 +283,21 @@ class ControlChannel:
         if req.op == "hello":
             reply.info = self.info
         elif req.op == "hints":
-            items = [h if isinstance(h, HintOutcome) else msgspec.structs.replace(h, signed=True)
-                     for h in parse_envelope(req.hints, req.session_id)]
-            reply.outcomes = self._service.control_hints(items, req.session_id,
-                                                         f"control:{client}")
+            items = [
+                h if isinstance(h, HintOutcome) else msgspec.structs.replace(h, signed=True)
+                for h in parse_envelope(req.hints, req.session_id)
+            ]
+            reply.outcomes = self._service.control_hints(items, req.session_id, f"control:{client}")
         elif req.op == "end_session":
             if req.session_id is None:
                 return wire.refused(req.counter, "end_session needs session_id")
             live = self._service.end_session(req.session_id)
-            outcome = HintOutcome("end_session", "end_session",
-                                  Status.ACCEPTED if live else Status.MISSING,
-                                  reason="" if live else "unknown or already ended session")
+            outcome = HintOutcome(
+                "end_session",
+                "end_session",
+                Status.ACCEPTED if live else Status.MISSING,
+                reason="" if live else "unknown or already ended session",
+            )
             self._service.emit_outcomes([outcome], Via.CONTROL, req.session_id, client)
             reply.outcomes = [outcome]
         elif req.op == "events":
@@ -299,22 +305,24 @@ class ControlChannel:
             reply.events, reply.oldest, reply.next_seq = self._events.since(req.after, limit)
             reply.last_seq = reply.events[-1].seq if reply.events else 0
         elif req.op == "status":
-            reply.info = {**self._service.status(),
-                          "control": {"peers": dict(self.peers),
-                                      "dropped_events": self.dropped_events}}
+            reply.info = {
+                **self._service.status(),
+                "control": {"peers": dict(self.peers), "dropped_events": self.dropped_events},
+            }
         elif req.op == "probe":
             if self._probe is None:
                 return wire.refused(req.counter, "this engine cannot be probed")
             if not 0 < len(req.tokens) <= wire.MAX_PROBE_TOKENS:
-                return wire.refused(req.counter,
-                                    f"probe needs 1..{wire.MAX_PROBE_TOKENS} tokens")
+                return wire.refused(req.counter, f"probe needs 1..{wire.MAX_PROBE_TOKENS} tokens")
             reply.info = self._probe(req.tokens)
         elif req.op == "resolve":
             if not 0 < len(req.block_hashes) <= MAX_KEYS:
                 return wire.refused(req.counter, f"resolve needs 1..{MAX_KEYS} block_hashes")
             reply.keys = self._service.resolve_hashes(req.block_hashes)
         else:
-            return wire.refused(req.counter, f"unknown op {req.op[:64]!r}; ops: {', '.join(wire.OPS)}")
+            return wire.refused(
+                req.counter, f"unknown op {req.op[:64]!r}; ops: {', '.join(wire.OPS)}"
+            )
         return reply
 
 
@@ -324,4 +332,3 @@ def _bind(sock: zmq.Socket, host: str, port: int) -> str:
     else:
         port = sock.bind_to_random_port(f"tcp://{host}")
     return f"tcp://{host}:{port}"
-

@@ -68,6 +68,7 @@ its pass, or any other thread); it only changes metadata.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -76,9 +77,11 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgspec
-import logging
 
 from sessionkv.config import Limits
+from sessionkv.engine.fetch import Fetcher
+from sessionkv.engine.mover import Mover
+from sessionkv.events import Via
 from sessionkv.hints import (
     HINTS_PARAM,
     KVCR_PARAM,
@@ -98,19 +101,15 @@ from sessionkv.hints import (
     signature_problem,
     verify,
 )
-from sessionkv.events import Via
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers.g2.policy import SessionCachePolicy
 from sessionkv.types import Tier
 
-from sessionkv.engine.fetch import Fetcher
-from sessionkv.engine.mover import Mover
-
 logger = logging.getLogger(__name__)
 
 KVCR_SIG_PARAM = "kv_hint_sig"
-MAX_CLIPPED_HINTS = 4096   # clipped outcomes waiting for collect_clipped (one per hint)
-MAX_ENVELOPE_KEYS = MAX_KEYS   # keys in all of a request envelope's targets
+MAX_CLIPPED_HINTS = 4096  # clipped outcomes waiting for collect_clipped (one per hint)
+MAX_ENVELOPE_KEYS = MAX_KEYS  # keys in all of a request envelope's targets
 TOO_BIG = f"an envelope has at most {MAX_ACTIONS} actions naming {MAX_ENVELOPE_KEYS} keys in all"
 # A Retain up to a boundary the index no longer holds took the session's
 # deepest branch: clipped, since what was evicted is not held.
@@ -118,7 +117,7 @@ BOUNDARY_GONE = "boundary evicted: the session's deepest branch"
 # Chunks of finished turns that hints wait for (module docstring), all hints
 # together, and the hint parts waiting; a turn's tail is a few chunks (its
 # stores and G3 copies in flight), so these bind only a runaway.
-MAX_WAITING_CHUNKS = 16_384      # with the chunks a waiting copy keeps to start with
+MAX_WAITING_CHUNKS = 16_384  # with the chunks a waiting copy keeps to start with
 MAX_WAITS = 4096
 # How long a waiting chunk may take to reach G2 and G3 after its request
 # finished: vLLM stores it within a few steps, and every G3 store has its own
@@ -146,18 +145,20 @@ class TokenBuckets:
         ok = tokens >= 1.0
         self._buckets[client] = (tokens - 1.0 if ok else tokens, now)
         while len(self._buckets) > self._max:
-            del self._buckets[next(iter(self._buckets))]   # oldest insertion
+            del self._buckets[next(iter(self._buckets))]  # oldest insertion
         return ok
 
 
 class RequestHints(NamedTuple):
     hints: list[KvHint | HintOutcome]
-    signed: bool        # a router signature verified (an envelope of no actions counts)
-    problem: str = ""   # why a signature the request carried did not verify
+    signed: bool  # a router signature verified (an envelope of no actions counts)
+    problem: str = ""  # why a signature the request carried did not verify
 
 
 def read_request(
-    params: Mapping[str, Any] | None, envelope: Any, session_id: Any,
+    params: Mapping[str, Any] | None,
+    envelope: Any,
+    session_id: Any,
     secret: bytes | None,
 ) -> RequestHints:
     """Everything a request carries, parsed once: the vLLM envelope (engine API
@@ -170,21 +171,26 @@ def read_request(
     out: list[KvHint | HintOutcome] = []
     raw = envelope if envelope is not None else params.get(HINTS_PARAM)
     bad = "" if session_id is None else id_problem(session_id, "session_id")
-    if bad:                 # the request runs without a session; its hints cannot
-        return RequestHints([HintOutcome("kv_hints", None, Status.REJECTED, reason=bad)]
-                            if raw is not None or params.get(KVCR_PARAM) is not None else [],
-                            False)
+    if bad:  # the request runs without a session; its hints cannot
+        return RequestHints(
+            [HintOutcome("kv_hints", None, Status.REJECTED, reason=bad)]
+            if raw is not None or params.get(KVCR_PARAM) is not None
+            else [],
+            False,
+        )
     any_signed, problem = False, ""
     if raw is not None:
-        if _too_big(raw):       # before its signature: that reads the whole envelope
+        if _too_big(raw):  # before its signature: that reads the whole envelope
             out.append(HintOutcome("kv_hints", None, Status.REJECTED, reason=TOO_BIG))
         else:
             sig = params.get(SIG_PARAM)
             problem = "" if sig is None else signature_problem(raw, session_id, sig, secret)
             signed = sig is not None and not problem
             any_signed |= signed
-            out += [h if isinstance(h, HintOutcome) else _mark(h, signed)
-                    for h in parse_envelope(raw, session_id)]
+            out += [
+                h if isinstance(h, HintOutcome) else _mark(h, signed)
+                for h in parse_envelope(raw, session_id)
+            ]
     kvcr = params.get(KVCR_PARAM)
     if kvcr is not None:
         if _too_big(kvcr):
@@ -215,13 +221,15 @@ def _too_big(raw: Any) -> bool:
         target = payload.get("target")
         keys = target.get("keys") if isinstance(target, Mapping) else None
         hashes = payload.get("block_hashes")
-        n += (len(keys) if isinstance(keys, list) else 0) + \
-            (len(hashes) if isinstance(hashes, list) else 0)
+        n += (len(keys) if isinstance(keys, list) else 0) + (
+            len(hashes) if isinstance(hashes, list) else 0
+        )
     return n > MAX_ENVELOPE_KEYS
 
 
-def read_request_hints(params: Mapping[str, Any] | None, envelope: Any, session_id: Any,
-                       secret: bytes | None) -> list[KvHint | HintOutcome]:
+def read_request_hints(
+    params: Mapping[str, Any] | None, envelope: Any, session_id: Any, secret: bytes | None
+) -> list[KvHint | HintOutcome]:
     """``read_request``'s hints."""
     return read_request(params, envelope, session_id, secret).hints
 
@@ -326,11 +334,11 @@ class _Rest:
     """A Pin's or Retain's G2 chunks past its first slice, acted on by ``step``."""
 
     hint: KvHint
-    session: str | None              # the request's (outcome events)
+    session: str | None  # the request's (outcome events)
     owner: str
     keys: list[bytes]
     ttl: float | None
-    at: int = 0                      # keys[:at] were acted on
+    at: int = 0  # keys[:at] were acted on
     lost: int = 0
     why: str = ""
 
@@ -343,17 +351,17 @@ class _Wait:
     left to wait for (a copy, a Pin's G3 side), with the chunks arrived."""
 
     hint: KvHint
-    session: str | None              # the request's (outcome events)
+    session: str | None  # the request's (outcome events)
     owner: str
     tier: Tier
-    keys: set[bytes]                 # not arrived yet
+    keys: set[bytes]  # not arrived yet
     deadline: float
     ttl: float | None = None
-    then: Callable[["_Wait"], HintOutcome] | None = None
+    then: Callable[[_Wait], HintOutcome] | None = None
     arrived: list[bytes] = field(default_factory=list)
     lost: int = 0
-    why: str = ""                    # why the last lost chunk was lost
-    hold: int = 0                    # chunks ``then`` keeps (the bound counts them)
+    why: str = ""  # why the last lost chunk was lost
+    hold: int = 0  # chunks ``then`` keeps (the bound counts them)
     done: bool = False
 
 
@@ -391,7 +399,7 @@ class HintExecutor:
         self._cap_global = cap(limits.pin_fraction_global)
         self._cap_unsigned = cap(limits.unsigned_pin_fraction)
         self._pins = PinBook()
-        self._clipped: dict[str, int] = {}      # hint id -> its chunks clipped, not yet told
+        self._clipped: dict[str, int] = {}  # hint id -> its chunks clipped, not yet told
         self._mover = mover
         self._fetcher = fetcher
         self._clock = clock
@@ -400,23 +408,33 @@ class HintExecutor:
         self._emit = emit or (lambda outcome, via, session: None)
         self._cascades = g3_cascades and mover is not None
         self._waits: dict[Tier, dict[bytes, list[_Wait]]] = {Tier.G2: {}, Tier.G3: {}}
-        self._waits_of: dict[str, list[_Wait]] = {}    # request id -> its, until request_done
-        self._order: deque[_Wait] = deque()            # as registered: by deadline
-        self._live = 0                                 # waits not settled
-        self._n_waiting = 0                            # chunks waited for
-        self._n_held = 0                               # chunks waits keep for their copy
-        self._rest: deque[_Rest] = deque()             # Pins and Retains past a slice
+        self._waits_of: dict[str, list[_Wait]] = {}  # request id -> its, until request_done
+        self._order: deque[_Wait] = deque()  # as registered: by deadline
+        self._live = 0  # waits not settled
+        self._n_waiting = 0  # chunks waited for
+        self._n_held = 0  # chunks waits keep for their copy
+        self._rest: deque[_Rest] = deque()  # Pins and Retains past a slice
         self._wake = wake or (lambda: None)
 
     def execute_all(
-        self, items: list[KvHint | HintOutcome], session_id: str | None,
-        client: str | None = None, turn: Turn | None = None,
+        self,
+        items: list[KvHint | HintOutcome],
+        session_id: str | None,
+        client: str | None = None,
+        turn: Turn | None = None,
     ) -> list[HintOutcome]:
-        return [i if isinstance(i, HintOutcome) else self.execute(i, session_id, client, turn)
-                for i in items]
+        return [
+            i if isinstance(i, HintOutcome) else self.execute(i, session_id, client, turn)
+            for i in items
+        ]
 
-    def execute(self, hint: KvHint, session_id: str | None,
-                client: str | None = None, turn: Turn | None = None) -> HintOutcome:
+    def execute(
+        self,
+        hint: KvHint,
+        session_id: str | None,
+        client: str | None = None,
+        turn: Turn | None = None,
+    ) -> HintOutcome:
         """One hint's outcome. ``session_id`` is the request's (or the control
         request's) session; ``client`` names the rate-limit bucket (default:
         the session); ``turn``: the finished request's chunks, for a request's
@@ -436,8 +454,11 @@ class HintExecutor:
             asked = len(hint.target.block_hashes)
             limit = min(self._limits.max_blocks_per_hint, hint.bounds.max_blocks or asked)
             if self._fetcher is None:
-                return outcome(Status.REJECTED, "kv.fetch needs a G3 tier and a control "
-                               "secret the source trusts", asked)
+                return outcome(
+                    Status.REJECTED,
+                    "kv.fetch needs a G3 tier and a control secret the source trusts",
+                    asked,
+                )
             if asked > limit:
                 return outcome(Status.REJECTED, f"kv.fetch of more than {limit} blocks", asked)
             return self._fetcher.start(hint)
@@ -451,7 +472,7 @@ class HintExecutor:
         limit = min(self._limits.max_blocks_per_hint, hint.bounds.max_blocks or len(keys))
         if len(keys) > limit:
             clipped.append(f"blocks clipped to {limit}")
-            keys = keys[:limit]                  # the prefix first: what a turn reuses
+            keys = keys[:limit]  # the prefix first: what a turn reuses
         ttl = hint.bounds.ttl_s
         if ttl is not None and ttl > self._limits.max_ttl_s:
             clipped.append(f"ttl clipped to {self._limits.max_ttl_s:g} s")
@@ -459,23 +480,40 @@ class HintExecutor:
         owner = self._owner(hint, session_id)
         if hint.action in (Action.DEMOTE, Action.PREFETCH, Action.SHARE):
             if self._mover is None:
-                return outcome(Status.REJECTED, "Demote, Prefetch and Share need a G3 tier",
-                               asked)
+                return outcome(Status.REJECTED, "Demote, Prefetch and Share need a G3 tier", asked)
             if not isinstance(hint.target, KeysTarget) or hint.action is not Action.PREFETCH:
                 keys = self._index.chunk_keys(keys, self._bpc)
             if hint.action is not Action.PREFETCH:
                 # The copy starts once the turn's last chunks are in G2.
                 later = self._fit(self._later(turn, "unready", keys, self._unready), len(keys))
                 if later:
-                    self._wait(hint, session_id, owner, Tier.G2, later, turn, hold=len(keys),
-                               then=lambda w: self._mover.start(
-                                   hint.action, hint.hint_id, keys, asked, owner,
-                                   self._reasons(clipped, w)))
-                    return outcome(Status.DEFERRED, self._reasons(clipped, None, (
-                        f"copying {len(keys)} chunks to G3 once the turn's last "
-                        f"{len(later)} are stored")), asked)
-            return self._mover.start(hint.action, hint.hint_id, keys, asked, owner,
-                                     "; ".join(clipped))
+                    self._wait(
+                        hint,
+                        session_id,
+                        owner,
+                        Tier.G2,
+                        later,
+                        turn,
+                        hold=len(keys),
+                        then=lambda w: self._mover.start(
+                            hint.action, hint.hint_id, keys, asked, owner, self._reasons(clipped, w)
+                        ),
+                    )
+                    return outcome(
+                        Status.DEFERRED,
+                        self._reasons(
+                            clipped,
+                            None,
+                            (
+                                f"copying {len(keys)} chunks to G3 once the turn's last "
+                                f"{len(later)} are stored"
+                            ),
+                        ),
+                        asked,
+                    )
+            return self._mover.start(
+                hint.action, hint.hint_id, keys, asked, owner, "; ".join(clipped)
+            )
         if hint.action not in (Action.PIN, Action.RETAIN):
             return outcome(Status.REJECTED, "not implemented", asked)
         if self._policy is None:
@@ -483,16 +521,21 @@ class HintExecutor:
         chunks = [k for k in keys if self._policy.get(k) is not None]
         chunks, rest = chunks[:G2_SLICE_CHUNKS], chunks[G2_SLICE_CHUNKS:]
         pin_g3 = hint.action is Action.PIN and self._mover is not None
-        targets = (self._index.chunk_keys(keys, self._bpc)
-                   if turn is not None or pin_g3 else [])
+        targets = self._index.chunk_keys(keys, self._bpc) if turn is not None or pin_g3 else []
         # The turn's chunks not in G2 yet: held when they arrive.
         later = self._later(turn, "absent", targets, self._absent)
         # A Pin also holds the target's objects in G3 (the backend's own
         # pins), those of the turn once its write-through copies are there.
-        g3 = ([k for k in targets if k in in_g3] if in_g3 is not None
-              else self._mover.in_g3(targets)) if pin_g3 else []
-        g3_later = (self._g3_later(turn, targets, later)
-                    if pin_g3 and self._cascades else [])
+        g3 = (
+            (
+                [k for k in targets if k in in_g3]
+                if in_g3 is not None
+                else self._mover.in_g3(targets)
+            )
+            if pin_g3
+            else []
+        )
+        g3_later = self._g3_later(turn, targets, later) if pin_g3 and self._cascades else []
         if not chunks and not g3 and not later and not g3_later:
             return outcome(Status.MISSING, "none of the target is in G2", asked)
         if hint.action is Action.PIN and ttl is None:
@@ -511,25 +554,57 @@ class HintExecutor:
             done = done + rest
         held = self._fit(later)
         if len(held) < len(later):
-            clipped.append(f"{len(later) - len(held)} of the turn's last chunks not held: "
-                           "too many chunks waiting")
+            clipped.append(
+                f"{len(later) - len(held)} of the turn's last chunks not held: "
+                "too many chunks waiting"
+            )
         if held:
             self._wait(hint, session_id, owner, Tier.G2, held, turn, ttl=ttl)
         affected = self._blocks_in(done + held, keys)
         g3_held = self._fit(g3_later, len(g3))
         if len(g3_held) < len(g3_later):
-            clipped.append(f"{len(g3_later) - len(g3_held)} of the turn's last chunks not "
-                           "pinned in G3: too many chunks waiting")
+            clipped.append(
+                f"{len(g3_later) - len(g3_held)} of the turn's last chunks not "
+                "pinned in G3: too many chunks waiting"
+            )
         if g3_held:
-            self._wait(hint, session_id, owner, Tier.G3, g3_held, turn, ttl=ttl, hold=len(g3),
-                       then=lambda w: self._pin_g3(hint, owner, g3 + w.arrived, asked,
-                                                   clipped, ttl, affected, w))
-            return outcome(Status.DEFERRED, self._reasons(clipped, None, (
-                f"pinning {len(g3) + len(g3_held)} chunks in G3, the turn's last "
-                f"{len(g3_held)} once they are there")), asked, affected)
+            self._wait(
+                hint,
+                session_id,
+                owner,
+                Tier.G3,
+                g3_held,
+                turn,
+                ttl=ttl,
+                hold=len(g3),
+                then=lambda w: self._pin_g3(
+                    hint, owner, g3 + w.arrived, asked, clipped, ttl, affected, w
+                ),
+            )
+            return outcome(
+                Status.DEFERRED,
+                self._reasons(
+                    clipped,
+                    None,
+                    (
+                        f"pinning {len(g3) + len(g3_held)} chunks in G3, the turn's last "
+                        f"{len(g3_held)} once they are there"
+                    ),
+                ),
+                asked,
+                affected,
+            )
         if g3:
-            return self._mover.start(Action.PIN, hint.hint_id, g3, asked, owner,
-                                     "; ".join(clipped), ttl_s=ttl, g2_blocks=affected)
+            return self._mover.start(
+                Action.PIN,
+                hint.hint_id,
+                g3,
+                asked,
+                owner,
+                "; ".join(clipped),
+                ttl_s=ttl,
+                g2_blocks=affected,
+            )
         status = Status.CLIPPED if clipped else Status.ACCEPTED
         return outcome(status, "; ".join(clipped), asked, affected)
 
@@ -540,8 +615,9 @@ class HintExecutor:
         wanted = set(keys)
         return sum(len(wanted.intersection(self._index.chain_to(c, self._bpc))) for c in chunks)
 
-    def _pin(self, hint: KvHint, session_id: str | None, chunks: list[bytes],
-             ttl: float, later: int = 0) -> tuple[list[bytes], int, str]:
+    def _pin(
+        self, hint: KvHint, session_id: str | None, chunks: list[bytes], ttl: float, later: int = 0
+    ) -> tuple[list[bytes], int, str]:
         """Pin within the quotas: (chunks pinned, how many of ``later`` chunks
         still to arrive the quotas leave room for, clip reason or "")."""
         owner = self._owner(hint, session_id)
@@ -553,9 +629,9 @@ class HintExecutor:
         else:
             room = self._cap_unsigned - pool
         new = [k for k in chunks if k not in self._pins]
-        take = new[:max(room, 0)]
+        take = new[: max(room, 0)]
         fits = min(later, max(room - len(take), 0))
-        again = [k for k in chunks if k in mine]      # re-pinning extends the TTL
+        again = [k for k in chunks if k in mine]  # re-pinning extends the TTL
         self._policy.pin(again + take, ttl)
         # Only what the policy pinned (a chunk gone from G2 meanwhile is not):
         # the book holds no pin the policy will never report ended.
@@ -590,9 +666,15 @@ class HintExecutor:
                 expiry = self._policy.pin_expiry(k)
                 if expiry is not None:
                     groups.setdefault((owner, self._pins.entries[k][1]), []).append(expiry - now)
-        return [{"session_id": o, "hint_id": h, "chunks": len(left),
-                 "expires_in_s": [round(min(left), 3), round(max(left), 3)]}
-                for (o, h), left in sorted(groups.items())]
+        return [
+            {
+                "session_id": o,
+                "hint_id": h,
+                "chunks": len(left),
+                "expires_in_s": [round(min(left), 3), round(max(left), 3)],
+            }
+            for (o, h), left in sorted(groups.items())
+        ]
 
     def release(self, session: str) -> int:
         """Drop the pins and retains ``session`` holds (it ended); how many chunks."""
@@ -612,7 +694,7 @@ class HintExecutor:
             if entry is not None:
                 hint_id = entry[1]
                 self._clipped[hint_id] = self._clipped.pop(hint_id, 0) + 1
-                while len(self._clipped) > MAX_CLIPPED_HINTS:    # nobody collects them
+                while len(self._clipped) > MAX_CLIPPED_HINTS:  # nobody collects them
                     del self._clipped[next(iter(self._clipped))]
 
     def collect_clipped(self) -> list[HintOutcome]:
@@ -622,12 +704,20 @@ class HintExecutor:
         if self._order:
             self._expire(self._clock())
         if self._policy is None or not (self._pins or self._clipped):
-            return []       # the policy reports only pins booked here (most steps: none)
+            return []  # the policy reports only pins booked here (most steps: none)
         self._forget_lapsed()
         lost, self._clipped = self._clipped, {}
-        return [HintOutcome(hint_id, Action.PIN.action_type, Status.CLIPPED, 0, n,
-                            f"{n} pinned chunks evicted: G2 had nothing else left")
-                for hint_id, n in lost.items()]
+        return [
+            HintOutcome(
+                hint_id,
+                Action.PIN.action_type,
+                Status.CLIPPED,
+                0,
+                n,
+                f"{n} pinned chunks evicted: G2 had nothing else left",
+            )
+            for hint_id, n in lost.items()
+        ]
 
     # ---- waiting chunks (module docstring) -------------------------------------
 
@@ -682,7 +772,7 @@ class HintExecutor:
         budget = G2_SLICE_CHUNKS
         while self._rest and budget > 0:
             r = self._rest[0]
-            keys = r.keys[r.at:r.at + budget]
+            keys = r.keys[r.at : r.at + budget]
             r.at += len(keys)
             budget -= len(keys)
             self._act(r, keys)
@@ -700,9 +790,18 @@ class HintExecutor:
         if r.lost:
             name = r.hint.action.action_type
             verb = "retained" if r.hint.action is Action.RETAIN else "pinned"
-            self._emit(HintOutcome(r.hint.hint_id, name, Status.CLIPPED, 0,
-                                   r.lost * self._bpc, f"{r.lost} chunks not {verb}: {r.why}"),
-                       Via.POLICY, r.session)
+            self._emit(
+                HintOutcome(
+                    r.hint.hint_id,
+                    name,
+                    Status.CLIPPED,
+                    0,
+                    r.lost * self._bpc,
+                    f"{r.lost} chunks not {verb}: {r.why}",
+                ),
+                Via.POLICY,
+                r.session,
+            )
 
     def drop_waiting(self, why: str) -> None:
         """G2 is being reset: every wait ends now (Pin and Retain report the
@@ -729,8 +828,9 @@ class HintExecutor:
     def _not_in_g3(self, k: bytes) -> bool:
         return not (self._index.copies(k) or {}).get(Tier.G3, 0)
 
-    def _later(self, turn: Turn | None, name: str, targets: list[bytes],
-               pending: Callable[[bytes], bool]) -> list[bytes]:
+    def _later(
+        self, turn: Turn | None, name: str, targets: list[bytes], pending: Callable[[bytes], bool]
+    ) -> list[bytes]:
         """The ``targets`` at the end of ``turn`` that are still ``pending``."""
         if turn is None or self._chunk is None or not targets:
             return []
@@ -745,8 +845,9 @@ class HintExecutor:
         chunk = self._chunk(k)
         return chunk is not None and chunk.ref_cnt != 0
 
-    def _g3_later(self, turn: Turn | None, targets: list[bytes],
-                  absent: list[bytes]) -> list[bytes]:
+    def _g3_later(
+        self, turn: Turn | None, targets: list[bytes], absent: list[bytes]
+    ) -> list[bytes]:
         """The ``targets`` of ``turn`` whose write-through copy to G3 may still
         come: not stored in G2 yet (``absent``), or stored and being copied."""
         if turn is None or self._chunk is None or not targets:
@@ -764,11 +865,21 @@ class HintExecutor:
             return []
         return keys[:room]
 
-    def _wait(self, hint: KvHint, session: str | None, owner: str, tier: Tier,
-              keys: list[bytes], turn: Turn, ttl: float | None = None,
-              then: Callable[[_Wait], HintOutcome] | None = None, hold: int = 0) -> None:
-        w = _Wait(hint, session, owner, tier, set(keys), self._clock() + WAIT_S, ttl, then,
-                  hold=hold)
+    def _wait(
+        self,
+        hint: KvHint,
+        session: str | None,
+        owner: str,
+        tier: Tier,
+        keys: list[bytes],
+        turn: Turn,
+        ttl: float | None = None,
+        then: Callable[[_Wait], HintOutcome] | None = None,
+        hold: int = 0,
+    ) -> None:
+        w = _Wait(
+            hint, session, owner, tier, set(keys), self._clock() + WAIT_S, ttl, then, hold=hold
+        )
         self._n_held += hold
         table = self._waits[tier]
         for k in w.keys:
@@ -776,10 +887,10 @@ class HintExecutor:
         self._n_waiting += len(w.keys)
         self._live += 1
         self._order.append(w)
-        if len(self._order) > 2 * MAX_WAITS:        # settled ones in the middle
+        if len(self._order) > 2 * MAX_WAITS:  # settled ones in the middle
             self._order = deque(x for x in self._order if not x.done)
         self._waits_of.setdefault(turn.req_id, []).append(w)
-        while len(self._waits_of) > MAX_WAITS:      # a request vLLM never reported done
+        while len(self._waits_of) > MAX_WAITS:  # a request vLLM never reported done
             del self._waits_of[next(iter(self._waits_of))]
 
     def _unwait(self, w: _Wait, k: bytes) -> None:
@@ -793,8 +904,9 @@ class HintExecutor:
             if not ws:
                 del table[k]
 
-    def _arrive(self, tier: Tier, keys: Iterable[bytes], ok: Callable[[bytes], bool],
-                why: str) -> None:
+    def _arrive(
+        self, tier: Tier, keys: Iterable[bytes], ok: Callable[[bytes], bool], why: str
+    ) -> None:
         """``keys`` arrived in ``tier`` (or, where ``ok`` is false, never will)."""
         table = self._waits[tier]
         got: dict[_Wait, list[bytes]] = {}
@@ -856,19 +968,31 @@ class HintExecutor:
         hint, name = w.hint, w.hint.action.action_type
         if w.then is None:
             if w.lost:
-                self._emit(HintOutcome(
-                    hint.hint_id, name, Status.CLIPPED, 0, w.lost * self._bpc,
-                    f"{w.lost} of the turn's last chunks not "
-                    f"{'retained' if hint.action is Action.RETAIN else 'pinned'}: {w.why}"),
-                    Via.POLICY, w.session)
+                self._emit(
+                    HintOutcome(
+                        hint.hint_id,
+                        name,
+                        Status.CLIPPED,
+                        0,
+                        w.lost * self._bpc,
+                        f"{w.lost} of the turn's last chunks not "
+                        f"{'retained' if hint.action is Action.RETAIN else 'pinned'}: {w.why}",
+                    ),
+                    Via.POLICY,
+                    w.session,
+                )
             return
         if not run:
-            out = HintOutcome(hint.hint_id, name, Status.REJECTED, reason=f"{why} before "
-                              "the turn's last chunks were stored")
+            out = HintOutcome(
+                hint.hint_id,
+                name,
+                Status.REJECTED,
+                reason=f"{why} before the turn's last chunks were stored",
+            )
         else:
             try:
                 out = w.then(w)
-            except Exception:       # a bug must cost this hint, never the engine
+            except Exception:  # a bug must cost this hint, never the engine
                 logger.exception("sessionkv: %s %s failed", name, hint.hint_id)
                 out = HintOutcome(hint.hint_id, name, Status.REJECTED, reason="internal error")
         if out.status is not Status.DEFERRED:
@@ -881,44 +1005,70 @@ class HintExecutor:
             if not w.done:
                 self._settle(w, f"not there {WAIT_S:g} s after the request finished")
 
-    def _pin_g3(self, hint: KvHint, owner: str, keys: list[bytes], asked: int,
-                clipped: list[str], ttl: float, g2_blocks: int, w: _Wait) -> HintOutcome:
+    def _pin_g3(
+        self,
+        hint: KvHint,
+        owner: str,
+        keys: list[bytes],
+        asked: int,
+        clipped: list[str],
+        ttl: float,
+        g2_blocks: int,
+        w: _Wait,
+    ) -> HintOutcome:
         """A Pin's G3 side once the turn's last chunks reached G3 (or never will)."""
         why = self._reasons(clipped, w)
         if keys:
-            return self._mover.start(Action.PIN, hint.hint_id, keys, asked, owner, why,
-                                     ttl_s=ttl, g2_blocks=g2_blocks)
-        return HintOutcome(hint.hint_id, hint.action.action_type,
-                           Status.CLIPPED if g2_blocks else Status.REJECTED, asked, g2_blocks,
-                           why)
+            return self._mover.start(
+                Action.PIN, hint.hint_id, keys, asked, owner, why, ttl_s=ttl, g2_blocks=g2_blocks
+            )
+        return HintOutcome(
+            hint.hint_id,
+            hint.action.action_type,
+            Status.CLIPPED if g2_blocks else Status.REJECTED,
+            asked,
+            g2_blocks,
+            why,
+        )
 
     @staticmethod
     def _reasons(clipped: list[str], w: _Wait | None, *more: str) -> str:
         """The clip reasons, a wait's lost chunks and ``more``, joined."""
-        lost = [f"{w.lost} of the turn's last chunks {w.why}"] if w is not None and w.lost \
-            else []
+        lost = [f"{w.lost} of the turn's last chunks {w.why}"] if w is not None and w.lost else []
         return "; ".join([*clipped, *lost, *more])
 
     def _unsigned_ok(self, hint: KvHint, session_id: str | None) -> bool:
         """Unsigned Pins of the request's own session, when the operator
         enabled their separate quota."""
         t = hint.target
-        return (hint.action is Action.PIN and self._limits.unsigned_pin_fraction > 0
-                and not isinstance(t, (KeysTarget, HashesTarget))
-                and session_id is not None and t.session_id == session_id)
+        return (
+            hint.action is Action.PIN
+            and self._limits.unsigned_pin_fraction > 0
+            and not isinstance(t, (KeysTarget, HashesTarget))
+            and session_id is not None
+            and t.session_id == session_id
+        )
 
-    def _resolve(self, hint: KvHint
-                 ) -> tuple[int, list[bytes], str, list[str], set[bytes] | None]:
+    def _resolve(self, hint: KvHint) -> tuple[int, list[bytes], str, list[str], set[bytes] | None]:
         """(blocks the hint asks for, resident block keys root first, reason
         when none, what clipped the target, those of the keys in G3)."""
         t = hint.target
         if isinstance(t, KeysTarget):
             res = self._index.resolve_keys(list(t.keys))
-            return (len(t.keys), res.keys, "none of the keys is resident", [],
-                    set(res.per_tier[Tier.G3]))
+            return (
+                len(t.keys),
+                res.keys,
+                "none of the keys is resident",
+                [],
+                set(res.per_tier[Tier.G3]),
+            )
         res = self._index.resolve_session(t.session_id, t.branch, t.boundary)
-        if res is None and hint.action is Action.RETAIN and t.boundary is not None \
-                and t.boundary not in self._index:
+        if (
+            res is None
+            and hint.action is Action.RETAIN
+            and t.boundary is not None
+            and t.boundary not in self._index
+        ):
             # The boundary's blocks were evicted (the index prunes them): what
             # is left of that chain is a resident prefix of it, and the
             # session's deepest branch is the best guess for it. A router's
@@ -930,13 +1080,23 @@ class HintExecutor:
             if deepest is not None:
                 res = self._index.resolve_session(t.session_id, branch=deepest)
                 if res is not None and res.keys:
-                    return (len(res.keys), res.keys, "", [BOUNDARY_GONE],
-                            set(res.per_tier[Tier.G3]))
+                    return (
+                        len(res.keys),
+                        res.keys,
+                        "",
+                        [BOUNDARY_GONE],
+                        set(res.per_tier[Tier.G3]),
+                    )
         if res is None:
             if self._index.is_ended(t.session_id):
                 return 0, [], "session ended", [], None
             if not self._index.has_session(t.session_id):
                 return 0, [], "unknown session", [], None
             return 0, [], "branch or boundary is not part of the session", [], None
-        return (len(res.keys), res.keys, "session has no resident blocks", [],
-                set(res.per_tier[Tier.G3]))
+        return (
+            len(res.keys),
+            res.keys,
+            "session has no resident blocks",
+            [],
+            set(res.per_tier[Tier.G3]),
+        )

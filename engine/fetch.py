@@ -23,10 +23,9 @@ run on ``MAX_FETCHES`` worker threads, further fetches queue.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-
-import logging
 
 from sessionkv.client import ControlError, HintClient
 from sessionkv.hints import HintOutcome, KvHint, Status, envelope, hint_action
@@ -45,8 +44,9 @@ Emit = Callable[[HintOutcome], None]
 class Fetcher:
     """Runs ``kv.fetch`` hints (see the module docstring)."""
 
-    def __init__(self, secret: bytes, prefetch: StartPrefetch, emit: Emit,
-                 timeout_s: float = TIMEOUT_S):
+    def __init__(
+        self, secret: bytes, prefetch: StartPrefetch, emit: Emit, timeout_s: float = TIMEOUT_S
+    ):
         self._secret = secret
         self._prefetch = prefetch
         self._emit = emit
@@ -71,8 +71,8 @@ class Fetcher:
         try:
             failed = self._steps(hint, asked)
         except (ControlError, OSError) as e:
-            failed = (Status.REJECTED, f"source failed: {e}")      # e names the source
-        except Exception:           # a bug costs this hint, never the thread
+            failed = (Status.REJECTED, f"source failed: {e}")  # e names the source
+        except Exception:  # a bug costs this hint, never the thread
             logger.exception("sessionkv: kv.fetch %s failed", hint.hint_id)
             failed = (Status.REJECTED, "internal error")
         if failed is not None:
@@ -85,13 +85,14 @@ class Fetcher:
             if not keys:
                 return Status.MISSING, "the source holds none of the blocks"
             after = src.events(after=0, limit=1).next_seq - 1
-            (first,) = src.hints(envelope(hint_action("share", keys=keys,
-                                                      destination="kv.fetch")))
+            (first,) = src.hints(envelope(hint_action("share", keys=keys, destination="kv.fetch")))
             final = first
             if first.status is Status.DEFERRED:
                 final = src.final_outcome(first.hint_id, after, self._timeout_s)
             if final.status not in (Status.ACCEPTED, Status.CLIPPED):
-                return (Status.MISSING if final.status is Status.MISSING else Status.REJECTED,
-                        f"the source's share: {final.status.value} {final.reason}".rstrip())
+                return (
+                    Status.MISSING if final.status is Status.MISSING else Status.REJECTED,
+                    f"the source's share: {final.status.value} {final.reason}".rstrip(),
+                )
         self._prefetch(hint, keys, asked)
         return None

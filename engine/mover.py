@@ -68,15 +68,14 @@ manager's lock.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import logging
-from sessionkv.tiers.compat import LookupResult, OffloadKey, ReqContext
-
 from sessionkv.events import Outcome, Transfer, Via, Wake
 from sessionkv.hints import Action, HintOutcome, Status
+from sessionkv.tiers.compat import LookupResult, OffloadKey, ReqContext
 from sessionkv.tiers.g3.tier import G3Tier
 from sessionkv.types import Tier
 
@@ -93,26 +92,26 @@ class Move:
 
     action: Action
     hint_id: str
-    target: list[OffloadKey]             # every chunk the hint names
+    target: list[OffloadKey]  # every chunk the hint names
     asked: int
     session: str | None
     ctx: ReqContext
-    keys: list[OffloadKey] = field(default_factory=list)   # the wave in flight
+    keys: list[OffloadKey] = field(default_factory=list)  # the wave in flight
     check: list[OffloadKey] = field(default_factory=list)  # its chunks believed in G3 (stores)
-    taken: int = 0                       # target[:taken] went into waves
-    ok: list[bool] | None = None         # set by the I/O thread when the wave ended
-    good: list[OffloadKey] = field(default_factory=list)   # copied, by ended waves
-    bad: int = 0                         # not copied
-    no_room: int = 0                     # a load's chunks G2 had no slot for
-    present: int = 0                     # chunks that needed no copy
-    clipped: str = ""                    # the executor's clipping, if any
-    ttl_s: float = 0.0                   # a Pin's
-    g2_blocks: int = 0                   # a Pin's blocks pinned in G2 already
-    lost: int = 0                        # a Pin's G3 chunks it cannot reach
-    reserved: bool = False               # prepare_read done: complete_read at the end
-    abandoned: bool = False              # a reset gave the outcome: ignore the end
-    label: str = ""                      # the outcomes' action name, when not the action's
-    already: list[OffloadKey] = field(default_factory=list)   # at the destination already
+    taken: int = 0  # target[:taken] went into waves
+    ok: list[bool] | None = None  # set by the I/O thread when the wave ended
+    good: list[OffloadKey] = field(default_factory=list)  # copied, by ended waves
+    bad: int = 0  # not copied
+    no_room: int = 0  # a load's chunks G2 had no slot for
+    present: int = 0  # chunks that needed no copy
+    clipped: str = ""  # the executor's clipping, if any
+    ttl_s: float = 0.0  # a Pin's
+    g2_blocks: int = 0  # a Pin's blocks pinned in G2 already
+    lost: int = 0  # a Pin's G3 chunks it cannot reach
+    reserved: bool = False  # prepare_read done: complete_read at the end
+    abandoned: bool = False  # a reset gave the outcome: ignore the end
+    label: str = ""  # the outcomes' action name, when not the action's
+    already: list[OffloadKey] = field(default_factory=list)  # at the destination already
 
     @property
     def name(self) -> str:
@@ -126,25 +125,32 @@ class Move:
 class Mover:
     """Demote, Prefetch and Share copies (see the module docstring)."""
 
-    def __init__(self, primary, tier: G3Tier, emit: Callable[[object], None],
-                 wave_chunks: int, wake: Wake, max_moves: int = MAX_MOVES):
+    def __init__(
+        self,
+        primary,
+        tier: G3Tier,
+        emit: Callable[[object], None],
+        wave_chunks: int,
+        wake: Wake,
+        max_moves: int = MAX_MOVES,
+    ):
         """``wave_chunks``: the most G2 chunks all copies reserve at a time (at
         least 1); ``wake``: set when copies ended or a slice was spent."""
-        self._primary = primary             # SessionPrimaryTier (G2)
+        self._primary = primary  # SessionPrimaryTier (G2)
         self._tier = tier
         self._wake = wake.set
         self._emit = emit
         self._max = max_moves
         self._budget = max(1, wave_chunks)
-        self._reserved = 0                  # G2 chunks the waves in flight hold
+        self._reserved = 0  # G2 chunks the waves in flight hold
         self._ids = itertools.count(1)
-        self._running: list[Move] = []      # started, not final: a wave in flight or paused
-        self._paused: deque[Move] = deque()      # between waves: the budget was spent
-        self._waiting: deque[Move] = deque()     # not started: max_moves run
-        self._finished: deque[Move] = deque()    # appended by I/O threads
-        self._fenced = False                # a reset's flush is pending: loads wait
-        self._slice = SLICE_CHUNKS          # chunks this hold of the lock may still take
-        self._held: deque[Move] = deque()        # load moves waiting for the fence
+        self._running: list[Move] = []  # started, not final: a wave in flight or paused
+        self._paused: deque[Move] = deque()  # between waves: the budget was spent
+        self._waiting: deque[Move] = deque()  # not started: max_moves run
+        self._finished: deque[Move] = deque()  # appended by I/O threads
+        self._fenced = False  # a reset's flush is pending: loads wait
+        self._slice = SLICE_CHUNKS  # chunks this hold of the lock may still take
+        self._held: deque[Move] = deque()  # load moves waiting for the fence
 
     @property
     def busy(self) -> bool:
@@ -157,18 +163,36 @@ class Mover:
         index = self._primary.index
         return [k for k in keys if (index.copies(k) or {}).get(Tier.G3, 0) > 0]
 
-    def start(self, action: Action, hint_id: str, keys: list[OffloadKey], asked: int,
-              session: str | None, clipped: str = "", ttl_s: float = 0.0,
-              g2_blocks: int = 0, name: str = "") -> HintOutcome:
+    def start(
+        self,
+        action: Action,
+        hint_id: str,
+        keys: list[OffloadKey],
+        asked: int,
+        session: str | None,
+        clipped: str = "",
+        ttl_s: float = 0.0,
+        g2_blocks: int = 0,
+        name: str = "",
+    ) -> HintOutcome:
         """Begin one hint's copy of ``keys`` (chunk keys), or for a Pin the
         G3 side of it (``keys`` in G3; ``g2_blocks`` pinned in G2 already);
         its first outcome. ``clipped``: why the executor already cut the
         target (the final outcome is then ``clipped`` at best). ``name``: the
         outcomes' action name (default ``kv.<action>``; a kv.fetch's Prefetch
         answers as the fetch)."""
-        move = Move(action, hint_id, list(keys), asked, session,
-                    ReqContext(req_id=f"sessionkv-{action.value}-{next(self._ids)}"),
-                    clipped=clipped, ttl_s=ttl_s, g2_blocks=g2_blocks, label=name)
+        move = Move(
+            action,
+            hint_id,
+            list(keys),
+            asked,
+            session,
+            ReqContext(req_id=f"sessionkv-{action.value}-{next(self._ids)}"),
+            clipped=clipped,
+            ttl_s=ttl_s,
+            g2_blocks=g2_blocks,
+            label=name,
+        )
         if len(self._running) >= self._max:
             self._waiting.append(move)
             return self._outcome(move, Status.DEFERRED, "waiting for transfer capacity")
@@ -181,11 +205,13 @@ class Mover:
             return final
         n = len(move.target)
         if move.action is Action.PIN:
-            return self._outcome(move, Status.DEFERRED, f"pinning {n} chunks in G3",
-                                 move.g2_blocks)
+            return self._outcome(move, Status.DEFERRED, f"pinning {n} chunks in G3", move.g2_blocks)
         waves = f" in waves of at most {self._budget}" if n > self._budget else ""
-        return self._outcome(move, Status.DEFERRED,
-                             f"copying {n} chunks {'from' if move.is_load else 'to'} G3{waves}")
+        return self._outcome(
+            move,
+            Status.DEFERRED,
+            f"copying {n} chunks {'from' if move.is_load else 'to'} G3{waves}",
+        )
 
     def _next_wave(self, move: Move) -> HintOutcome | None:
         """Start the move's next wave that has something to copy; None when
@@ -199,9 +225,9 @@ class Mover:
             if room <= 0:
                 self._paused.append(move)
                 if self._slice <= 0:
-                    self._wake()            # the next hold goes on (module docstring)
+                    self._wake()  # the next hold goes on (module docstring)
                 return None
-            wave = move.target[move.taken:move.taken + room]
+            wave = move.target[move.taken : move.taken + room]
             move.taken += len(wave)
             self._slice -= len(wave)
             if self._start_wave(move, wave):
@@ -231,18 +257,27 @@ class Mover:
             # Not in G2 but indexed in G3: asked again in the wave's job, so
             # "already in G3" never names an object the backend evicted.
             index = self._primary.index
-            move.check = [k for k, r in zip(wave, resident) if r is not LookupResult.HIT
-                          and (index.copies(k) or {}).get(Tier.G3, 0) > 0]
+            move.check = [
+                k
+                for k, r in zip(wave, resident)
+                if r is not LookupResult.HIT and (index.copies(k) or {}).get(Tier.G3, 0) > 0
+            ]
             move.keys = [k for k, r in zip(wave, resident) if r is LookupResult.HIT]
             if not move.keys and not move.check:
                 return False
-            chunk_ids = (self._primary.prepare_read(move.keys, move.ctx).chunk_ids
-                         if move.keys else [])
+            chunk_ids = (
+                self._primary.prepare_read(move.keys, move.ctx).chunk_ids if move.keys else []
+            )
             move.reserved = bool(move.keys)
         self._reserved += len(move.keys)
         move.ok = None
-        self._tier.move(move.is_load, move.keys, chunk_ids,
-                        lambda ok, m=move: self._copied(m, ok), check=move.check)
+        self._tier.move(
+            move.is_load,
+            move.keys,
+            chunk_ids,
+            lambda ok, m=move: self._copied(m, ok),
+            check=move.check,
+        )
         return True
 
     def _start_pin_wave(self, move: Move, wave: list[OffloadKey]) -> bool:
@@ -251,8 +286,7 @@ class Mover:
         chunk_ids = None
         move.keys = wave
         if self._tier.pin_needs_bytes:
-            move.keys = [k for k in wave if self._primary.lookup(k, move.ctx)
-                         is LookupResult.HIT]
+            move.keys = [k for k in wave if self._primary.lookup(k, move.ctx) is LookupResult.HIT]
             move.lost += len(wave) - len(move.keys)
             if not move.keys:
                 return False
@@ -260,8 +294,7 @@ class Mover:
         move.reserved = chunk_ids is not None
         self._reserved += len(move.keys)
         move.ok = None
-        self._tier.pin(move.keys, move.ttl_s, chunk_ids,
-                       lambda ok, m=move: self._copied(m, ok))
+        self._tier.pin(move.keys, move.ttl_s, chunk_ids, lambda ok, m=move: self._copied(m, ok))
         return True
 
     def apply(self) -> None:
@@ -301,7 +334,7 @@ class Mover:
     def _end_wave(self, move: Move) -> HintOutcome | None:
         ok = move.ok or [False] * (len(move.keys) + len(move.check))
         if move.check:
-            ok, listed = ok[:len(move.keys)], ok[len(move.keys):]
+            ok, listed = ok[: len(move.keys)], ok[len(move.keys) :]
             there = [k for k, o in zip(move.check, listed) if o]
             move.present += len(there)
             move.already += there
@@ -325,7 +358,7 @@ class Mover:
         move.good += good
         move.bad += len(bad)
         move.keys = []
-        if self._paused:                     # the budget goes round: waiting copies first
+        if self._paused:  # the budget goes round: waiting copies first
             self._paused.append(move)
             return None
         return self._next_wave(move)
@@ -341,10 +374,18 @@ class Mover:
         done = self._blocks(good + move.present)
         if good or move.bad or (move.present and not move.is_load):
             src, dst = (Tier.G3, Tier.G2) if move.is_load else (Tier.G2, Tier.G3)
-            self._emit(Transfer(src=src.name, dst=dst.name, keys=move.good, ok=not move.bad,
-                                req_id=move.ctx.req_id, hint_id=move.hint_id,
-                                already=move.already))
-        if not good and not move.bad:        # nothing was copied
+            self._emit(
+                Transfer(
+                    src=src.name,
+                    dst=dst.name,
+                    keys=move.good,
+                    ok=not move.bad,
+                    req_id=move.ctx.req_id,
+                    hint_id=move.hint_id,
+                    already=move.already,
+                )
+            )
+        if not good and not move.bad:  # nothing was copied
             if not move.is_load:
                 if move.present:
                     return self._outcome(move, Status.ACCEPTED, "already in G3", done)
@@ -353,13 +394,15 @@ class Mover:
                 return self._outcome(move, Status.ACCEPTED, "already in G2", done)
             if not move.present:
                 return self._outcome(move, Status.REJECTED, "no room in G2")
-            return self._outcome(move, Status.CLIPPED,
-                                 f"{move.no_room} chunks found no room in G2", done)
+            return self._outcome(
+                move, Status.CLIPPED, f"{move.no_room} chunks found no room in G2", done
+            )
         if not bad:
             return self._outcome(move, Status.ACCEPTED, "", done)
         if good:
-            return self._outcome(move, Status.CLIPPED,
-                                 f"{bad} of {good + bad} chunks not copied", done)
+            return self._outcome(
+                move, Status.CLIPPED, f"{bad} of {good + bad} chunks not copied", done
+            )
         if move.is_load:
             return self._outcome(move, Status.MISSING, "not readable from G3", done)
         return self._outcome(move, Status.REJECTED, "G3 store failed", done)
@@ -386,8 +429,13 @@ class Mover:
             move.abandoned = True
             done = self._blocks(len(move.good) + move.present)
             status = Status.CLIPPED if done else Status.REJECTED
-            self._emit(Outcome(outcome=self._outcome(move, status, "G2 was reset", done),
-                               via=Via.TRANSFER, session_id=move.session))
+            self._emit(
+                Outcome(
+                    outcome=self._outcome(move, status, "G2 was reset", done),
+                    via=Via.TRANSFER,
+                    session_id=move.session,
+                )
+            )
         self._running.clear()
         self._paused.clear()
         self._held.clear()

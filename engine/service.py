@@ -92,9 +92,17 @@ class SessionService:
     copies) and the index. Out-of-band methods take ``lock``; scheduler-side
     ones expect the caller to hold it (module docstring)."""
 
-    def __init__(self, primary_tier: SessionPrimaryTier, g3: G3Tier | None,
-                 index: SessionPrefixIndex, config: SessionKVConfig, g3_copies: G3Copies,
-                 event_log: EventLog | None, stats: Recorder, lock: threading.Lock):
+    def __init__(
+        self,
+        primary_tier: SessionPrimaryTier,
+        g3: G3Tier | None,
+        index: SessionPrefixIndex,
+        config: SessionKVConfig,
+        g3_copies: G3Copies,
+        event_log: EventLog | None,
+        stats: Recorder,
+        lock: threading.Lock,
+    ):
         """``g3_copies``: the queue every G3 tier observes into; ``event_log``:
         None for no event stream; ``lock``: the one lock (module docstring)."""
         self.primary_tier = primary_tier
@@ -111,14 +119,24 @@ class SessionService:
         self.mover = Mover(primary_tier, g3, self.emit, wave, self.wake) if g3 else None
         secret = config.policy.trust.secret
         # kv.fetch asks the source engine's control channel, with our secret.
-        self.fetcher = (Fetcher(secret, self._fetched, self._emit_final)
-                        if self.mover is not None and secret is not None else None)
+        self.fetcher = (
+            Fetcher(secret, self._fetched, self._emit_final)
+            if self.mover is not None and secret is not None
+            else None
+        )
         self.executor = HintExecutor(
-            index, config.policy.limits, primary_tier.policy, primary_tier.num_chunks,
-            primary_tier.blocks_per_chunk, mover=self.mover, fetcher=self.fetcher,
+            index,
+            config.policy.limits,
+            primary_tier.policy,
+            primary_tier.num_chunks,
+            primary_tier.blocks_per_chunk,
+            mover=self.mover,
+            fetcher=self.fetcher,
             emit=lambda o, via, s: self.emit(Outcome(outcome=o, via=via, session_id=s)),
-            g3_cascades=config.policy.g3.write_through, wake=self.wake.set)
-        self._finished_req: str | None = None    # the last request_finished's
+            g3_cascades=config.policy.g3.write_through,
+            wake=self.wake.set,
+        )
+        self._finished_req: str | None = None  # the last request_finished's
 
     def emit(self, event) -> None:
         """Count ``event`` in the metrics; append it to the event log, if any."""
@@ -126,8 +144,9 @@ class SessionService:
         if self.event_log is not None:
             self.event_log.append(event)
 
-    def emit_outcomes(self, outcomes, via: Via, session: str | None,
-                      client: str | None = None) -> None:
+    def emit_outcomes(
+        self, outcomes, via: Via, session: str | None, client: str | None = None
+    ) -> None:
         for o in outcomes:
             self.emit(Outcome(outcome=o, via=via, session_id=session, client=client))
 
@@ -156,18 +175,26 @@ class SessionService:
                     i += 1
                     if s is not None:
                         live.append(s.session_id)
-                        sessions.append({
-                            "session_id": s.session_id, "blocks": s.blocks,
-                            "per_tier": {t.name: n for t, n in s.per_tier.items()},
-                            "branches": len(s.frontiers), "last_access": s.last_access})
+                        sessions.append(
+                            {
+                                "session_id": s.session_id,
+                                "blocks": s.blocks,
+                                "per_tier": {t.name: n for t, n in s.per_tier.items()},
+                                "branches": len(s.frontiers),
+                                "last_access": s.last_access,
+                            }
+                        )
                     if time.perf_counter() - t0 >= STATUS_HOLD_S:
                         break
                 pins += self.executor.pins(live)
                 if i == len(names):
-                    out = {"sessions": sessions, "pins": sorted(
-                               pins, key=lambda p: (p["session_id"], p["hint_id"])),
-                           "pinned_chunks": self.executor.pinned_chunks,
-                           "outcomes": self.stats.outcome_totals(), "evictions": []}
+                    out = {
+                        "sessions": sessions,
+                        "pins": sorted(pins, key=lambda p: (p["session_id"], p["hint_id"])),
+                        "pinned_chunks": self.executor.pinned_chunks,
+                        "outcomes": self.stats.outcome_totals(),
+                        "evictions": [],
+                    }
                 longest = max(longest, time.perf_counter() - t0)
             if i == len(names):
                 break
@@ -176,13 +203,16 @@ class SessionService:
         if self.event_log is not None:
             _, _, next_seq = self.event_log.since(0, 0)
             recent, _, _ = self.event_log.since(max(0, next_seq - 1 - 10_000), 10_000)
-            out["evictions"] = [{"seq": e.seq, "tier": e.tier, "chunks": len(e.keys),
-                                 "reason": e.reason}
-                                for e in recent if isinstance(e, Eviction)][-evictions:]
+            out["evictions"] = [
+                {"seq": e.seq, "tier": e.tier, "chunks": len(e.keys), "reason": e.reason}
+                for e in recent
+                if isinstance(e, Eviction)
+            ][-evictions:]
         return out
 
-    def control_hints(self, items: list[KvHint | HintOutcome], session: str | None,
-                      client: str) -> list[HintOutcome]:
+    def control_hints(
+        self, items: list[KvHint | HintOutcome], session: str | None, client: str
+    ) -> list[HintOutcome]:
         """Execute hints from the control channel now, under the lock."""
         with self.lock:
             if self.mover is not None:
@@ -217,8 +247,9 @@ class SessionService:
         """A kv.fetch's source published ``keys``: prefetch them here."""
         with self.lock:
             self.mover.begin_hold()
-            first = self.mover.start(Action.PREFETCH, hint.hint_id, keys, asked, None,
-                                     name=hint.action.action_type)
+            first = self.mover.start(
+                Action.PREFETCH, hint.hint_id, keys, asked, None, name=hint.action.action_type
+            )
             if first.status is not Status.DEFERRED:
                 self.emit(Outcome(outcome=first, via=Via.TRANSFER))
 
@@ -248,8 +279,11 @@ class SessionService:
             if not busy or time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
-        logger.info("sessionkv: drained %d live sessions to G3%s", len(sessions),
-                    " (copies still running at the deadline)" if busy else "")
+        logger.info(
+            "sessionkv: drained %d live sessions to G3%s",
+            len(sessions),
+            " (copies still running at the deadline)" if busy else "",
+        )
         return len(sessions)
 
     def close(self) -> None:
@@ -273,7 +307,7 @@ class SessionService:
             ended = self.index.expire(now, 1)
             if not ended:
                 return False
-            work += 1 + self.executor.release(ended[0])   # a session counts as a chunk
+            work += 1 + self.executor.release(ended[0])  # a session counts as a chunk
             self.emit(Association(session_id=ended[0], op=Op.END, reason="idle"))
         return True
 
@@ -302,10 +336,11 @@ class SessionService:
             self.stats.moved(src.name, dst.name, sum(copy.ok))
             found = [k for k, o in zip(copy.keys, copy.ok) if o]
             self.primary_tier.set_copies(Tier.G3, found, 1)
-            if copy.load:     # a load that failed: the object is not there for us
+            if copy.load:  # a load that failed: the object is not there for us
                 self.primary_tier.set_copies(
-                    Tier.G3, [k for k, o in zip(copy.keys, copy.ok) if not o], 0)
-            elif self.executor.waiting:     # a turn's chunks a Pin waits for in G3
+                    Tier.G3, [k for k, o in zip(copy.keys, copy.ok) if not o], 0
+                )
+            elif self.executor.waiting:  # a turn's chunks a Pin waits for in G3
                 self.executor.g3_stored(copy.keys, copy.ok)
 
     def before_reset(self) -> None:
@@ -332,12 +367,12 @@ class SessionService:
     def evicted(self, keys: list[OffloadKey]) -> None:
         """vLLM freed these G2 chunks for a store."""
         if self.executor.waiting:
-            self.index_g3_copies()     # copies that ended before vLLM freed their chunks
+            self.index_g3_copies()  # copies that ended before vLLM freed their chunks
             self.executor.evicted(keys)
 
     def stored(self, keys, success: bool) -> None:
         """A G1 -> G2 store ended."""
-        if self.executor.waiting:           # a turn's last chunks hints wait for
+        if self.executor.waiting:  # a turn's last chunks hints wait for
             self.executor.stored(keys, success)
 
     def request_finished(self, req_id: str) -> None:
@@ -346,24 +381,29 @@ class SessionService:
         if self.executor.waiting:
             self.executor.request_done(req_id)
 
-    def execute_request_hints(self, hints: tuple[KvHint | HintOutcome, ...],
-                              session: str | None, turn: Turn | None = None
-                              ) -> tuple[HintOutcome, ...]:
+    def execute_request_hints(
+        self, hints: tuple[KvHint | HintOutcome, ...], session: str | None, turn: Turn | None = None
+    ) -> tuple[HintOutcome, ...]:
         """Execute a finished request's hints (parsed when it arrived, the
         outcomes of unparsable ones included): one outcome each. ``turn``: its
         chunks, whose last ones the hints wait for (``engine/executor.py``)."""
         if not hints:
             return ()
         if turn is not None:
-            self.index_g3_copies()     # the G3 copies that ended, before the turn is read
+            self.index_g3_copies()  # the G3 copies that ended, before the turn is read
         try:
             outcomes = tuple(self.executor.execute_all(list(hints), session, turn=turn))
-        except Exception:           # an executor bug must cost the hints, never the engine
+        except Exception:  # an executor bug must cost the hints, never the engine
             logger.exception("sessionkv: hints of a request of session %r failed", session)
-            outcomes = tuple(i if isinstance(i, HintOutcome) else HintOutcome(
-                i.hint_id, i.action.action_type, Status.REJECTED, reason="internal error")
-                for i in hints)
+            outcomes = tuple(
+                i
+                if isinstance(i, HintOutcome)
+                else HintOutcome(
+                    i.hint_id, i.action.action_type, Status.REJECTED, reason="internal error"
+                )
+                for i in hints
+            )
         self.emit_outcomes(outcomes, Via.REQUEST, session)
         if turn is not None and turn.req_id == self._finished_req:
-            self.executor.request_done(turn.req_id)     # vLLM had nothing more to store
+            self.executor.request_done(turn.req_id)  # vLLM had nothing more to store
         return outcomes

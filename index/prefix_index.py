@@ -43,10 +43,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sessionkv.types import TIERS, Tier
-
 from sessionkv.index.tree import FEW_KEYS, MAX_COPIES, NONE, BlockTree, view
 from sessionkv.index.views import Resolved, SessionSummary, alias64
+from sessionkv.types import TIERS, Tier
 
 __all__ = ["SessionPrefixIndex", "Resolved", "SessionSummary", "alias64"]
 
@@ -111,8 +110,14 @@ class SessionPrefixIndex:
         """
         self._admit(session, chain, tier, start, now)
 
-    def extend(self, session: str | None, parent: bytes, keys: Sequence[bytes], tier: Tier,
-               now: float = 0.0) -> bool:
+    def extend(
+        self,
+        session: str | None,
+        parent: bytes,
+        keys: Sequence[bytes],
+        tier: Tier,
+        now: float = 0.0,
+    ) -> bool:
         """``admit`` of a chain's next blocks: ``keys`` are the children of
         ``parent``, each gets a copy in ``tier``. It touches only ``keys``
         and the session's frontiers, so a step's admission costs the blocks
@@ -121,15 +126,19 @@ class SessionPrefixIndex:
         caller admits the whole chain instead."""
         return not self.extend_each([(session, parent, keys)], tier, now)
 
-    def extend_each(self, items: Sequence[tuple[str | None, bytes, Sequence[bytes]]],
-                    tier: Tier, now: float = 0.0) -> list[int]:
+    def extend_each(
+        self,
+        items: Sequence[tuple[str | None, bytes, Sequence[bytes]]],
+        tier: Tier,
+        now: float = 0.0,
+    ) -> list[int]:
         """``extend`` of each ``(session, parent, keys)``, in order, in one
         call (a scheduler step's filled blocks); the positions of the items
         whose parent is no longer indexed, which did nothing."""
         tree = self._tree
         slot, frontier_of, add_leaf = tree.slot, self._frontier_of, tree.add_leaf
         sessions = self._sessions
-        if sessions:            # no earlier than the latest access (``_touch_session``)
+        if sessions:  # no earlier than the latest access (``_touch_session``)
             now = max(now, sessions[next(reversed(sessions))].last_access)
         missing = []
         for i, (session, parent, keys) in enumerate(items):
@@ -138,8 +147,7 @@ class SessionPrefixIndex:
                 missing.append(i)
                 continue
             owners = frontier_of.get(p)
-            if len(keys) == 1 and owners is not None and session in owners \
-                    and keys[0] not in slot:
+            if len(keys) == 1 and owners is not None and session in owners and keys[0] not in slot:
                 # A decode step's block below the session's frontier: the
                 # frontier moves down to it (what ``_admit`` concludes, in a
                 # few dict and array writes: 16 a step at 256 x 64k).
@@ -151,7 +159,7 @@ class SessionPrefixIndex:
                 st.frontiers.discard(p)
                 st.frontiers.add(s)
                 del frontier_of[p]
-                if len(owners) == 1:            # the session's own: the set moves down
+                if len(owners) == 1:  # the session's own: the set moves down
                     frontier_of[s] = owners
                 else:
                     owners.discard(session)
@@ -161,8 +169,16 @@ class SessionPrefixIndex:
             self._admit(session, keys, tier, 0, now, p, tree.depth[p] + 1)
         return missing
 
-    def _admit(self, session: str | None, chain: Sequence[bytes], tier: Tier | None,
-               start: int, now: float, root: int = NONE, base: int = 0) -> None:
+    def _admit(
+        self,
+        session: str | None,
+        chain: Sequence[bytes],
+        tier: Tier | None,
+        start: int,
+        now: float,
+        root: int = NONE,
+        base: int = 0,
+    ) -> None:
         """``admit`` of ``chain`` below node ``root`` (the tree's root by
         default), ``chain[0]`` at depth ``base``."""
         n = len(chain)
@@ -171,8 +187,11 @@ class SessionPrefixIndex:
         tree = self._tree
         slots = list(map(tree.slot.get, chain))
         # New keys above ``start`` get no copy: linked in, then out again.
-        uncopied = [i for i, s in enumerate(slots[:start]) if s is None] \
-            if tier is not None and start and None in slots[:start] else ()
+        uncopied = (
+            [i for i, s in enumerate(slots[:start]) if s is None]
+            if tier is not None and start and None in slots[:start]
+            else ()
+        )
         relinked, moved = tree.attach(chain, slots, root, base)
         if moved:
             self._merge_branches(moved)
@@ -189,7 +208,7 @@ class SessionPrefixIndex:
             self._touch_session(session, now)
             if tail >= 0:
                 self._extend_branch(session, slots, tail, base, root)
-        for s in [*relinked, *(slots[i] for i in uncopied)]:     # linked in with no copy
+        for s in [*relinked, *(slots[i] for i in uncopied)]:  # linked in with no copy
             if tree.keys[s] is not None and total[s] == 0:
                 tree.prune(s, self._frontier_of)
 
@@ -214,17 +233,18 @@ class SessionPrefixIndex:
         sessions = self._sessions
         if sessions:
             now = max(now, sessions[next(reversed(sessions))].last_access)
-        st = sessions.pop(session, None)          # back in at the end: access order
+        st = sessions.pop(session, None)  # back in at the end: access order
         if st is None:
             st = _Session()
-            self._tombstones.pop(session, None)   # a new request reopens it
+            self._tombstones.pop(session, None)  # a new request reopens it
         sessions[session] = st
         if now > st.last_access:
             st.last_access = now
         return st
 
-    def _extend_branch(self, session: str, slots: list, tail: int, base: int = 0,
-                       above: int = NONE) -> None:
+    def _extend_branch(
+        self, session: str, slots: list, tail: int, base: int = 0, above: int = NONE
+    ) -> None:
         """Make ``slots[tail]`` a frontier of the session, unless a branch
         already covers it; frontiers on the chain above it are superseded.
         ``slots`` start at depth ``base``, below node ``above`` (``extend``):
@@ -274,15 +294,14 @@ class SessionPrefixIndex:
         if isinstance(counts, int):
             # One count for all: a store's G2 copies, an eviction's (a decode
             # step at 256 x 64k has about 16 of each, most of one key).
-            if len(keys) == 1:          # without the lists of ``set_each``
+            if len(keys) == 1:  # without the lists of ``set_each``
                 for key in keys:
                     s = self._tree.slot.get(key)
                     if s is not None and self._tree.put(tier, s, min(max(counts, 0), MAX_COPIES)):
                         self._on_gone([s])
                 return
             get = self._tree.slot.get
-            gone = self._tree.set_each(tier, [s for s in map(get, keys) if s is not None],
-                                       counts)
+            gone = self._tree.set_each(tier, [s for s in map(get, keys) if s is not None], counts)
             if gone:
                 self._on_gone(gone)
             return
@@ -371,7 +390,7 @@ class SessionPrefixIndex:
             owners.discard(session)
             if not owners:
                 del self._frontier_of[f]
-                if self._tree.total[f] == 0:     # unreachable by the invariant; be safe
+                if self._tree.total[f] == 0:  # unreachable by the invariant; be safe
                     self._tree.prune(f, self._frontier_of)
         self._tombstones[session] = now
         self._tombstones.move_to_end(session)
@@ -386,7 +405,7 @@ class SessionPrefixIndex:
             return []
         limit = now - self._idle_timeout_s
         idle = []
-        for s, st in self._sessions.items():      # oldest first
+        for s, st in self._sessions.items():  # oldest first
             if st.last_access >= limit or len(idle) == max_sessions:
                 break
             idle.append(s)

@@ -49,9 +49,8 @@ from itertools import compress
 
 import numpy as np
 
-from sessionkv.types import TIERS, Tier
-
 from sessionkv.index.views import Resolved, alias64, aliases64
+from sessionkv.types import TIERS, Tier
 
 NONE = -1
 MAX_COPIES = int(np.iinfo(np.uint16).max)
@@ -76,16 +75,16 @@ class BlockTree:
     def __init__(self, initial_capacity: int = 1024):
         cap = max(16, initial_capacity)
         self.slot: dict[bytes, int] = {}
-        self.alias: dict[int, int] | None = None    # alias64(key) -> slot, once built
-        self._aliased = 0                           # slots the build has covered
+        self.alias: dict[int, int] | None = None  # alias64(key) -> slot, once built
+        self._aliased = 0  # slots the build has covered
         self.keys: list[bytes | None] = []
         self._free: list[int] = []
         self.parent = array("i", [NONE]) * cap
         self.depth = array("i", bytes(4 * cap))
         self.nchild = array("i", bytes(4 * cap))
-        self.xchild = array("i", bytes(4 * cap))   # XOR of the children's slots
+        self.xchild = array("i", bytes(4 * cap))  # XOR of the children's slots
         self.copies = [array("H", bytes(2 * cap)) for _ in TIERS]
-        self.total = array("I", bytes(4 * cap))    # copies over all tiers
+        self.total = array("I", bytes(4 * cap))  # copies over all tiers
 
     def __len__(self) -> int:
         return len(self.slot)
@@ -107,7 +106,7 @@ class BlockTree:
 
     def _alloc(self, n: int) -> list[int]:
         reuse = self._free[-n:] if n else []
-        del self._free[len(self._free) - len(reuse):]
+        del self._free[len(self._free) - len(reuse) :]
         fresh = n - len(reuse)
         start = len(self.keys)
         if fresh:
@@ -115,8 +114,9 @@ class BlockTree:
             self.keys.extend([None] * fresh)
         return reuse[::-1] + list(range(start, start + fresh))
 
-    def attach(self, chain: Sequence[bytes], slots: list, root: int = NONE,
-               base: int = 0) -> tuple[list[int], list[tuple[int, int]]]:
+    def attach(
+        self, chain: Sequence[bytes], slots: list, root: int = NONE, base: int = 0
+    ) -> tuple[list[int], list[tuple[int, int]]]:
         """Make ``chain`` a path of the tree: ``chain[0]`` a child of ``root``
         (the tree's root by default) at depth ``base``, each key a child of
         the one before. ``slots`` holds ``chain``'s slots, None for the
@@ -127,11 +127,11 @@ class BlockTree:
         given a new parent, ``(slot, old parent)``: usually both empty."""
         n = len(chain)
         missing = slots.count(None)
-        if missing == n:                         # all new: a decode step's block
+        if missing == n:  # all new: a decode step's block
             self._link_run(chain, slots, 0, n, root, base)
             return [], []
         first_new = n - missing
-        if slots[first_new:].count(None) == missing:     # a known prefix, then new keys
+        if slots[first_new:].count(None) == missing:  # a known prefix, then new keys
             bad = self._misparented(slots, first_new, root)
             if not bad:
                 if missing:
@@ -195,19 +195,25 @@ class BlockTree:
             prev = s
         return out
 
-    def _repair(self, chain: Sequence[bytes], slots: list, bad: list[int],
-                root: int, base: int) -> tuple[list[int], list[tuple[int, int]]]:
+    def _repair(
+        self, chain: Sequence[bytes], slots: list, bad: list[int], root: int, base: int
+    ) -> tuple[list[int], list[tuple[int, int]]]:
         """``attach`` off its common path: missing keys anywhere, spliced links."""
         n, parent, depth = len(chain), self.parent, self.depth
-        for j in bad:                           # validate before changing anything
+        for j in bad:  # validate before changing anything
             above = next((slots[i] for i in range(j - 1, -1, -1) if slots[i] is not None), root)
             x = parent[slots[j]]
-            if depth[slots[j]] != base + j or x != NONE and (
-                    above == NONE or self.ancestor_at(above, depth[x]) != x):
-                raise ValueError("chain holds a known key that is not the child of the "
-                                 "key before it, nor of a spliced-out one: not a prefix chain")
+            if (
+                depth[slots[j]] != base + j
+                or x != NONE
+                and (above == NONE or self.ancestor_at(above, depth[x]) != x)
+            ):
+                raise ValueError(
+                    "chain holds a known key that is not the child of the "
+                    "key before it, nor of a spliced-out one: not a prefix chain"
+                )
         relinked, i = [], 0
-        while i < n:                            # link each run of missing keys
+        while i < n:  # link each run of missing keys
             if slots[i] is not None:
                 i += 1
                 continue
@@ -224,10 +230,11 @@ class BlockTree:
             self._reparent(slots[j], slots[j - 1] if j else root)
         return relinked, moved
 
-    def _link_run(self, chain: Sequence[bytes], slots: list, i: int, j: int,
-                  root: int, base: int) -> None:
+    def _link_run(
+        self, chain: Sequence[bytes], slots: list, i: int, j: int, root: int, base: int
+    ) -> None:
         """Link ``chain[i:j]`` (all missing) below ``slots[i - 1]`` (``root`` when i == 0)."""
-        fresh = not self._free                 # new slots are the list's end
+        fresh = not self._free  # new slots are the list's end
         new = self._alloc(j - i)
         parent = slots[i - 1] if i else root
         if len(new) <= FEW_KEYS:
@@ -237,7 +244,7 @@ class BlockTree:
         new_keys = chain[i:j]
         keys = self.keys
         if fresh:
-            keys[new[0]:new[0] + len(new)] = new_keys
+            keys[new[0] : new[0] + len(new)] = new_keys
         else:
             for s, k in zip(new, new_keys):
                 keys[s] = k
@@ -260,7 +267,13 @@ class BlockTree:
     def _link_few(self, new: list[int], parent: int, depth: int) -> None:
         """The arrays of ``link`` per slot (numpy's per-call cost, FEW_KEYS)."""
         par, dep, nchild, xchild, copies, total = (
-            self.parent, self.depth, self.nchild, self.xchild, self.copies, self.total)
+            self.parent,
+            self.depth,
+            self.nchild,
+            self.xchild,
+            self.copies,
+            self.total,
+        )
         for s in new:
             par[s] = parent
             dep[s] = depth
@@ -330,7 +343,7 @@ class BlockTree:
         """At least one copy in ``tier`` for each of ``slots`` (a copy already
         counted is not counted twice)."""
         row, total = self.copies[tier], self.total
-        if len(slots) <= FEW_KEYS:       # a decode step's block
+        if len(slots) <= FEW_KEYS:  # a decode step's block
             for s in slots:
                 if row[s] == 0:
                     row[s] = 1
@@ -362,7 +375,7 @@ class BlockTree:
         if not 0 <= value <= MAX_COPIES:
             value = min(max(value, 0), MAX_COPIES)
         row, total = self.copies[tier], self.total
-        gone = []                        # a store's chunk, an evicted one
+        gone = []  # a store's chunk, an evicted one
         for s in slots:
             old = row[s]
             if old != value:
@@ -476,8 +489,11 @@ class BlockTree:
         if blocks_per_chunk == 1:
             return [k for k in keys if k in self.slot]
         depth = self.depth
-        return [k for k in keys if (s := self.slot.get(k)) is not None
-                and (depth[s] + 1) % blocks_per_chunk == 0]
+        return [
+            k
+            for k in keys
+            if (s := self.slot.get(k)) is not None and (depth[s] + 1) % blocks_per_chunk == 0
+        ]
 
     def result(self, slots: Iterable[int]) -> Resolved:
         """The resident ones of ``slots`` as a ``Resolved`` (root side first,
@@ -493,13 +509,14 @@ class BlockTree:
         idx, dep = idx[order], dep[order]
         slots = idx.tolist()
         ties = np.flatnonzero(dep[1:] == dep[:-1])
-        if ties.size:                        # equal depths: by key, as before
+        if ties.size:  # equal depths: by key, as before
             bounds = np.flatnonzero(np.diff(dep) != 0) + 1
             for a, b in zip([0, *bounds.tolist()], [*bounds.tolist(), len(slots)]):
                 if b - a > 1:
                     slots[a:b] = sorted(slots[a:b], key=keys_of.__getitem__)
             idx = np.asarray(slots, dtype=np.int64)
         keys = [keys_of[s] for s in slots]
-        per_tier = {t: list(compress(keys, (view(self.copies[t])[idx] > 0).tolist()))
-                    for t in TIERS}
+        per_tier = {
+            t: list(compress(keys, (view(self.copies[t])[idx] > 0).tolist())) for t in TIERS
+        }
         return Resolved(keys, per_tier)

@@ -25,7 +25,7 @@ def aliases64(keys: Sequence[bytes]) -> list[int]:
     if n < 8 or width < 12 or min(map(len, keys)) != max(map(len, keys)):
         return list(map(alias64, keys))
     rows = np.frombuffer(b"".join(keys), np.uint8).reshape(n, width)
-    return rows[:, width - 12:width - 4].copy().view(">u8").ravel().tolist()
+    return rows[:, width - 12 : width - 4].copy().view(">u8").ravel().tolist()
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,6 @@ class SessionSummary:
 
     session_id: str
     frontiers: list[bytes]
-    blocks: int                      # resident member blocks
-    per_tier: dict[Tier, int]        # member blocks with a copy in each tier
+    blocks: int  # resident member blocks
+    per_tier: dict[Tier, int]  # member blocks with a copy in each tier
     last_access: float

@@ -73,8 +73,16 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from sessionkv.hints import (Action, HINTS_PARAM, KVCR_PARAM, SIG_PARAM, envelope, hint_action,
-                             id_problem, sign)
+from sessionkv.hints import (
+    HINTS_PARAM,
+    KVCR_PARAM,
+    SIG_PARAM,
+    Action,
+    envelope,
+    hint_action,
+    id_problem,
+    sign,
+)
 from sessionkv.keys import ROUTER_ADMIN, ROUTER_CLIENT, derive
 from sessionkv.report import RequestReport
 from sessionkv.router import policy as rules
@@ -87,15 +95,20 @@ from sessionkv.router.workers import Worker
 
 log = logging.getLogger("sessionkv.router")
 SESSION_HEADER = "X-Session-ID"
-OUTBOX = 10_000          # policy hints waiting for the control channel (more are dropped, counted)
+OUTBOX = 10_000  # policy hints waiting for the control channel (more are dropped, counted)
 WORKER_HEADER = "X-SessionKV-Worker"
 # Seconds from the turn's arrival to its forwarding: session state, placement,
 # a move's Share wait, the policy's work (benches attribute TTFT with it).
 ROUTED_HEADER = "X-SessionKV-Routed-S"
-DRAIN_CONCURRENCY = 8    # Demotes in flight at once while a worker drains
-KEEPALIVE_S = 4.0        # below the engines' keep-alive (vLLM: 5 s), see start()
-HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding",
-               "keep-alive"}
+DRAIN_CONCURRENCY = 8  # Demotes in flight at once while a worker drains
+KEEPALIVE_S = 4.0  # below the engines' keep-alive (vLLM: 5 s), see start()
+HOP_HEADERS = {
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "content-encoding",
+    "keep-alive",
+}
 
 
 class _StreamCut(aiohttp.ClientError):
@@ -111,37 +124,43 @@ class Router:
         self.metrics = RouterMetrics(self)
         self.policy = SessionHints(cfg.policy, clock)
         self._outbox: asyncio.Queue[Out] = asyncio.Queue(OUTBOX)
-        self.store = ResilientStore(SessionStore(cfg.redis), cfg.policy.max_sessions,
-                                    cfg.redis.retry_s)
-        self._pins = rules.PinQuota(cfg.policy.tool_call.max_pins_per_client,
-                                    cfg.policy.max_sessions, clock)
+        self.store = ResilientStore(
+            SessionStore(cfg.redis), cfg.policy.max_sessions, cfg.redis.retry_s
+        )
+        self._pins = rules.PinQuota(
+            cfg.policy.tool_call.max_pins_per_client, cfg.policy.max_sessions, clock
+        )
         self.workers: dict[str, Worker] = {}
         self._http: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
         # Each session's last body and its size, for warm-ups only: at most
         # policy.max_sessions bodies and policy.warmup.max_bytes in all.
-        self._last_body: OrderedDict[str, tuple[str, dict[str, Any], int, str | None]] = \
+        self._last_body: OrderedDict[str, tuple[str, dict[str, Any], int, str | None]] = (
             OrderedDict()
+        )
         self._last_bytes = 0
         self.app = web.Application(client_max_size=64 << 20)
-        self.app.add_routes([
-            web.post("/v1/completions", self._generate),
-            web.post("/v1/chat/completions", self._generate),
-            web.get("/v1/models", self._models),
-            web.post("/v1/sessions/{sid}/end", self._end_api),
-            web.get("/v1/sessions/{sid}", self._session_api),
-            web.get("/router/status", self._status),
-            web.post("/router/workers/{name}/drain", self._drain_api),
-            web.delete("/router/workers/{name}/drain", self._drain_api),
-            web.get("/metrics", self._metrics),
-            web.get("/health", self._health)])
+        self.app.add_routes(
+            [
+                web.post("/v1/completions", self._generate),
+                web.post("/v1/chat/completions", self._generate),
+                web.get("/v1/models", self._models),
+                web.post("/v1/sessions/{sid}/end", self._end_api),
+                web.get("/v1/sessions/{sid}", self._session_api),
+                web.get("/router/status", self._status),
+                web.post("/router/workers/{name}/drain", self._drain_api),
+                web.delete("/router/workers/{name}/drain", self._drain_api),
+                web.get("/metrics", self._metrics),
+                web.get("/health", self._health),
+            ]
+        )
 
     # ---- lifecycle ----------------------------------------------------------------
 
     async def start(self) -> None:
         try:
             await self.store.ping()
-        except StateError as e:     # routing goes on from this replica's memory
+        except StateError as e:  # routing goes on from this replica's memory
             log.warning("%s: starting without session state", e)
         # Idle pooled connections close before the engine's server closes them
         # (uvicorn's keep-alive in vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s; aiohttp
@@ -149,10 +168,12 @@ class Router:
         # fails with ServerDisconnectedError although the engine is fine.
         self._http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S),
-            timeout=aiohttp.ClientTimeout(total=self.cfg.routing.request_timeout_s))
+            timeout=aiohttp.ClientTimeout(total=self.cfg.routing.request_timeout_s),
+        )
         for w in self.cfg.workers:
-            self.workers[w.name] = Worker(w, self.cfg.secret, self._http,
-                                          self.cfg.routing.load_poll_s, self._final)
+            self.workers[w.name] = Worker(
+                w, self.cfg.secret, self._http, self.cfg.routing.load_poll_s, self._final
+            )
         await asyncio.gather(*(w.start() for w in self.workers.values()))
         for w in self.workers.values():
             if w.control is not None:
@@ -180,23 +201,31 @@ class Router:
 
     def _count(self, worker: str, session_id: str, outcome, via: str) -> None:
         self.counters.outcome(outcome, via)
-        log.info("hint %s %s on %s for %s: %s %d/%d %s", outcome.hint_id, outcome.action,
-                 worker, session_id, getattr(outcome.status, "value", outcome.status),
-                 outcome.blocks_affected, outcome.blocks_asked, outcome.reason)
+        log.info(
+            "hint %s %s on %s for %s: %s %d/%d %s",
+            outcome.hint_id,
+            outcome.action,
+            worker,
+            session_id,
+            getattr(outcome.status, "value", outcome.status),
+            outcome.blocks_affected,
+            outcome.blocks_asked,
+            outcome.reason,
+        )
 
     def _final(self, worker: Worker, outcome) -> None:
         self._count(worker.name, "-", outcome, "final")
 
-    async def _hint(self, worker: Worker, action: Action, session_id: str, wait_s: float = 0,
-                    **kw: Any):
+    async def _hint(
+        self, worker: Worker, action: Action, session_id: str, wait_s: float = 0, **kw: Any
+    ):
         """A control hint, counted; with ``wait_s``, its final outcome and transfer
         (None when it did not come in time). Never raises: a failure is logged."""
         try:
             self.counters.sent("control")
             first = await worker.hint(action, session_id, **kw)
-        except Exception as e:      # the engine is away: the hint is lost, the turn is not
-            log.warning("hint %s on %s for %s failed: %s", action.value, worker.name,
-                        session_id, e)
+        except Exception as e:  # the engine is away: the hint is lost, the turn is not
+            log.warning("hint %s on %s for %s failed: %s", action.value, worker.name, session_id, e)
             self.counters.event("hint_errors")
             return None, None
         self._count(worker.name, session_id, first, "control")
@@ -233,8 +262,9 @@ class Router:
             g2 = int(i.get("g2_chunks", 0)) * int(i.get("blocks_per_chunk", 1))
             g1, rate = int(i.get("g1_blocks", 0)), float(i.get("hints_per_s", 100.0))
         except (TypeError, ValueError) as e:
-            log.warning("worker %s: hello sizes unreadable (%s); policy assumes defaults",
-                        w.name, e)
+            log.warning(
+                "worker %s: hello sizes unreadable (%s); policy assumes defaults", w.name, e
+            )
             g2, g1, rate = 0, 0, 100.0
         self.policy.add_engine(w.name, g2, g1, rate)
 
@@ -247,21 +277,22 @@ class Router:
             try:
                 self.counters.sent("policy", len(o.actions))
                 outcomes = await worker.hints(o.session, o.actions)
-            except Exception as e:      # the engine is away: these hints are lost
+            except Exception as e:  # the engine is away: these hints are lost
                 log.warning("policy hints on %s for %s failed: %s", worker.name, o.session, e)
                 self.counters.event("hint_errors")
                 continue
             for outcome in outcomes:
                 self._count(worker.name, o.session, outcome, "policy")
-                self.policy.outcome(outcome.action or "?",
-                                    str(getattr(outcome.status, "value", outcome.status)))
+                self.policy.outcome(
+                    outcome.action or "?", str(getattr(outcome.status, "value", outcome.status))
+                )
 
     async def _tick(self) -> None:
         while True:
-            await asyncio.sleep(1.0)       # drains paced hints; re-ranks every policy.tick_s
+            await asyncio.sleep(1.0)  # drains paced hints; re-ranks every policy.tick_s
             try:
                 self._policy(self.policy.tick())
-            except Exception:              # a bug costs this tick, never the task
+            except Exception:  # a bug costs this tick, never the task
                 log.exception("policy tick failed")
                 self.counters.event("policy_errors")
 
@@ -273,8 +304,11 @@ class Router:
         if worker.hasher is None:
             return []
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt \
-                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
             tokens = prompt
         elif self.cfg.policy.strategy == "plain":
             return []
@@ -292,8 +326,12 @@ class Router:
         """Each worker's overlap score for the body's token-id prompt (None
         without one, or with overlap routing off)."""
         prompt = body.get("prompt")
-        if not self.cfg.routing.overlap or not isinstance(prompt, list) or not prompt \
-                or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if (
+            not self.cfg.routing.overlap
+            or not isinstance(prompt, list)
+            or not prompt
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
             return None
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         keys: dict[Any, list[bytes]] = {}
@@ -303,8 +341,7 @@ class Router:
                 continue
             if w.hasher not in keys:
                 keys[w.hasher] = w.hasher.keys(prompt, salt)
-            out[w.name] = score(w.index.held(keys[w.hasher]),
-                                self.cfg.routing.overlap_g2_weight)
+            out[w.name] = score(w.index.held(keys[w.hasher]), self.cfg.routing.overlap_g2_weight)
         if any(out.values()):
             self.counters.event("overlap_scored")
         return out
@@ -314,15 +351,17 @@ class Router:
         workers = list(self.workers.values())
         state = await self.store.get(session_id)
         if state is None:
-            choice = rules.choose(workers, None, max_load, await self.store.round_robin(),
-                                  self._scores(body))
+            choice = rules.choose(
+                workers, None, max_load, await self.store.round_robin(), self._scores(body)
+            )
             placed = await self.store.claim(session_id, choice)
             self.counters.event("sessions_new")
             return self.workers.get(placed) or self.workers[choice]
         choice = rules.choose(workers, state.worker, max_load)
-        if choice != state.worker:      # it moves: where its prefix is, if anywhere
-            choice = rules.choose(workers, state.worker, max_load,
-                                  await self.store.round_robin(), self._scores(body))
+        if choice != state.worker:  # it moves: where its prefix is, if anywhere
+            choice = rules.choose(
+                workers, state.worker, max_load, await self.store.round_robin(), self._scores(body)
+            )
         if choice == state.worker or state.worker not in self.workers:
             if state.worker not in self.workers:
                 await self.store.move(session_id, state.worker, choice)
@@ -330,25 +369,33 @@ class Router:
         if await self.store.move(session_id, state.worker, choice):
             await self._move(session_id, self.workers[state.worker], self.workers[choice])
             return self.workers[choice]
-        now = await self.store.get(session_id)      # another replica moved it first
+        now = await self.store.get(session_id)  # another replica moved it first
         return self.workers.get(now.worker, self.workers[choice]) if now else self.workers[choice]
 
     async def _move(self, session_id: str, old: Worker, new: Worker) -> None:
         """Share from ``old`` (and Prefetch on ``new``) per ``policy.on_move``."""
         pol = self.cfg.policy
         self.counters.event("moves")
-        log.info("session %s moves %s -> %s (loads %.0f, %.0f)", session_id, old.name,
-                 new.name, old.load, new.load)
+        log.info(
+            "session %s moves %s -> %s (loads %.0f, %.0f)",
+            session_id,
+            old.name,
+            new.name,
+            old.load,
+            new.load,
+        )
         if not old.healthy:
             self.counters.event("failover_moves")
             return
         if pol.on_move == "none":
             return
-        _, moved = await self._hint(old, Action.SHARE, session_id, pol.move_wait_s,
-                                    destination=new.name)
+        _, moved = await self._hint(
+            old, Action.SHARE, session_id, pol.move_wait_s, destination=new.name
+        )
         if pol.on_move == "share_prefetch" and moved is not None and moved.keys:
-            await self._hint(new, Action.PREFETCH, session_id, pol.move_wait_s,
-                             keys=list(moved.keys))
+            await self._hint(
+                new, Action.PREFETCH, session_id, pol.move_wait_s, keys=list(moved.keys)
+            )
         await self._end_on(old, session_id)
 
     # ---- the proxy ------------------------------------------------------------------
@@ -359,62 +406,83 @@ class Router:
             try:
                 # Bytes, not request.json(): a malformed Content-Type charset
                 # raised in aiohttp's parser (a 500, found by bench/fuzz.py).
-                body = json.loads(await asyncio.wait_for(request.read(),
-                                                         self.cfg.body_timeout_s))
+                body = json.loads(await asyncio.wait_for(request.read(), self.cfg.body_timeout_s))
             except asyncio.TimeoutError:
-                raise ValueError(f"the body did not arrive within "
-                                 f"{self.cfg.body_timeout_s:g} s") from None
+                raise ValueError(
+                    f"the body did not arrive within {self.cfg.body_timeout_s:g} s"
+                ) from None
             except RecursionError:
                 raise ValueError("the body is nested too deep") from None
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
             if not isinstance(body.get("kv_transfer_params") or {}, dict):
                 raise ValueError("kv_transfer_params must be a JSON object")
-            gap = rules.tool_gap_from_header(request.headers.get(rules.TOOL_GAP_HEADER),
-                                             self.cfg.policy)
+            gap = rules.tool_gap_from_header(
+                request.headers.get(rules.TOOL_GAP_HEADER), self.cfg.policy
+            )
         except ValueError as e:
-            return web.json_response({"error": {"message": str(e), "type": "BadRequest"}},
-                                     status=400)
-        session_id = (request.headers.get(SESSION_HEADER) or body.get("session_id")
-                      or f"s-{uuid.uuid4().hex}")
+            return web.json_response(
+                {"error": {"message": str(e), "type": "BadRequest"}}, status=400
+            )
+        session_id = (
+            request.headers.get(SESSION_HEADER) or body.get("session_id") or f"s-{uuid.uuid4().hex}"
+        )
         bad = id_problem(session_id, "session_id")
-        if bad:             # a NUL could not even be echoed in X-Session-ID
-            return web.json_response({"error": {"message": bad, "type": "BadRequest"}},
-                                     status=400)
+        if bad:  # a NUL could not even be echoed in X-Session-ID
+            return web.json_response({"error": {"message": bad, "type": "BadRequest"}}, status=400)
         client = self._client_of(request)
         if await self.store.bind(session_id, client) != client:
             self.counters.event("sessions_refused")
-            return web.json_response({"error": {"message": "session_id belongs to another "
-                                                "client (sessions are bound to the API key "
-                                                "that started them)", "type": "Forbidden"}},
-                                     status=403)
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "session_id belongs to another "
+                        "client (sessions are bound to the API key "
+                        "that started them)",
+                        "type": "Forbidden",
+                    }
+                },
+                status=403,
+            )
         forward = self._forward_body(body, session_id, gap, client)
         if self.cfg.policy.warmup.enabled:
-            self._keep_body(session_id, request.path, forward, len(await request.read()),
-                            request.headers.get("Authorization"))
+            self._keep_body(
+                session_id,
+                request.path,
+                forward,
+                len(await request.read()),
+                request.headers.get("Authorization"),
+            )
         await self.store.turn_started(session_id)
         try:
-            for attempt in range(len(self.workers)):
+            for _attempt in range(len(self.workers)):
                 try:
                     worker = await self._place(session_id, body)
                 except rules.NoWorker as e:
                     return web.json_response(
-                        {"error": {"message": str(e), "type": "Unavailable"}}, status=503)
+                        {"error": {"message": str(e), "type": "Unavailable"}}, status=503
+                    )
                 headers = {SESSION_HEADER: session_id, WORKER_HEADER: worker.name}
-                self._policy(self.policy.turn_started(session_id, worker.name,
-                                                      await self._prompt_keys(worker, body)))
+                self._policy(
+                    self.policy.turn_started(
+                        session_id, worker.name, await self._prompt_keys(worker, body)
+                    )
+                )
                 headers[ROUTED_HEADER] = f"{time.monotonic() - arrived:.4f}"
                 worker.inflight += 1
                 try:
                     if body.get("stream"):
-                        resp, tool_call = await self._stream(request, worker, forward, headers,
-                                                             arrived)
+                        resp, tool_call = await self._stream(
+                            request, worker, forward, headers, arrived
+                        )
                     else:
-                        resp, tool_call = await self._plain(request, worker, forward, headers,
-                                                            session_id, arrived)
+                        resp, tool_call = await self._plain(
+                            request, worker, forward, headers, session_id, arrived
+                        )
                     self.counters.request(worker.name, resp.status)
-                    self.counters.sent("request", len(forward["kv_transfer_params"][HINTS_PARAM]
-                                                      ["actions"]))
+                    self.counters.sent(
+                        "request", len(forward["kv_transfer_params"][HINTS_PARAM]["actions"])
+                    )
                     break
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                     log.warning("turn of %s on %s failed: %r", session_id, worker.name, e)
@@ -424,20 +492,29 @@ class Router:
                         worker.mark_dead(repr(e))
                     if isinstance(e, _StreamCut):
                         self.counters.event("streams_cut")
-                        raise e.__cause__ or e          # aiohttp drops the client's connection
+                        raise (e.__cause__ or e) from None  # aiohttp drops the client's connection
                     # A connection the server dropped before answering, on a live
                     # worker: sent again there (_place keeps the session on it).
                     again = dead or isinstance(e, aiohttp.ServerDisconnectedError)
                     if not (again and self.cfg.routing.retry):
-                        return web.json_response({"error": {"message": f"worker {worker.name}: "
-                                                            f"{e!r}", "type": "BadGateway"}},
-                                                 status=502, headers=headers)
+                        return web.json_response(
+                            {
+                                "error": {
+                                    "message": f"worker {worker.name}: {e!r}",
+                                    "type": "BadGateway",
+                                }
+                            },
+                            status=502,
+                            headers=headers,
+                        )
                     self.counters.event("retries")
                 finally:
                     worker.inflight -= 1
             else:
-                return web.json_response({"error": {"message": "every worker failed the turn",
-                                                    "type": "BadGateway"}}, status=502)
+                return web.json_response(
+                    {"error": {"message": "every worker failed the turn", "type": "BadGateway"}},
+                    status=502,
+                )
             if gap is None and tool_call and self.cfg.policy.tool_call.pin:
                 gap = self.cfg.policy.tool_call.expected_gap_s
                 ttl = rules.pin_ttl(self.cfg.policy, gap)
@@ -455,8 +532,9 @@ class Router:
             self._spawn(self.store.turn_ended(session_id, None))
             raise
 
-    def _keep_body(self, session_id: str, path: str, body: dict[str, Any], size: int,
-                   auth: str | None) -> None:
+    def _keep_body(
+        self, session_id: str, path: str, body: dict[str, Any], size: int, auth: str | None
+    ) -> None:
         """Keep the session's last body (``size``: its request's bytes) and
         the client's ``Authorization`` for its warm-up, least recent out past
         ``policy.max_sessions`` bodies or ``policy.warmup.max_bytes``."""
@@ -465,8 +543,10 @@ class Router:
             return
         self._last_body[session_id] = (path, body, size, auth)
         self._last_bytes += size
-        while len(self._last_body) > self.cfg.policy.max_sessions or \
-                self._last_bytes > self.cfg.policy.warmup.max_bytes:
+        while (
+            len(self._last_body) > self.cfg.policy.max_sessions
+            or self._last_bytes > self.cfg.policy.warmup.max_bytes
+        ):
             self._drop_body(next(iter(self._last_body)))
 
     def _drop_body(self, session_id: str) -> None:
@@ -481,8 +561,9 @@ class Router:
         token = _bearer(request)
         if not token:
             return ""
-        name = hmac.new(derive(self.cfg.secret, ROUTER_CLIENT),
-                        token.encode("utf-8", "replace"), hashlib.sha256)
+        name = hmac.new(
+            derive(self.cfg.secret, ROUTER_CLIENT), token.encode("utf-8", "replace"), hashlib.sha256
+        )
         return "k-" + name.hexdigest()[:32]
 
     def _may_pin(self, client: str, session_id: str, ttl_s: float) -> bool:
@@ -493,10 +574,14 @@ class Router:
         self.counters.event("pins_over_quota")
         return False
 
-    def _forward_body(self, body: dict[str, Any], session_id: str,
-                      gap: float | None, client: str) -> dict[str, Any]:
-        params = {k: v for k, v in (body.get("kv_transfer_params") or {}).items()
-                  if k not in (HINTS_PARAM, SIG_PARAM, KVCR_PARAM)}
+    def _forward_body(
+        self, body: dict[str, Any], session_id: str, gap: float | None, client: str
+    ) -> dict[str, Any]:
+        params = {
+            k: v
+            for k, v in (body.get("kv_transfer_params") or {}).items()
+            if k not in (HINTS_PARAM, SIG_PARAM, KVCR_PARAM)
+        }
         actions = []
         if gap is not None and self.cfg.policy.tool_call.pin:
             ttl = rules.pin_ttl(self.cfg.policy, gap)
@@ -516,12 +601,15 @@ class Router:
         return {SESSION_HEADER: session_id, **_client_auth(request)}
 
     async def _plain(self, request, worker, body, headers, session_id, arrived):
-        async with self._http.post(worker.url + request.path, json=body,
-                                   headers=self._upstream_headers(request, session_id)) as r:
+        async with self._http.post(
+            worker.url + request.path,
+            json=body,
+            headers=self._upstream_headers(request, session_id),
+        ) as r:
             raw = await r.read()
             ctype = r.headers.get("Content-Type", "application/json")
             status = r.status
-        self.metrics.ttft(worker.name, time.monotonic() - arrived)    # the whole answer
+        self.metrics.ttft(worker.name, time.monotonic() - arrived)  # the whole answer
         tool_call = False
         if status == 200:
             with contextlib.suppress(ValueError):
@@ -546,8 +634,11 @@ class Router:
     async def _stream(self, request, worker, body, headers, arrived):
         resp = web.StreamResponse(headers=headers)
         tool_call, first = False, True
-        async with self._http.post(worker.url + request.path, json=body, headers=self.
-                                   _upstream_headers(request, headers[SESSION_HEADER])) as r:
+        async with self._http.post(
+            worker.url + request.path,
+            json=body,
+            headers=self._upstream_headers(request, headers[SESSION_HEADER]),
+        ) as r:
             resp.set_status(r.status)
             for k, v in r.headers.items():
                 if k.lower() not in HOP_HEADERS:
@@ -555,8 +646,9 @@ class Router:
             await resp.prepare(request)
             try:
                 async for chunk in r.content.iter_any():
-                    tool_call = tool_call or \
-                        b'"finish_reason":"tool_calls"' in chunk.replace(b" ", b"")
+                    tool_call = tool_call or b'"finish_reason":"tool_calls"' in chunk.replace(
+                        b" ", b""
+                    )
                     await resp.write(chunk)
                     if first:
                         self.metrics.ttft(worker.name, time.monotonic() - arrived)
@@ -581,13 +673,21 @@ class Router:
         # Signed, with no hint: engines close router sessions to unsigned turns.
         env = envelope()
         warm["kv_transfer_params"] = {
-            **{k: v for k, v in (body.get("kv_transfer_params") or {}).items()
-               if k not in (HINTS_PARAM, SIG_PARAM)},
-            HINTS_PARAM: env, SIG_PARAM: sign(env, session_id, self.cfg.secret)}
+            **{
+                k: v
+                for k, v in (body.get("kv_transfer_params") or {}).items()
+                if k not in (HINTS_PARAM, SIG_PARAM)
+            },
+            HINTS_PARAM: env,
+            SIG_PARAM: sign(env, session_id, self.cfg.secret),
+        }
         worker = self.workers[state.worker]
         try:
-            async with self._http.post(worker.url + path, json=warm, headers={
-                    SESSION_HEADER: session_id, **({"Authorization": auth} if auth else {})}) as r:
+            async with self._http.post(
+                worker.url + path,
+                json=warm,
+                headers={SESSION_HEADER: session_id, **({"Authorization": auth} if auth else {})},
+            ) as r:
                 await r.read()
             if r.status != 200:
                 log.warning("warm-up of %s on %s: HTTP %d", session_id, worker.name, r.status)
@@ -612,9 +712,9 @@ class Router:
         outs = self.policy.session_ended(session_id)
         ends = [o for o in outs if isinstance(o, End)]
         if not ends and worker is not None:
-            ends = [End(worker.name, session_id)]      # its turns went through another replica
+            ends = [End(worker.name, session_id)]  # its turns went through another replica
         if self.cfg.policy.on_end != "none":
-            for o in ends:                             # ended when this returns
+            for o in ends:  # ended when this returns
                 if o.worker in self.workers:
                     await self._end_on(self.workers[o.worker], session_id)
         self._policy([o for o in outs if not isinstance(o, End)])
@@ -639,15 +739,19 @@ class Router:
 
     async def _end_api(self, request: web.Request) -> web.Response:
         # Shielded: a client that hangs up must not leave the end half done.
-        worker = await asyncio.shield(self.end_session(request.match_info["sid"], "api")) \
-            if await self._mine(request) else None
+        worker = (
+            await asyncio.shield(self.end_session(request.match_info["sid"], "api"))
+            if await self._mine(request)
+            else None
+        )
         if worker is None:
             return web.json_response({"error": {"message": "unknown session"}}, status=404)
         return web.json_response({"ended": True, "worker": worker})
 
     async def _session_api(self, request: web.Request) -> web.Response:
-        state = await self.store.get(request.match_info["sid"]) \
-            if await self._mine(request) else None
+        state = (
+            await self.store.get(request.match_info["sid"]) if await self._mine(request) else None
+        )
         if state is None:
             return web.json_response({"error": {"message": "unknown session"}}, status=404)
         return web.json_response(state.__dict__)
@@ -657,13 +761,15 @@ class Router:
         if worker is None:
             return web.json_response({"error": {"message": "no healthy worker"}}, status=503)
         async with self._http.get(worker.url + "/v1/models", headers=_client_auth(request)) as r:
-            return web.Response(body=await r.read(), status=r.status,
-                                content_type="application/json")
+            return web.Response(
+                body=await r.read(), status=r.status, content_type="application/json"
+            )
 
     def _admin(self, request: web.Request) -> bool:
         """Whether the request carries the admin token (``admin_token``)."""
-        return hmac.compare_digest(_bearer(request).encode("utf-8", "replace"),
-                                   admin_token(self.cfg.secret).encode())
+        return hmac.compare_digest(
+            _bearer(request).encode("utf-8", "replace"), admin_token(self.cfg.secret).encode()
+        )
 
     async def _drain_api(self, request: web.Request) -> web.Response:
         """``POST /router/workers/{name}/drain``: before an engine is stopped,
@@ -672,10 +778,17 @@ class Router:
         move, Share what is left, and load instead of recomputing); the
         Demotes' outcomes by status. ``DELETE``: it takes turns again."""
         if not self._admin(request):
-            return web.json_response({"error": {"message": "an admin route: send "
-                                                "Authorization: Bearer <sessionkv router "
-                                                "--admin-token>", "type": "Unauthorized"}},
-                                     status=401)
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "an admin route: send "
+                        "Authorization: Bearer <sessionkv router "
+                        "--admin-token>",
+                        "type": "Unauthorized",
+                    }
+                },
+                status=401,
+            )
         worker = self.workers.get(request.match_info["name"])
         if worker is None:
             return web.json_response({"error": {"message": "unknown worker"}}, status=404)
@@ -691,14 +804,26 @@ class Router:
             async with gate:
                 first, _ = await self._hint(worker, Action.DEMOTE, sid, self.cfg.policy.move_wait_s)
             return "error" if first is None else str(getattr(first.status, "value", first.status))
+
         outcomes = Counter(await asyncio.gather(*(demote(s) for s in sessions)))
-        return web.json_response({"worker": worker.name, "draining": True,
-                                  "sessions": len(sessions), "demoted": dict(outcomes)})
+        return web.json_response(
+            {
+                "worker": worker.name,
+                "draining": True,
+                "sessions": len(sessions),
+                "demoted": dict(outcomes),
+            }
+        )
 
     async def _status(self, request: web.Request) -> web.Response:
-        return web.json_response({"workers": [w.status() for w in self.workers.values()],
-                                  **self.counters.to_dict(), "policy": self.policy.status(),
-                                  "state": self.store.status()})
+        return web.json_response(
+            {
+                "workers": [w.status() for w in self.workers.values()],
+                **self.counters.to_dict(),
+                "policy": self.policy.status(),
+                "state": self.store.status(),
+            }
+        )
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body, ctype = self.metrics.render()
@@ -712,7 +837,8 @@ class Router:
         ok = any(w.healthy for w in self.workers.values())
         return web.json_response(
             {"ok": ok, "state_store": "ok" if self.store.usable() else "unreachable"},
-            status=200 if ok else 503)
+            status=200 if ok else 503,
+        )
 
 
 def _bearer(request: web.Request) -> str:
@@ -744,14 +870,19 @@ async def serve(cfg: RouterConfig, ready=None) -> None:
     # head at it: the header timeout (its default, 3,630 s, held every
     # half-sent request). Never while a handler runs. 75 s, as nginx's
     # keep-alive: proxies in front (nginx, ALB: 60 s) idle out first.
-    runner = web.AppRunner(router.app, access_log=None, handler_cancellation=True,
-                           keepalive_timeout=cfg.header_timeout_s)
+    runner = web.AppRunner(
+        router.app,
+        access_log=None,
+        handler_cancellation=True,
+        keepalive_timeout=cfg.header_timeout_s,
+    )
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
     port = runner.addresses[0][1]
-    log.info("sessionkv router on http://%s:%d, workers %s", cfg.host, port,
-             ", ".join(router.workers))
+    log.info(
+        "sessionkv router on http://%s:%d, workers %s", cfg.host, port, ", ".join(router.workers)
+    )
     if ready is not None:
         ready(port)
     stop = asyncio.Event()

@@ -48,8 +48,9 @@ defaults shown). An unknown key, a wrong type or a missing file is a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -79,34 +80,34 @@ class WorkerConfig:
 class RedisConfig:
     url: str
     namespace: str = "sessionkv-router"
-    state_ttl_s: float = 86400.0     # a session's record outlives its last turn this long
-    timeout_s: float = 1.0           # connect and socket timeout of every Redis call
-    retry_s: float = 5.0             # after a failed call, route from memory this long
+    state_ttl_s: float = 86400.0  # a session's record outlives its last turn this long
+    timeout_s: float = 1.0  # connect and socket timeout of every Redis call
+    retry_s: float = 5.0  # after a failed call, route from memory this long
 
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    max_load: int = 4                # requests running + waiting at which a session moves
+    max_load: int = 4  # requests running + waiting at which a session moves
     load_poll_s: float = 0.5
     request_timeout_s: float = 600.0
-    overlap: bool = True             # score workers by the prompt's prefix blocks they hold
+    overlap: bool = True  # score workers by the prompt's prefix blocks they hold
     overlap_g2_weight: float = 0.5
-    retry: bool = True               # retry a turn whose worker died (see app.py)
+    retry: bool = True  # retry a turn whose worker died (see app.py)
 
 
 @dataclass(frozen=True)
 class ToolCallPolicy:
-    pin: bool = False                # also Pin through a tool gap (Retains do by default)
-    expected_gap_s: float = 60.0     # when the client does not say
-    pin_ttl_factor: float = 1.5      # Pin TTL = expected gap x this
-    max_pins_per_client: int = 16    # sessions one client may hold router Pins for at once
+    pin: bool = False  # also Pin through a tool gap (Retains do by default)
+    expected_gap_s: float = 60.0  # when the client does not say
+    pin_ttl_factor: float = 1.5  # Pin TTL = expected gap x this
+    max_pins_per_client: int = 16  # sessions one client may hold router Pins for at once
 
 
 @dataclass(frozen=True)
 class WarmupPolicy:
     enabled: bool = False
-    lead_s: float = 2.0              # the warm-up goes this long before the expected return
-    max_bytes: int = 64 << 20        # the last bodies kept for warm-ups, in all
+    lead_s: float = 2.0  # the warm-up goes this long before the expected return
+    max_bytes: int = 64 << 20  # the last bodies kept for warm-ups, in all
 
 
 @dataclass(frozen=True)
@@ -148,10 +149,15 @@ def _known(section: Mapping[str, Any], known: tuple[str, ...], where: str) -> No
 def _positive(value: Any, where: str, integer: bool = False) -> Any:
     """A positive number, finite and in range (``MAX_NUMBER``, ``MAX_INT``)."""
     kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or \
-            not 0 < value <= (MAX_INT if integer else MAX_NUMBER):
-        raise ValueError(f"{where} must be a positive {'integer' if integer else 'number'} "
-                         f"up to {MAX_INT if integer else MAX_NUMBER:g}, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, kind)
+        or not 0 < value <= (MAX_INT if integer else MAX_NUMBER)
+    ):
+        raise ValueError(
+            f"{where} must be a positive {'integer' if integer else 'number'} "
+            f"up to {MAX_INT if integer else MAX_NUMBER:g}, got {value!r}"
+        )
     return value
 
 
@@ -202,13 +208,16 @@ def _worker(raw: Any, i: int) -> WorkerConfig:
         raise ValueError(f"{where}: a plain worker has no control channel")
     if not plain and ("control" in raw) == ("endpoint_file" in raw):
         raise ValueError(f"{where}: give control (tcp://host:port) or endpoint_file, one of them")
-    bad = id_problem(raw["name"], f"{where}.name")      # it names the worker in headers
+    bad = id_problem(raw["name"], f"{where}.name")  # it names the worker in headers
     if bad:
         raise ValueError(bad)
-    return WorkerConfig(raw["name"], url,
-                        raw.get("control") and _string(raw["control"], f"{where}.control"),
-                        raw.get("endpoint_file") and _string(raw["endpoint_file"],
-                                                             f"{where}.endpoint_file"), plain)
+    return WorkerConfig(
+        raw["name"],
+        url,
+        raw.get("control") and _string(raw["control"], f"{where}.control"),
+        raw.get("endpoint_file") and _string(raw["endpoint_file"], f"{where}.endpoint_file"),
+        plain,
+    )
 
 
 def _secret(path: Any) -> bytes:
@@ -226,8 +235,11 @@ def _secret(path: Any) -> bytes:
 def parse_config(doc: Any) -> RouterConfig:
     """``RouterConfig`` from a parsed YAML document (see the module docstring)."""
     doc = mapping_of(doc, "router config")
-    _known(doc, ("version", "listen", "secret_file", "redis", "workers", "routing", "policy"),
-           "router config")
+    _known(
+        doc,
+        ("version", "listen", "secret_file", "redis", "workers", "routing", "policy"),
+        "router config",
+    )
     if isinstance(doc.get("version", 1), bool) or doc.get("version", 1) != 1:
         raise ValueError(f"version must be 1, got {doc.get('version')!r}")
     if "secret_file" not in doc:
@@ -242,9 +254,18 @@ def parse_config(doc: Any) -> RouterConfig:
     body_timeout_s = _positive(listen.get("body_timeout_s", 30.0), "listen.body_timeout_s")
     if "url" not in mapping_of(doc.get("redis"), "redis"):
         raise ValueError("redis.url is required (session state lives in Redis)")
-    redis_cfg = _section(doc, "redis", RedisConfig, {
-        "url": _string, "namespace": _string, "state_ttl_s": _whole_seconds,
-        "timeout_s": _positive, "retry_s": _positive})
+    redis_cfg = _section(
+        doc,
+        "redis",
+        RedisConfig,
+        {
+            "url": _string,
+            "namespace": _string,
+            "state_ttl_s": _whole_seconds,
+            "timeout_s": _positive,
+            "retry_s": _positive,
+        },
+    )
     workers = doc.get("workers")
     if not isinstance(workers, list) or not workers:
         raise ValueError("workers must be a non-empty list")
@@ -252,36 +273,73 @@ def parse_config(doc: Any) -> RouterConfig:
     names = [w.name for w in parsed]
     if len(set(names)) != len(names):
         raise ValueError(f"workers: names must be unique, got {names}")
-    routing = _section(doc, "routing", RoutingConfig, {
-        "max_load": lambda v, w: _positive(v, w, integer=True),
-        "load_poll_s": _positive, "request_timeout_s": _positive, "overlap": _flag,
-        "overlap_g2_weight": _positive, "retry": _flag})
+    routing = _section(
+        doc,
+        "routing",
+        RoutingConfig,
+        {
+            "max_load": lambda v, w: _positive(v, w, integer=True),
+            "load_poll_s": _positive,
+            "request_timeout_s": _positive,
+            "overlap": _flag,
+            "overlap_g2_weight": _positive,
+            "retry": _flag,
+        },
+    )
     policy_doc = mapping_of(doc.get("policy"), "policy")
-    policy = _section({"policy": {k: v for k, v in policy_doc.items()
-                                  if k not in ("tool_call", "warmup")}},
-                      "policy", HintPolicy, {
-        "tool_call": None, "warmup": None,
-        "on_end": lambda v, w: _choice(v, END_ACTIONS, w),
-        "idle_timeout_s": _positive,
-        "on_move": lambda v, w: _choice(v, MOVE_ACTIONS, w),
-        "move_wait_s": _positive,
-        "strategy": lambda v, w: _choice(v, STRATEGIES, w),
-        "tick_s": _positive, "watch_s": _positive,
-        "shadow_blocks": lambda v, w: _positive(v, w, integer=True),
-        "max_sessions": lambda v, w: _positive(v, w, integer=True),
-        "max_blocks": lambda v, w: _positive(v, w, integer=True),
-        "prior_gap_s": _positive})
-    tool_call = _section({"policy.tool_call": policy_doc.get("tool_call")}, "policy.tool_call",
-                         ToolCallPolicy, {"pin": _flag, "expected_gap_s": _positive,
-                                          "pin_ttl_factor": _positive,
-                                          "max_pins_per_client":
-                                              lambda v, w: _positive(v, w, integer=True)})
-    warmup = _section({"policy.warmup": policy_doc.get("warmup")}, "policy.warmup",
-                      WarmupPolicy, {"enabled": _flag, "lead_s": _positive,
-                                     "max_bytes": lambda v, w: _positive(v, w, integer=True)})
+    policy = _section(
+        {"policy": {k: v for k, v in policy_doc.items() if k not in ("tool_call", "warmup")}},
+        "policy",
+        HintPolicy,
+        {
+            "tool_call": None,
+            "warmup": None,
+            "on_end": lambda v, w: _choice(v, END_ACTIONS, w),
+            "idle_timeout_s": _positive,
+            "on_move": lambda v, w: _choice(v, MOVE_ACTIONS, w),
+            "move_wait_s": _positive,
+            "strategy": lambda v, w: _choice(v, STRATEGIES, w),
+            "tick_s": _positive,
+            "watch_s": _positive,
+            "shadow_blocks": lambda v, w: _positive(v, w, integer=True),
+            "max_sessions": lambda v, w: _positive(v, w, integer=True),
+            "max_blocks": lambda v, w: _positive(v, w, integer=True),
+            "prior_gap_s": _positive,
+        },
+    )
+    tool_call = _section(
+        {"policy.tool_call": policy_doc.get("tool_call")},
+        "policy.tool_call",
+        ToolCallPolicy,
+        {
+            "pin": _flag,
+            "expected_gap_s": _positive,
+            "pin_ttl_factor": _positive,
+            "max_pins_per_client": lambda v, w: _positive(v, w, integer=True),
+        },
+    )
+    warmup = _section(
+        {"policy.warmup": policy_doc.get("warmup")},
+        "policy.warmup",
+        WarmupPolicy,
+        {
+            "enabled": _flag,
+            "lead_s": _positive,
+            "max_bytes": lambda v, w: _positive(v, w, integer=True),
+        },
+    )
     policy = dataclasses.replace(policy, tool_call=tool_call, warmup=warmup)
-    return RouterConfig(_secret(doc["secret_file"]), redis_cfg, parsed, host, port,
-                        header_timeout_s, body_timeout_s, routing, policy)
+    return RouterConfig(
+        _secret(doc["secret_file"]),
+        redis_cfg,
+        parsed,
+        host,
+        port,
+        header_timeout_s,
+        body_timeout_s,
+        routing,
+        policy,
+    )
 
 
 def load_config(path: str) -> RouterConfig:

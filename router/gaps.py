@@ -37,14 +37,19 @@ class GapModel:
     the next minute than one that has just finished its turn).
     """
 
-    EDGES = np.geomspace(1.0, 20_000.0, 73)      # seconds; 4 bins per doubling
+    EDGES = np.geomspace(1.0, 20_000.0, 73)  # seconds; 4 bins per doubling
 
-    def __init__(self, prior_median_s: float = 120.0, prior_sigma: float = 1.0,
-                 prior_weight: float = 10.0, prior_never: float = 0.0):
+    def __init__(
+        self,
+        prior_median_s: float = 120.0,
+        prior_sigma: float = 1.0,
+        prior_weight: float = 10.0,
+        prior_never: float = 0.0,
+    ):
         mid = np.sqrt(self.EDGES[:-1] * self.EDGES[1:])
         w = np.exp(-0.5 * ((np.log(mid) - np.log(prior_median_s)) / prior_sigma) ** 2)
         self.counts = prior_weight * w / w.sum()
-        self.never = prior_never       # mass that never came back
+        self.never = prior_never  # mass that never came back
         self.seen = 0
         self._table: list[float] | None = None
         self._dirty = True
@@ -84,14 +89,13 @@ class GapModel:
             if S[j] > 1e-9:
                 hits = np.cumsum(c[j:])
                 out[j] = float((hits / np.maximum(np.cumsum(held[j:]), 1e-12)).max())
-        return out      # 0 where nothing is left to come back
+        return out  # 0 where nothing is left to come back
 
     def density(self, idle_s: float) -> float:
         """Expected returns per held-second of a session idle for ``idle_s``."""
         if self._table is None:
             self.refresh()
         return float(self._table[self._bin(idle_s)])
-
 
     def median(self) -> float:
         """The median wait of what was seen (with the prior), in seconds."""

@@ -38,11 +38,15 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 class RouterMetrics:
     """The registry ``/metrics`` renders, and the one stateful metric (TTFT)."""
 
-    def __init__(self, router: "Router"):
+    def __init__(self, router: Router):
         self.registry = CollectorRegistry()
-        self._ttft = Histogram(f"{PREFIX}_ttft_seconds",
-                               "Turn arrival to its first byte to the client, by worker",
-                               ["worker"], buckets=TTFT_BUCKETS, registry=self.registry)
+        self._ttft = Histogram(
+            f"{PREFIX}_ttft_seconds",
+            "Turn arrival to its first byte to the client, by worker",
+            ["worker"],
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_Snapshot(router))
 
     def ttft(self, worker: str, seconds: float) -> None:
@@ -56,42 +60,56 @@ class RouterMetrics:
 class _Snapshot:
     """A collector over the router's counters and workers, read per scrape."""
 
-    def __init__(self, router: "Router"):
+    def __init__(self, router: Router):
         self._router = router
 
     def collect(self):
         r = self._router
         counts = r.counters.to_dict()
-        requests = CounterMetricFamily(f"{PREFIX}_requests", "Turns proxied, by worker and "
-                                       "HTTP status (error: no answer)", labels=["worker", "status"])
+        requests = CounterMetricFamily(
+            f"{PREFIX}_requests",
+            "Turns proxied, by worker and HTTP status (error: no answer)",
+            labels=["worker", "status"],
+        )
         for worker, statuses in counts["requests"].items():
             for status, n in statuses.items():
                 requests.add_metric([worker, status], n)
-        outcomes = CounterMetricFamily(f"{PREFIX}_hint_outcomes", "Hint outcomes by action, "
-                                       "via and status", labels=["action", "via", "status"])
+        outcomes = CounterMetricFamily(
+            f"{PREFIX}_hint_outcomes",
+            "Hint outcomes by action, via and status",
+            labels=["action", "via", "status"],
+        )
         for action, vias in counts["outcomes"].items():
             for via, statuses in vias.items():
                 for status, n in statuses.items():
                     outcomes.add_metric([action, via, status], n)
-        sent = CounterMetricFamily(f"{PREFIX}_hints_sent", "Hints sent, by how",
-                                   labels=["via"])
+        sent = CounterMetricFamily(f"{PREFIX}_hints_sent", "Hints sent, by how", labels=["via"])
         for via, n in sorted(counts["hints_sent"].items()):
             sent.add_metric([via], n)
-        events = CounterMetricFamily(f"{PREFIX}_events", "Router events (moves, new and ended "
-                                     "sessions, overlap scoring, retries, ...)", labels=["event"])
+        events = CounterMetricFamily(
+            f"{PREFIX}_events",
+            "Router events (moves, new and ended sessions, overlap scoring, retries, ...)",
+            labels=["event"],
+        )
         for name, n in sorted(counts["events"].items()):
             events.add_metric([name], n)
-        blocks = CounterMetricFamily(f"{PREFIX}_prompt_blocks", "Prompt blocks of finished "
-                                     "turns, by where the engine found them", labels=["tier"])
+        blocks = CounterMetricFamily(
+            f"{PREFIX}_prompt_blocks",
+            "Prompt blocks of finished turns, by where the engine found them",
+            labels=["tier"],
+        )
         for tier, n in sorted(counts["blocks"].items()):
             blocks.add_metric([tier], n)
         yield from (requests, outcomes, sent, events, blocks)
-        healthy = GaugeMetricFamily(f"{PREFIX}_worker_healthy", "1 while the worker's /metrics "
-                                    "answers", labels=["worker"])
-        load = GaugeMetricFamily(f"{PREFIX}_worker_load", "The load routing compares",
-                                 labels=["worker"])
-        inflight = GaugeMetricFamily(f"{PREFIX}_worker_inflight", "Turns in flight on it",
-                                     labels=["worker"])
+        healthy = GaugeMetricFamily(
+            f"{PREFIX}_worker_healthy", "1 while the worker's /metrics answers", labels=["worker"]
+        )
+        load = GaugeMetricFamily(
+            f"{PREFIX}_worker_load", "The load routing compares", labels=["worker"]
+        )
+        inflight = GaugeMetricFamily(
+            f"{PREFIX}_worker_inflight", "Turns in flight on it", labels=["worker"]
+        )
         for name, w in sorted(r.workers.items()):
             healthy.add_metric([name], 1.0 if w.healthy else 0.0)
             load.add_metric([name], float(w.load))

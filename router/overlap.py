@@ -30,13 +30,14 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from sessionkv.events import Association, Eviction, Residency, Transfer
 
 PROBE_TOKENS = [(i * 7919 + 13) % 30000 + 5 for i in range(200)]
-GROUP0 = (0).to_bytes(4, "big")      # OffloadKey = block hash + KV cache group index
+GROUP0 = (0).to_bytes(4, "big")  # OffloadKey = block hash + KV cache group index
 MAX_BLOCK_SIZE = 1 << 16
 
 
@@ -50,11 +51,11 @@ def _sha256(obj: Any) -> bytes:
 
 def _sha256_cbor(obj: Any) -> bytes:
     import cbor2
+
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
-HASH_FUNCTIONS: dict[str, Callable[[Any], bytes]] = {"sha256": _sha256,
-                                                     "sha256_cbor": _sha256_cbor}
+HASH_FUNCTIONS: dict[str, Callable[[Any], bytes]] = {"sha256": _sha256, "sha256_cbor": _sha256_cbor}
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class BlockHasher:
         out, parent, bs = [], self.root, self.block_size
         for i in range(len(tokens) // bs):
             extra = (("cache_salt", cache_salt),) if cache_salt and i == 0 else None
-            parent = fn((parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
+            parent = fn((parent, tuple(tokens[i * bs : (i + 1) * bs]), extra))
             out.append(parent)
         return out
 
@@ -80,7 +81,7 @@ class BlockHasher:
         return [h + GROUP0 for h in self.hashes(tokens, cache_salt)]
 
     @classmethod
-    def from_probe(cls, answer: dict[str, Any], tokens: Sequence[int]) -> "BlockHasher":
+    def from_probe(cls, answer: dict[str, Any], tokens: Sequence[int]) -> BlockHasher:
         """A hasher that reproduces the engine's ``probe`` answer for ``tokens``;
         ``ProbeMismatch`` when none does."""
         try:
@@ -93,13 +94,17 @@ class BlockHasher:
         if not isinstance(want, list) or not all(isinstance(h, str) for h in want):
             raise ProbeMismatch("probe answer's block_hashes are not a list of hex strings")
         if not isinstance(algo, str) or algo not in HASH_FUNCTIONS:
-            raise ProbeMismatch(f"hash function {algo!r} not reproduced by the router "
-                                f"(known: {', '.join(HASH_FUNCTIONS)})")
+            raise ProbeMismatch(
+                f"hash function {algo!r} not reproduced by the router "
+                f"(known: {', '.join(HASH_FUNCTIONS)})"
+            )
         hasher = cls(bs, algo, root)
         got = [h.hex() for h in hasher.hashes(tokens)]
         if not want or got != list(want):
-            raise ProbeMismatch(f"the router's {algo} block hashes differ from the engine's "
-                                f"({len(want)} blocks probed)")
+            raise ProbeMismatch(
+                f"the router's {algo} block hashes differ from the engine's "
+                f"({len(want)} blocks probed)"
+            )
         return hasher
 
 

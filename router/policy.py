@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
-from typing import Any, Mapping, Protocol, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from sessionkv.hints import HintOutcome
 from sessionkv.report import RequestReport
@@ -38,8 +39,13 @@ class Loaded(Protocol):
     def load(self) -> float: ...
 
 
-def choose(workers: Sequence[Loaded], current: str | None, max_load: int,
-           tie_break: int = 0, scores: Mapping[str, float] | None = None) -> str:
+def choose(
+    workers: Sequence[Loaded],
+    current: str | None,
+    max_load: int,
+    tie_break: int = 0,
+    scores: Mapping[str, float] | None = None,
+) -> str:
     """The worker a session's turn goes to (see the module docstring)."""
     healthy = [w for w in workers if w.healthy]
     if not healthy:
@@ -97,22 +103,23 @@ class Counters:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._outcomes: Counter[tuple[str, str, str]] = Counter()   # (action, status, via)
+        self._outcomes: Counter[tuple[str, str, str]] = Counter()  # (action, status, via)
         self._blocks: Counter[str] = Counter()
         self._events: Counter[str] = Counter()
-        self._requests: Counter[tuple[str, str]] = Counter()        # (worker, HTTP status)
-        self._sent: Counter[str] = Counter()                        # hints sent, by via
+        self._requests: Counter[tuple[str, str]] = Counter()  # (worker, HTTP status)
+        self._sent: Counter[str] = Counter()  # hints sent, by via
 
     def outcome(self, outcome: HintOutcome, via: str) -> None:
         action = (outcome.action or "?").removeprefix("kv.")
         with self._lock:
-            self._outcomes[(action, str(getattr(outcome.status, "value", outcome.status)),
-                             via)] += 1
+            self._outcomes[
+                (action, str(getattr(outcome.status, "value", outcome.status)), via)
+            ] += 1
 
     def report(self, report: RequestReport) -> None:
         with self._lock:
             self._events["reports"] += 1
-            if report.blocks is None:       # the engine withheld them (report.per_tier)
+            if report.blocks is None:  # the engine withheld them (report.per_tier)
                 self._events["reports_without_tiers"] += 1
                 return
             for tier in ("g1", "g2", "g3", "recomputed"):
@@ -140,9 +147,13 @@ class Counters:
             requests: dict[str, dict[str, int]] = {}
             for (worker, status), n in sorted(self._requests.items()):
                 requests.setdefault(worker, {})[status] = n
-            return {"outcomes": outcomes, "blocks": dict(self._blocks),
-                    "events": dict(self._events), "requests": requests,
-                    "hints_sent": dict(self._sent)}
+            return {
+                "outcomes": outcomes,
+                "blocks": dict(self._blocks),
+                "events": dict(self._events),
+                "requests": requests,
+                "hints_sent": dict(self._sent),
+            }
 
 
 class PinQuota:

@@ -67,16 +67,16 @@ from sessionkv.router.config import HintPolicy
 from sessionkv.router.gaps import GapModel, density_priority
 from sessionkv.router.shadow import Selector, ShadowCache
 
-ROUTER_OWNER = "sessionkv-router"   # the owner of router-held Retains (shared prefixes, heads)
+ROUTER_OWNER = "sessionkv-router"  # the owner of router-held Retains (shared prefixes, heads)
 # How live sessions are ranked, and with "+shared" whether the router also
 # holds shared prefixes and ended heads itself.
 STRATEGIES = ("recency+shared", "density+shared", "recency", "density", "plain")
-SHARED_CLASSES = (2, 3, 5, 9)       # sessions so far through a shared block -> its gap model
-HEAD_FRACTION = 0.25                # of an ended session's blocks, watched for branches
-HEAD_BOOST = 12                     # priority steps a session's first-turn prefix gets over its growth
-RATE_SHARE = 0.8                    # of an engine's hint rate the policy uses
-RERANK_STEPS = 8                    # priority steps (4x its density) that re-send an idle session
-PRESSURE_TICKS = 10                 # ticks a retained eviction keeps re-ranking step by step
+SHARED_CLASSES = (2, 3, 5, 9)  # sessions so far through a shared block -> its gap model
+HEAD_FRACTION = 0.25  # of an ended session's blocks, watched for branches
+HEAD_BOOST = 12  # priority steps a session's first-turn prefix gets over its growth
+RATE_SHARE = 0.8  # of an engine's hint rate the policy uses
+RERANK_STEPS = 8  # priority steps (4x its density) that re-send an idle session
+PRESSURE_TICKS = 10  # ticks a retained eviction keeps re-ranking step by step
 
 
 def _reranked(sent: int, p: int, steps: int) -> bool:
@@ -121,32 +121,34 @@ class _Retain:
 
     def action(self) -> dict[str, Any]:
         if self.keys is not None:
-            return hint_action(Action.RETAIN, keys=self.keys, priority=self.priority,
-                               ttl_s=self.ttl_s)
-        return hint_action(Action.RETAIN, session_id=self.session, boundary=self.boundary,
-                           priority=self.priority)
+            return hint_action(
+                Action.RETAIN, keys=self.keys, priority=self.priority, ttl_s=self.ttl_s
+            )
+        return hint_action(
+            Action.RETAIN, session_id=self.session, boundary=self.boundary, priority=self.priority
+        )
 
 
 @dataclass
 class _Live:
     worker: str
-    keys: list[bytes]                 # the last prompt's full blocks
-    head: int                         # how many leading ones are shared
+    keys: list[bytes]  # the last prompt's full blocks
+    head: int  # how many leading ones are shared
     last_t: float
     active: bool = True
-    sent: int = -1                    # priority queued to the engine (-1: none)
+    sent: int = -1  # priority queued to the engine (-1: none)
     # per router-holding strategy: the priority it claims its shared head at
     claimed: dict[str, int] = field(default_factory=dict)
-    first: int = 0                    # full blocks of its first turn
-    held: bool = False                # a Retain above plain was queued for it
-    shadow: dict[str, int] = field(default_factory=dict)   # strategy -> priority in its shadow
+    first: int = 0  # full blocks of its first turn
+    held: bool = False  # a Retain above plain was queued for it
+    shadow: dict[str, int] = field(default_factory=dict)  # strategy -> priority in its shadow
     workers: set[str] = field(default_factory=set)
 
 
 @dataclass
 class _Shared:
-    sessions: int                     # sessions seen through the block
-    last_new: float                   # when the last new one came
+    sessions: int  # sessions seen through the block
+    last_new: float  # when the last new one came
     workers: set[str]
     sent: dict[str, tuple[int, float]] = field(default_factory=dict)  # worker -> (priority, when)
     # per router-holding strategy: idle sessions' priorities over it
@@ -156,23 +158,33 @@ class _Shared:
 class _Engine:
     """One engine: its shadows, selector, hint queue and counters."""
 
-    def __init__(self, name: str, g2_blocks: int, g1_blocks: int, hints_per_s: float,
-                 cfg: HintPolicy, now: float):
+    def __init__(
+        self,
+        name: str,
+        g2_blocks: int,
+        g1_blocks: int,
+        hints_per_s: float,
+        cfg: HintPolicy,
+        now: float,
+    ):
         self.name = name
         self.g2_blocks, self.g1_blocks = g2_blocks, g1_blocks
         self.rate = max(1.0, hints_per_s * RATE_SHARE)
         self.tokens = self.rate
         self.stamp = now
         names = STRATEGIES if cfg.strategy == "auto" else (cfg.strategy,)
-        self.shadows = {n: ShadowCache(g2_blocks, g1_blocks, cfg.shadow_blocks, ROUTER_OWNER)
-                        for n in names} if len(names) > 1 else {}
+        self.shadows = (
+            {n: ShadowCache(g2_blocks, g1_blocks, cfg.shadow_blocks, ROUTER_OWNER) for n in names}
+            if len(names) > 1
+            else {}
+        )
         self.holders = tuple(n for n in names if _router_holds(n))
         self.selector = Selector(names, half_life_refs=64.0 * g2_blocks)
         # (owner, tag) -> the Retain to send; a re-queued entry moves last, so
         # a session's Retain never overtakes the router's re-claim after it
         self.pending: OrderedDict[tuple[str, Any], _Retain] = OrderedDict()
         self.sent = 0
-        self.reranked = 0               # session Retains re-sent because their priority changed
+        self.reranked = 0  # session Retains re-sent because their priority changed
         self.requests = 0
         self.first_t: float | None = None
         self._evictions_seen: dict[str, int] = {}
@@ -215,11 +227,11 @@ class SessionHints:
         self._clock = clock
         self._engines: dict[str, _Engine] = {}
         self._live: OrderedDict[str, _Live] = OrderedDict()
-        self._first: OrderedDict[bytes, str] = OrderedDict()     # block -> first session
+        self._first: OrderedDict[bytes, str] = OrderedDict()  # block -> first session
         self._shared: dict[bytes, _Shared] = {}
         # ended head block -> (end of its watch, the engine it is on)
         self._heads: dict[bytes, tuple[float, str]] = {}
-        self._heads_watched = 100                     # prior: 1 reuse in 100 blocks
+        self._heads_watched = 100  # prior: 1 reuse in 100 blocks
         self._heads_reused = 1
         self.gaps = GapModel(prior_median_s=cfg.prior_gap_s)
         self.shared_gaps = [GapModel(300.0, 1.5, 5.0, 5.0) for _ in SHARED_CLASSES]
@@ -231,8 +243,9 @@ class SessionHints:
     def add_engine(self, name: str, g2_blocks: int, g1_blocks: int, hints_per_s: float) -> None:
         """An engine the policy hints (from its ``hello``: G2 chunks x blocks
         per chunk, G1 blocks, and its per-client hint rate)."""
-        self._engines[name] = _Engine(name, max(1, g2_blocks), max(0, g1_blocks), hints_per_s,
-                                      self.cfg, self._clock())
+        self._engines[name] = _Engine(
+            name, max(1, g2_blocks), max(0, g1_blocks), hints_per_s, self.cfg, self._clock()
+        )
 
     def _priority(self, strategy: str, s: _Live, now: float) -> int:
         rank = strategy.split("+")[0]
@@ -245,8 +258,9 @@ class SessionHints:
 
     # ---- what the router sees ---------------------------------------------------
 
-    def turn_started(self, session: str, worker: str, keys: Sequence[bytes],
-                     extra: Sequence[bytes] = ()) -> list[Out]:
+    def turn_started(
+        self, session: str, worker: str, keys: Sequence[bytes], extra: Sequence[bytes] = ()
+    ) -> list[Out]:
         """A turn of ``session`` goes to ``worker``; ``keys``: its prompt's
         full-block keys, root first (empty when the router cannot hash it);
         ``extra``: blocks the engine caches after them that no Retain covers
@@ -261,11 +275,11 @@ class SessionHints:
         else:
             s = self._live[session] = _Live(worker, [], 0, now)
             while len(self._live) > self.cfg.max_sessions:
-                self._live.popitem(last=False)      # forgotten; the engine's idle timeout ends it
-        self._clear_claims(s)                       # a session in a turn claims nothing
+                self._live.popitem(last=False)  # forgotten; the engine's idle timeout ends it
+        self._clear_claims(s)  # a session in a turn claims nothing
         old = s.keys
         if old and (len(keys) < len(old) or keys[len(old) - 1] != old[-1]):
-            self._drop_branch(session, s)           # not an extension (chained keys)
+            self._drop_branch(session, s)  # not an extension (chained keys)
         # its blocks grow this turn: the next Retain goes whatever its priority
         s.active, s.last_t, s.worker, s.sent = True, now, worker, -1
         s.workers.add(worker)
@@ -284,7 +298,7 @@ class SessionHints:
                 if eng.selector.record(len(keys), hits):
                     for other in self._live.values():
                         if other.worker == worker:
-                            other.sent = -2          # re-send under the new strategy
+                            other.sent = -2  # re-send under the new strategy
         self._claim(keys[:head], now, force=True)
         return self._drain(now)
 
@@ -300,7 +314,7 @@ class SessionHints:
         for sh in eng.shadows.values() if eng is not None else ():
             sh.finish(session)
         self._retain_session(session, s, now)
-        self._claim(s.keys[:s.head], now, force=True)
+        self._claim(s.keys[: s.head], now, force=True)
         return self._drain(now)
 
     def sessions_on(self, worker: str) -> list[str]:
@@ -323,7 +337,7 @@ class SessionHints:
                     eng.pending.pop((session, tag), None)
             out.append(End(w, session))
         full = len(s.keys)
-        head = s.keys[s.head:max(s.head, math.ceil(full * HEAD_FRACTION))]
+        head = s.keys[s.head : max(s.head, math.ceil(full * HEAD_FRACTION))]
         eng = self._engines.get(s.worker)
         if eng is not None:
             for sh in eng.shadows.values():
@@ -372,12 +386,13 @@ class SessionHints:
                     s.shadow[name] = p
                     self._shadow_retain(sh, sid, s, p)
             if self._session_claims(s, eng, now, rerank=step):
-                claimed.extend(s.keys[:s.head])
-            if _reranked(s.sent, self._priority(eng.selector.current, s, now),
-                         step[eng.selector.current]):
+                claimed.extend(s.keys[: s.head])
+            if _reranked(
+                s.sent, self._priority(eng.selector.current, s, now), step[eng.selector.current]
+            ):
                 eng.reranked += 1
                 self._retain_session(sid, s, now, shadows=False)
-                claimed.extend(s.keys[:s.head])
+                claimed.extend(s.keys[: s.head])
         for k in [k for k, st in self._shared.items() if now - st.last_new > self.cfg.watch_s]:
             # no new session came through it for watch_s: given up on (a
             # "never" for its model); its Retain lapses to plain LRU
@@ -385,9 +400,9 @@ class SessionHints:
             self._shared_model(st.sessions).add_never()
             for w in st.workers:
                 lapsed.setdefault(w, []).append(k)
-        for w, keys in lapsed.items():         # the shadows' router Retains lapse too
+        for w, keys in lapsed.items():  # the shadows' router Retains lapse too
             eng = self._engines.get(w)
-            for name, sh in (eng.shadows.items() if eng else ()):
+            for name, sh in eng.shadows.items() if eng else ():
                 if _router_holds(name):
                     sh.release(sh.keys_of(keys), ROUTER_OWNER)
         self._claim([k for k in dict.fromkeys(claimed) if k in self._shared], now, force=True)
@@ -406,14 +421,24 @@ class SessionHints:
         for name, e in self._engines.items():
             span = max(1e-9, now - e.first_t) if e.first_t is not None else None
             engines[name] = {
-                "g2_blocks": e.g2_blocks, "g1_blocks": e.g1_blocks,
-                "strategy": e.selector.current, "switches": e.selector.switches,
+                "g2_blocks": e.g2_blocks,
+                "g1_blocks": e.g1_blocks,
+                "strategy": e.selector.current,
+                "switches": e.selector.switches,
                 "scores": {k: round(v, 1) for k, v in e.selector.scores.items()},
-                "hints_sent": e.sent, "reranked": e.reranked, "requests": e.requests,
+                "hints_sent": e.sent,
+                "reranked": e.reranked,
+                "requests": e.requests,
                 "hints_per_request": e.sent / e.requests if e.requests else 0.0,
-                "hints_per_s": e.sent / span if span else 0.0, "queued": len(e.pending)}
-        return {"engines": engines, "live_sessions": len(self._live),
-                "shared_blocks": len(self._shared), "outcomes": dict(sorted(self.outcomes.items()))}
+                "hints_per_s": e.sent / span if span else 0.0,
+                "queued": len(e.pending),
+            }
+        return {
+            "engines": engines,
+            "live_sessions": len(self._live),
+            "shared_blocks": len(self._shared),
+            "outcomes": dict(sorted(self.outcomes.items())),
+        }
 
     # ---- internals ---------------------------------------------------------------
 
@@ -423,8 +448,9 @@ class SessionHints:
             k += 1
         return self.shared_gaps[k]
 
-    def _see_shared(self, session: str, keys: Sequence[bytes], worker: str, now: float,
-                    seen: int) -> int:
+    def _see_shared(
+        self, session: str, keys: Sequence[bytes], worker: str, now: float, seen: int
+    ) -> int:
         """Register the prompt's blocks; how many leading ones are shared (more
         than one session sent them: a chained key names its whole prefix, so
         they are a leading run). ``seen``: how many of them this session
@@ -438,11 +464,11 @@ class SessionHints:
                 if owner is None or owner == session:
                     break
                 st = self._shared[k] = _Shared(1, now, set())
-                if len(self._shared) > self.cfg.max_blocks:    # the oldest found goes
+                if len(self._shared) > self.cfg.max_blocks:  # the oldest found goes
                     self._shared.pop(next(iter(self._shared)))
                 if self._heads.pop(k, (0.0, ""))[0] > now:
                     self._heads_reused += 1
-            if j >= seen:                          # a new session through it
+            if j >= seen:  # a new session through it
                 if st.sessions > 1:
                     self._shared_model(st.sessions).add(now - st.last_new)
                 st.sessions += 1
@@ -473,14 +499,13 @@ class SessionHints:
             return
         s.sent = p
         if p == 0 and not s.held:
-            return                  # nothing of it is held: nothing to send
+            return  # nothing of it is held: nothing to send
         s.held = p > 0
         for tag in ("retain", "first"):
             eng.pending.pop((sid, tag), None)
         eng.pending[(sid, "retain")] = _Retain(sid, p, boundary=s.keys[-1] if s.keys else None)
         if grown and p:
-            eng.pending[(sid, "first")] = _Retain(sid, p + HEAD_BOOST,
-                                                  boundary=s.keys[s.first - 1])
+            eng.pending[(sid, "first")] = _Retain(sid, p + HEAD_BOOST, boundary=s.keys[s.first - 1])
 
     def _drop_branch(self, sid: str, s: _Live) -> None:
         """The session went back to an earlier turn or edited one (a retry, a
@@ -505,10 +530,11 @@ class SessionHints:
         """What the session's Retains at ``p`` do, in one shadow."""
         sh.set(sh.keys_of(s.keys), p, sid)
         if p and 0 < s.first < len(s.keys):
-            sh.set(sh.keys_of(s.keys[:s.first]), p + HEAD_BOOST, sid)
+            sh.set(sh.keys_of(s.keys[: s.first]), p + HEAD_BOOST, sid)
 
-    def _session_claims(self, s: _Live, eng: _Engine, now: float,
-                        rerank: dict[str, int] | None = None) -> bool:
+    def _session_claims(
+        self, s: _Live, eng: _Engine, now: float, rerank: dict[str, int] | None = None
+    ) -> bool:
         """Record, per router-holding strategy, what idle session ``s`` claims
         its shared head at: its rank there, with the first-turn boost (its
         shared head lies in its first-turn prefix: the router's re-claim
@@ -534,7 +560,7 @@ class SessionHints:
         old = s.claimed.get(name, 0)
         if p == old:
             return False
-        for k in s.keys[:s.head]:
+        for k in s.keys[: s.head]:
             st = self._shared.get(k)
             if st is None:
                 continue
@@ -577,8 +603,12 @@ class SessionHints:
                     if name != eng.selector.current:
                         continue
                     last = st.sent.get(w)
-                    if not force and last is not None and p == last[0] \
-                            and now - last[1] < self.cfg.watch_s / 2:
+                    if (
+                        not force
+                        and last is not None
+                        and p == last[0]
+                        and now - last[1] < self.cfg.watch_s / 2
+                    ):
                         continue
                     st.sent[w] = (p, now)
                     groups.setdefault((w, p), []).append(k)
@@ -596,8 +626,9 @@ class SessionHints:
             return
         old = eng.pending.pop((ROUTER_OWNER, tag), None)
         merged = list(dict.fromkeys([*(old.keys if old else ()), *keys]))
-        eng.pending[(ROUTER_OWNER, tag)] = _Retain(ROUTER_OWNER, p, keys=merged,
-                                                   ttl_s=self.cfg.watch_s)
+        eng.pending[(ROUTER_OWNER, tag)] = _Retain(
+            ROUTER_OWNER, p, keys=merged, ttl_s=self.cfg.watch_s
+        )
 
     def _drain(self, now: float) -> list[Out]:
         """What may leave now, per engine, in queue order: one envelope per
@@ -606,8 +637,12 @@ class SessionHints:
         for eng in self._engines.values():
             while eng.pending and eng.take(now):
                 _, r = eng.pending.popitem(last=False)
-                if out and isinstance(out[-1], Send) and out[-1].worker == eng.name \
-                        and out[-1].session == r.session:
+                if (
+                    out
+                    and isinstance(out[-1], Send)
+                    and out[-1].worker == eng.name
+                    and out[-1].session == r.session
+                ):
                     out[-1].actions.append(r.action())
                 else:
                     out.append(Send(eng.name, r.session, [r.action()]))

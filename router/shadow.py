@@ -52,7 +52,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 _SPACE = 1 << 32
-SHIFT = 32                  # a block's position in its request fits below
+SHIFT = 32  # a block's position in its request fits below
 LOW = (1 << SHIFT) - 1
 
 
@@ -65,8 +65,13 @@ def sampled(key: bytes, rate: float) -> bool:
 class ShadowCache:
     """One strategy's model of one engine's G2 (see the module docstring)."""
 
-    def __init__(self, capacity_blocks: int, g1_blocks: int = 0, max_blocks: int = 65_536,
-                 exempt_owner: str | None = None):
+    def __init__(
+        self,
+        capacity_blocks: int,
+        g1_blocks: int = 0,
+        max_blocks: int = 65_536,
+        exempt_owner: str | None = None,
+    ):
         """``exempt_owner``: whose Retained blocks ``retained_evictions`` does
         not count (the router's own watches, meant to go first)."""
         if capacity_blocks < 1 or g1_blocks < 0:
@@ -75,20 +80,20 @@ class ShadowCache:
         self.capacity = max(1, int(capacity_blocks * self.rate))
         self.g1_capacity = int(g1_blocks * self.rate)
         self._g1: OrderedDict[bytes, None] = OrderedDict()
-        self._prio: dict[bytes, int] = {}     # resident key -> its priority
-        self._rank: dict[bytes, int] = {}     # resident key -> when last used (higher: later)
-        self._owner: dict[bytes, str] = {}    # retained key -> who retained it last
+        self._prio: dict[bytes, int] = {}  # resident key -> its priority
+        self._rank: dict[bytes, int] = {}  # resident key -> when last used (higher: later)
+        self._owner: dict[bytes, str] = {}  # retained key -> who retained it last
         self._next = 0
         # per priority: a min-heap of (rank, key), stale entries dropped lazily
         self._heaps: dict[int, list[tuple[int, bytes]]] = {}
-        self._size: dict[int, int] = {}       # per priority: resident keys
-        self._levels: list[int] = []          # sorted priorities with a resident key
+        self._size: dict[int, int] = {}  # per priority: resident keys
+        self._levels: list[int] = []  # sorted priorities with a resident key
         # turns running: turn -> the sampled blocks it read or stored, and
         # how many those are, over all turns
         self._open: OrderedDict[str, list[bytes]] = OrderedDict()
         self._open_blocks = 0
         self._open_max = max_blocks
-        self.retained_evictions = 0           # evicted blocks Retained above 0 by a session
+        self.retained_evictions = 0  # evicted blocks Retained above 0 by a session
         self._exempt = exempt_owner
 
     def __len__(self) -> int:
@@ -103,8 +108,9 @@ class ShadowCache:
         rate = self.rate
         return list(keys) if rate >= 1.0 else [k for k in keys if sampled(k, rate)]
 
-    def request(self, keys: Sequence[bytes], counted: int | None = None,
-                turn: str | None = None) -> float:
+    def request(
+        self, keys: Sequence[bytes], counted: int | None = None, turn: str | None = None
+    ) -> float:
         """Serve a request's sampled ``keys``: its leading resident run among
         the first ``counted`` (default all; scaled to all keys), then every
         key it reads or stores resident at its turn's rank and position (at
@@ -115,7 +121,7 @@ class ShadowCache:
             self.finish(turn)
         g1, prio = self._g1, self._prio
         n = len(keys) if counted is None else min(counted, len(keys))
-        a = 0                              # G1's leading run, then G2's
+        a = 0  # G1's leading run, then G2's
         while a < n and keys[a] in g1:
             a += 1
         b = a
@@ -136,7 +142,7 @@ class ShadowCache:
             self._open_blocks += len(used)
             while self._open_blocks > self._open_max and len(self._open) > 1:
                 self._open_blocks -= len(self._open.popitem(last=False)[1])
-        for k in reversed(keys):           # G1: the head ends most recent (vLLM frees tail first)
+        for k in reversed(keys):  # G1: the head ends most recent (vLLM frees tail first)
             if k in g1:
                 g1.move_to_end(k)
             else:
@@ -232,7 +238,7 @@ class ShadowCache:
         self._rank[k] = rank
         heap = self._heap_of(p)
         heapq.heappush(heap, (rank, k))
-        if len(heap) > 2 * self._size[p] + 64:     # drop entries that went stale
+        if len(heap) > 2 * self._size[p] + 64:  # drop entries that went stale
             heap[:] = [(r, q) for r, q in heap if self._prio.get(q) == p and self._rank[q] == r]
             heapq.heapify(heap)
 
@@ -244,7 +250,7 @@ class ShadowCache:
             while heap:
                 r, k = heapq.heappop(heap)
                 if prio.get(k) != p or rank[k] != r:
-                    continue                    # stale: moved or used since
+                    continue  # stale: moved or used since
                 if k in protect:
                     deferred.append((r, k))
                     continue
@@ -262,7 +268,7 @@ class ShadowCache:
         while len(self._prio) > self.capacity:
             victim = self._victim(protect)
             if victim is None:
-                return          # only the request's own blocks left: it is larger than G2
+                return  # only the request's own blocks left: it is larger than G2
             if self._prio[victim] > 0 and self._owner.get(victim) != self._exempt:
                 self.retained_evictions += 1
             self._move(victim, self._prio[victim], None)
@@ -283,8 +289,9 @@ class Selector:
     lead of ``z`` standard errors is one noise does not make, at any size.
     Cost: O(strategies^2) per request (ten pairs for five)."""
 
-    def __init__(self, names: Sequence[str], half_life_refs: float, margin: float = 0.02,
-                 z: float = 2.0):
+    def __init__(
+        self, names: Sequence[str], half_life_refs: float, margin: float = 0.02, z: float = 2.0
+    ):
         if not names:
             raise ValueError("a selector needs at least one strategy")
         self.names = list(names)
@@ -296,7 +303,7 @@ class Selector:
         self._z = z
         # per pair (a, b), a before b in names: decayed sums of hits[a] - hits[b]
         # and of its square (weights squared: the variance of the decayed sum)
-        self._pairs = [(a, b) for i, a in enumerate(self.names) for b in self.names[i + 1:]]
+        self._pairs = [(a, b) for i, a in enumerate(self.names) for b in self.names[i + 1 :]]
         self._diff = dict.fromkeys(self._pairs, 0.0)
         self._var = dict.fromkeys(self._pairs, 0.0)
 
@@ -313,8 +320,9 @@ class Selector:
             var[a, b] = var[a, b] * d2 + x * x
         best = max(self.names, key=self.scores.__getitem__)
         if best != self.current and (
-                self.scores[best] > self.scores[self.current] * (1.0 + self._margin)
-                or self._lead(best, self.current) > self._z):
+            self.scores[best] > self.scores[self.current] * (1.0 + self._margin)
+            or self._lead(best, self.current) > self._z
+        ):
             self.current = best
             self.switches += 1
             return True

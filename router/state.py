@@ -62,7 +62,8 @@ class SessionStore:
     def __init__(self, cfg: RedisConfig):
         self._cfg = cfg
         self._redis = aioredis.Redis.from_url(
-            cfg.url, socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s)
+            cfg.url, socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s
+        )
         self._ns = cfg.namespace
         self._move = self._redis.register_script(_MOVE)
 
@@ -78,9 +79,14 @@ class SessionStore:
         if not raw or b"worker" not in raw:
             return None
         f = {k.decode(): v.decode() for k, v in raw.items()}
-        return SessionState(session_id, f["worker"], int(f.get("turns", 0)),
-                            float(f.get("created", 0)), float(f.get("last_ts", 0)),
-                            float(f.get("gap_until", 0)))
+        return SessionState(
+            session_id,
+            f["worker"],
+            int(f.get("turns", 0)),
+            float(f.get("created", 0)),
+            float(f.get("last_ts", 0)),
+            float(f.get("gap_until", 0)),
+        )
 
     async def bind(self, session_id: str, owner: str) -> str:
         """The session's owner: ``owner`` unless another client named it first."""
@@ -126,9 +132,10 @@ class SessionStore:
         """A turn finished; ``gap_s``: it ended in a tool call expected to last this long."""
         now = time.time()
         gap_until = now + gap_s if gap_s else 0
-        await self._redis.hset(self._key(session_id), mapping={
-            "last_ts": now, "gap_until": gap_until})
-        await self._refresh(session_id, max(now, gap_until))   # idle counts from the gap's end
+        await self._redis.hset(
+            self._key(session_id), mapping={"last_ts": now, "gap_until": gap_until}
+        )
+        await self._refresh(session_id, max(now, gap_until))  # idle counts from the gap's end
 
     async def _refresh(self, session_id: str, score: float) -> None:
         async with self._redis.pipeline(transaction=False) as p:
@@ -179,8 +186,9 @@ class ResilientStore:
 
     Threading: the router's event loop only."""
 
-    def __init__(self, store: SessionStore, max_sessions: int, retry_s: float = 5.0,
-                 clock=time.monotonic):
+    def __init__(
+        self, store: SessionStore, max_sessions: int, retry_s: float = 5.0, clock=time.monotonic
+    ):
         self._store = store
         self._retry_s = retry_s
         self._clock = clock
@@ -193,8 +201,12 @@ class ResilientStore:
         self.last_error = ""
 
     def status(self) -> dict:
-        return {"errors": self.errors, "last_error": self.last_error,
-                "local_sessions": len(self._local), "usable": self.usable()}
+        return {
+            "errors": self.errors,
+            "last_error": self.last_error,
+            "local_sessions": len(self._local),
+            "usable": self.usable(),
+        }
 
     def usable(self) -> bool:
         """False while calls go to memory after a failure (``retry_s``)."""
@@ -204,8 +216,9 @@ class ResilientStore:
         self.errors += 1
         self._down_until = self._clock() + self._retry_s
         if not self.last_error:
-            log.warning("session state: %s failed (%r): routing from this replica's memory",
-                        what, e)
+            log.warning(
+                "session state: %s failed (%r): routing from this replica's memory", what, e
+            )
         self.last_error = f"{what}: {e!r}"[:200]
 
     def _remember(self, state: SessionState | None) -> SessionState | None:
@@ -219,14 +232,17 @@ class ResilientStore:
     def _placed(self, session_id: str, worker: str) -> None:
         old = self._local.get(session_id)
         now = time.time()
-        self._remember(SessionState(session_id, worker, old.turns if old else 0,
-                                    old.created if old else now, now, 0.0))
+        self._remember(
+            SessionState(
+                session_id, worker, old.turns if old else 0, old.created if old else now, now, 0.0
+            )
+        )
 
     async def _try(self, what: str, call, fallback):
         """``await call``, or ``fallback`` (counted) when Redis fails or
         failed within ``retry_s``."""
         if not self.usable():
-            call.close()            # never awaited: no call reaches Redis
+            call.close()  # never awaited: no call reaches Redis
             self.errors += 1
             return fallback
         try:
@@ -256,8 +272,7 @@ class ResilientStore:
         return bound
 
     async def owner(self, session_id: str) -> str | None:
-        return await self._try("owner", self._store.owner(session_id),
-                               self._owners.get(session_id))
+        return await self._try("owner", self._store.owner(session_id), self._owners.get(session_id))
 
     async def claim(self, session_id: str, worker: str) -> str:
         placed = await self._try("claim", self._store.claim(session_id, worker), worker)

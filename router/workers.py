@@ -50,7 +50,7 @@ from sessionkv.router.overlap import PROBE_TOKENS, BlockHasher, OverlapIndex, Pr
 
 log = logging.getLogger("sessionkv.router")
 FINALS_KEPT = 1024
-MAX_SAMPLE = 1e9            # a /metrics request count past this is unreadable
+MAX_SAMPLE = 1e9  # a /metrics request count past this is unreadable
 
 
 class DataParallelWorker(ValueError):
@@ -63,15 +63,15 @@ def _metric_sum(text: str, name: str) -> tuple[float, int]:
     of it had no readable value (skipped)."""
     total, bad = 0.0, 0
     for line in text.splitlines():
-        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
             # The value follows the labels (which may hold spaces); a timestamp may follow it.
-            fields = line[line.rfind("}") + 1 if "}" in line else len(name):].split()
+            fields = line[line.rfind("}") + 1 if "}" in line else len(name) :].split()
             try:
                 value = float(fields[0])
             except (IndexError, ValueError):
                 bad += 1
                 continue
-            if 0 <= value <= MAX_SAMPLE:       # request counts: finite, not negative
+            if 0 <= value <= MAX_SAMPLE:  # request counts: finite, not negative
                 total += value
             else:
                 bad += 1
@@ -86,18 +86,24 @@ FAILED_POLLS_UNHEALTHY = 3
 class Worker:
     """One engine (see the module docstring). ``start`` before use."""
 
-    def __init__(self, cfg: WorkerConfig, secret: bytes, http: aiohttp.ClientSession,
-                 load_poll_s: float, on_final=None):
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        secret: bytes,
+        http: aiohttp.ClientSession,
+        load_poll_s: float,
+        on_final=None,
+    ):
         self.cfg = cfg
         self.name = cfg.name
         self.url = cfg.url
         self._secret = secret
         self._http = http
         self._poll_s = load_poll_s
-        self._on_final = on_final            # called with (worker, HintOutcome)
+        self._on_final = on_final  # called with (worker, HintOutcome)
         self.engine_load = 0.0
         self.inflight = 0
-        self.draining = False       # POST /router/workers/{name}/drain: no turns while others can
+        self.draining = False  # POST /router/workers/{name}/drain: no turns while others can
         self.healthy = False
         self._failed_polls = 0
         self.control: AsyncHintClient | None = None
@@ -111,21 +117,30 @@ class Worker:
         self.index = OverlapIndex()
         self.hasher: BlockHasher | None = None
         self.probe_error: str | None = None
-        self.metrics_error: str | None = None   # degraded: load read only in part
-        self.bad_events = 0                     # events that failed to apply (dropped)
-        self.info: dict[str, Any] = {}       # the engine's hello
+        self.metrics_error: str | None = None  # degraded: load read only in part
+        self.bad_events = 0  # events that failed to apply (dropped)
+        self.info: dict[str, Any] = {}  # the engine's hello
 
     @property
     def load(self) -> float:
         return max(self.engine_load, float(self.inflight))
 
     def status(self) -> dict[str, Any]:
-        return {"name": self.name, "url": self.url, "healthy": self.healthy,
-                "draining": self.draining, "load": self.load, "engine_load": self.engine_load, "inflight": self.inflight,
-                "overlap": self.hasher is not None, "probe_error": self.probe_error,
-                "metrics_error": self.metrics_error, "bad_events": self.bad_events,
-                "skipped_events": getattr(self.control, "skipped_events", 0),
-                "index_keys": len(self.index)}
+        return {
+            "name": self.name,
+            "url": self.url,
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "load": self.load,
+            "engine_load": self.engine_load,
+            "inflight": self.inflight,
+            "overlap": self.hasher is not None,
+            "probe_error": self.probe_error,
+            "metrics_error": self.metrics_error,
+            "bad_events": self.bad_events,
+            "skipped_events": getattr(self.control, "skipped_events", 0),
+            "index_keys": len(self.index),
+        }
 
     async def start(self) -> None:
         if self.cfg.plain:
@@ -143,8 +158,10 @@ class Worker:
         # counters only growing, so two routers (or a restarted one next to
         # its predecessor's last frames) must not share one.
         self.control = AsyncHintClient(
-            endpoint, self._secret,
-            client_id=f"router-{self.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            endpoint,
+            self._secret,
+            client_id=f"router-{self.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+        )
         self.info = await self.control.hello()
         dp_size = self.info.get("dp_size", 1)
         if not isinstance(dp_size, int) or dp_size != 1:
@@ -153,16 +170,20 @@ class Worker:
         self._seq = (await self.control.events(1 << 62, 0)).next_seq - 1
         await self._verify_hashing()
         await self._catch_up_index(0, self._seq)
-        self._tasks = [asyncio.create_task(self._poll_load()),
-                       asyncio.create_task(self._follow()),
-                       asyncio.create_task(self._wake_on_stream())]
+        self._tasks = [
+            asyncio.create_task(self._poll_load()),
+            asyncio.create_task(self._follow()),
+            asyncio.create_task(self._wake_on_stream()),
+        ]
         await self._polled.wait()
 
     def _dp_refusal(self, why: str) -> str:
-        return (f"worker {self.name}: a data-parallel engine ({why}). Each DP rank has its own "
-                "cache, index and control channel, and this router sends a session's hints to "
-                "one channel per worker; run one engine per rank (--data-parallel-size 1), "
-                "each a worker of its own")
+        return (
+            f"worker {self.name}: a data-parallel engine ({why}). Each DP rank has its own "
+            "cache, index and control channel, and this router sends a session's hints to "
+            "one channel per worker; run one engine per rank (--data-parallel-size 1), "
+            "each a worker of its own"
+        )
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -175,7 +196,7 @@ class Worker:
 
     async def _verify_hashing(self) -> None:
         try:
-            answer = (await self.control.call("probe", tokens=PROBE_TOKENS))
+            answer = await self.control.call("probe", tokens=PROBE_TOKENS)
             if not answer.ok:
                 raise ProbeMismatch(f"probe refused: {answer.error}")
             self.hasher = BlockHasher.from_probe(answer.info, PROBE_TOKENS)
@@ -183,7 +204,7 @@ class Worker:
         except (ProbeMismatch, ControlError) as e:
             self.hasher, self.probe_error = None, str(e)
             log.warning("worker %s: no overlap routing: %s", self.name, e)
-        except Exception as e:      # a reply no check foresaw: degraded, never down
+        except Exception as e:  # a reply no check foresaw: degraded, never down
             self.hasher, self.probe_error = None, f"unreadable probe answer: {e!r}"
             log.exception("worker %s: no overlap routing", self.name)
 
@@ -197,7 +218,7 @@ class Worker:
                         self._guarded(self.index.apply, ev)
                 if page.last_seq == 0 or page.last_seq >= upto:
                     break
-                after = page.last_seq               # past kinds this router skipped
+                after = page.last_seq  # past kinds this router skipped
         except ControlError as e:
             log.warning("worker %s: index catch-up: %s", self.name, e)
 
@@ -214,8 +235,9 @@ class Worker:
         (a loaded host) is not death: it would move the session."""
         for _ in range(tries):
             try:
-                async with self._http.get(self.url + "/health",
-                                          timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                async with self._http.get(
+                    self.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
+                ) as r:
                     if r.status == 200:
                         return True
             except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -225,8 +247,15 @@ class Worker:
     # What /tokenize takes of a request body: the chat template's inputs for
     # chat, the special-token choice for both (their defaults are vLLM's:
     # the completions API adds BOS, chat leaves it to the template).
-    _CHAT_KEYS = ("messages", "add_generation_prompt", "continue_final_message",
-                  "chat_template", "chat_template_kwargs", "tools", "add_special_tokens")
+    _CHAT_KEYS = (
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "chat_template_kwargs",
+        "tools",
+        "add_special_tokens",
+    )
 
     async def tokenize(self, body: dict[str, Any], timeout_s: float = 2.0) -> list[int] | None:
         """The prompt's token ids as this engine makes them (its ``/tokenize``,
@@ -235,48 +264,62 @@ class Worker:
         if isinstance(body.get("messages"), list):
             req = {k: body[k] for k in self._CHAT_KEYS if k in body}
         elif isinstance(body.get("prompt"), str):
-            req = {"prompt": body["prompt"],
-                   "add_special_tokens": body.get("add_special_tokens", True)}
+            req = {
+                "prompt": body["prompt"],
+                "add_special_tokens": body.get("add_special_tokens", True),
+            }
         else:
             return None
         if isinstance(body.get("model"), str):
             req["model"] = body["model"]
         try:
-            async with self._http.post(self.url + "/tokenize", json=req,
-                                       timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            async with self._http.post(
+                self.url + "/tokenize", json=req, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as r:
                 out = await r.json() if r.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             log.debug("tokenize on %s failed: %r", self.name, e)
             return None
         toks = out.get("tokens") if isinstance(out, dict) else None
-        if not isinstance(toks, list) or \
-                not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+        if not isinstance(toks, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in toks
+        ):
             return None
         return toks
 
     async def _poll_load(self) -> None:
         while True:
             try:
-                async with self._http.get(self.url + "/metrics",
-                                          timeout=aiohttp.ClientTimeout(total=5)) as r:
+                async with self._http.get(
+                    self.url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)
+                ) as r:
                     text = await r.text()
                     r.raise_for_status()
                 (running, bad_r), (waiting, bad_w) = (
                     _metric_sum(text, "vllm:num_requests_running"),
-                    _metric_sum(text, "vllm:num_requests_waiting"))
+                    _metric_sum(text, "vllm:num_requests_waiting"),
+                )
                 self.engine_load = running + waiting
-                self.metrics_error = (f"{bad_r + bad_w} unreadable load samples in /metrics"
-                                      if bad_r + bad_w else None)
+                self.metrics_error = (
+                    f"{bad_r + bad_w} unreadable load samples in /metrics"
+                    if bad_r + bad_w
+                    else None
+                )
                 self.healthy, self._failed_polls = True, 0
             except Exception as e:  # any bad reply counts, and the poll goes on
                 self._failed_polls += 1
                 if self.healthy and self._failed_polls >= FAILED_POLLS_UNHEALTHY:
-                    log.warning("worker %s unhealthy after %d failed polls: %r", self.name,
-                                self._failed_polls, e)
+                    log.warning(
+                        "worker %s unhealthy after %d failed polls: %r",
+                        self.name,
+                        self._failed_polls,
+                        e,
+                    )
                     self.healthy = False
                 elif self.healthy:
-                    log.info("worker %s: load poll failed (%d): %r", self.name,
-                             self._failed_polls, e)
+                    log.info(
+                        "worker %s: load poll failed (%d): %r", self.name, self._failed_polls, e
+                    )
             self._polled.set()
             await asyncio.sleep(self._poll_s)
 
@@ -299,8 +342,9 @@ class Worker:
             self._waiters.pop(act["action_id"], None)
         return outcome
 
-    async def final(self, hint_id: str, timeout_s: float
-                    ) -> tuple[HintOutcome, Transfer | None] | None:
+    async def final(
+        self, hint_id: str, timeout_s: float
+    ) -> tuple[HintOutcome, Transfer | None] | None:
         """A deferred hint's final outcome and the transfer it made; None when
         it did not come within ``timeout_s``."""
         if hint_id in self._finals:
@@ -339,23 +383,24 @@ class Worker:
             try:
                 while True:
                     page = await self.control.events(self._seq, 1000)
-                    if page.next_seq - 1 < self._seq:      # a new engine: a new log
+                    if page.next_seq - 1 < self._seq:  # a new engine: a new log
                         log.warning("worker %s: event log restarted", self.name)
                         self._seq = 0
                         self.index.clear()
                         continue
                     if page.oldest > self._seq + 1:
-                        log.warning("worker %s: %d events lost", self.name,
-                                    page.oldest - self._seq - 1)
+                        log.warning(
+                            "worker %s: %d events lost", self.name, page.oldest - self._seq - 1
+                        )
                     for ev in page.events:
                         self._event(ev)
                         self._seq = ev.seq
-                    self._seq = max(self._seq, page.last_seq)   # past kinds skipped
+                    self._seq = max(self._seq, page.last_seq)  # past kinds skipped
                     if page.last_seq == 0 or page.last_seq >= page.next_seq - 1:
-                        break                                   # caught up
+                        break  # caught up
             except ControlError as e:
                 log.warning("worker %s: events: %s", self.name, e)
-            await asyncio.sleep(0.1)     # at most ~10 reads a second under a busy stream
+            await asyncio.sleep(0.1)  # at most ~10 reads a second under a busy stream
 
     def _event(self, ev) -> None:
         self._guarded(self._apply, ev)
@@ -363,7 +408,7 @@ class Worker:
     def _guarded(self, fn, ev) -> None:
         try:
             fn(ev)
-        except Exception:           # a bad event is dropped and counted, never fatal
+        except Exception:  # a bad event is dropped and counted, never fatal
             self.bad_events += 1
             log.exception("worker %s: event %s dropped", self.name, getattr(ev, "seq", "?"))
 

@@ -13,5 +13,12 @@ from sessionkv.hints import HintOutcome, KvHint, sign
 from sessionkv.report import RequestReport
 
 __version__ = "0.1.0"
-__all__ = ["AsyncHintClient", "ControlError", "HintClient", "HintOutcome", "KvHint",
-           "RequestReport", "sign"]
+__all__ = [
+    "AsyncHintClient",
+    "ControlError",
+    "HintClient",
+    "HintOutcome",
+    "KvHint",
+    "RequestReport",
+    "sign",
+]

@@ -53,9 +53,16 @@ def _hint(args: argparse.Namespace, client: HintClient) -> int:
         for name in ("branch", "boundary"):
             if getattr(args, name):
                 target[name] = bytes.fromhex(getattr(args, name))
-        bounds = {k: v for k, v in (("ttl_s", args.ttl), ("priority", args.priority),
-                                    ("destination", args.destination),
-                                    ("max_blocks", args.max_blocks)) if v is not None}
+        bounds = {
+            k: v
+            for k, v in (
+                ("ttl_s", args.ttl),
+                ("priority", args.priority),
+                ("destination", args.destination),
+                ("max_blocks", args.max_blocks),
+            )
+            if v is not None
+        }
         if args.verb == "retain":
             bounds.setdefault("priority", 0)
         if args.verb == "share" and "destination" not in bounds:
@@ -66,8 +73,9 @@ def _hint(args: argparse.Namespace, client: HintClient) -> int:
 
 
 def _events(args: argparse.Namespace, client: HintClient) -> int:
-    for ev in client.subscribe(after=args.after, kinds=args.kinds,
-                               idle_timeout_s=args.idle_timeout):
+    for ev in client.subscribe(
+        after=args.after, kinds=args.kinds, idle_timeout_s=args.idle_timeout
+    ):
         _print(ev)
     return 0
 
@@ -76,8 +84,12 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sessionkv", description=__doc__.split("\n")[0])
     common = argparse.ArgumentParser(add_help=False)
     where = common.add_mutually_exclusive_group(required=True)
-    where.add_argument("--endpoint", "--engine", dest="endpoint",
-                       help="the engine's control endpoint, tcp://host:port")
+    where.add_argument(
+        "--endpoint",
+        "--engine",
+        dest="endpoint",
+        help="the engine's control endpoint, tcp://host:port",
+    )
     where.add_argument("--endpoint-file", help="the JSON file the engine wrote")
     common.add_argument("--secret-file", required=True, help="the shared secret (router key)")
     common.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
@@ -99,16 +111,23 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--kinds", nargs="+", choices=KINDS)
     e.add_argument("--idle-timeout", type=float, help="stop after this many idle seconds")
 
-    sub.add_parser("status", parents=[common],
-                   help="sessions, pins, outcome counts and recent evictions (JSON)")
-    sub.add_parser("doctor", add_help=False,
-                   help="why engines would not share KV (sessionkv doctor --help)")
+    sub.add_parser(
+        "status",
+        parents=[common],
+        help="sessions, pins, outcome counts and recent evictions (JSON)",
+    )
+    sub.add_parser(
+        "doctor", add_help=False, help="why engines would not share KV (sessionkv doctor --help)"
+    )
 
     r = sub.add_parser("router", help="run the reference router (sessionkv.router)")
     r.add_argument("--config", required=True, help="router.yaml")
     r.add_argument("--log-level", default="INFO")
-    r.add_argument("--admin-token", action="store_true",
-                   help="print the admin routes' bearer token (drain) and exit")
+    r.add_argument(
+        "--admin-token",
+        action="store_true",
+        help="print the admin routes' bearer token (drain) and exit",
+    )
     return p
 
 
@@ -117,6 +136,7 @@ def _router(args: argparse.Namespace) -> int:
     import logging
 
     from sessionkv.router import load_config, serve
+
     try:
         cfg = load_config(args.config)
     except ValueError as e:
@@ -124,19 +144,28 @@ def _router(args: argparse.Namespace) -> int:
         return 2
     if args.admin_token:
         from sessionkv.router.app import admin_token
+
         print(admin_token(cfg.secret))
         return 0
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(cfg, ready=lambda port: print(
-        f"sessionkv router listening on http://{cfg.host}:{port}", flush=True)))
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    asyncio.run(
+        serve(
+            cfg,
+            ready=lambda port: print(
+                f"sessionkv router listening on http://{cfg.host}:{port}", flush=True
+            ),
+        )
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["doctor"]:          # its own options (several engines)
+    if argv[:1] == ["doctor"]:  # its own options (several engines)
         from sessionkv import doctor
+
         return doctor.main(argv[1:])
     args = parser().parse_args(argv)
     if args.command == "router":

@@ -44,8 +44,11 @@ class ControlError(RuntimeError):
     """No authentic reply: the engine is unreachable, slow, or has another secret."""
 
 
-_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 class EventPage(tuple):
@@ -78,14 +81,16 @@ class _Protocol:
             raise ValueError("the control channel needs the engine's shared secret")
         self.endpoint = endpoint
         self._secret = secret
-        self.client_id = client_id or f"{os.uname().nodename[:40]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.client_id = (
+            client_id or f"{os.uname().nodename[:40]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        )
         bad = id_problem(self.client_id, "client_id")
         if bad:
             raise ValueError(bad)
         self._timeout_ms = int(timeout_s * 1000)
         self._counter = 0
-        self.skipped_events = 0     # events of kinds or fields this client does not know
-        self.engine_id: str | None = None   # from the first hello: frames name their engine
+        self.skipped_events = 0  # events of kinds or fields this client does not know
+        self.engine_id: str | None = None  # from the first hello: frames name their engine
 
     @classmethod
     def from_endpoint_file(cls, path: str, secret: bytes, **kwargs):
@@ -95,31 +100,41 @@ class _Protocol:
     def _frames(self, op: str, **fields: Any) -> tuple[int, list[bytes]]:
         self._counter = max(self._counter + 1, time.time_ns())
         payload = wire.request_encoder.encode(
-            wire.ControlRequest(client=self.client_id, counter=self._counter, op=op,
-                                engine="" if op == "hello" else self.engine_id or "", **fields))
+            wire.ControlRequest(
+                client=self.client_id,
+                counter=self._counter,
+                op=op,
+                engine="" if op == "hello" else self.engine_id or "",
+                **fields,
+            )
+        )
         return self._counter, [payload, wire.mac(wire.REQUEST_DOMAIN, payload, self._secret)]
 
     def _reply(self, frames: list[bytes], counter: int | None) -> wire.ControlReply:
         """The authentic reply; to request ``counter`` unless it is None."""
-        if len(frames) != 2 or not wire.authentic(wire.REPLY_DOMAIN, frames[0], frames[1],
-                                                  self._secret):
+        if len(frames) != 2 or not wire.authentic(
+            wire.REPLY_DOMAIN, frames[0], frames[1], self._secret
+        ):
             raise ControlError(f"{self.endpoint}: reply not authentic (another secret?)")
         try:
             reply, skipped = wire.decode_reply(frames[0])
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise ControlError(f"{self.endpoint}: reply undecodable ({e}; a newer engine?)") from None
+            raise ControlError(
+                f"{self.endpoint}: reply undecodable ({e}; a newer engine?)"
+            ) from None
         self.skipped_events += skipped
         if counter is not None and reply.counter not in (counter, 0):
             raise ControlError(f"{self.endpoint}: reply to another request")
         return reply
 
     def _event(self, frames: list[bytes]) -> AnyEvent | None:
-        if len(frames) == 3 and wire.authentic(wire.EVENT_DOMAIN, frames[1], frames[2],
-                                               self._secret):
+        if len(frames) == 3 and wire.authentic(
+            wire.EVENT_DOMAIN, frames[1], frames[2], self._secret
+        ):
             try:
                 return decode_event(frames[1])
             except (msgspec.DecodeError, msgspec.ValidationError):
-                self.skipped_events += 1    # a kind or field unknown here (a newer engine)
+                self.skipped_events += 1  # a kind or field unknown here (a newer engine)
         return None
 
     def _dealer(self, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
@@ -148,8 +163,7 @@ class _Protocol:
     def pin(self, session_id: str, *, ttl_s: float | None = None, **target: Any):
         return self._one(Action.PIN, session_id, ttl_s=ttl_s, **target)
 
-    def retain(self, session_id: str, *, priority: int, ttl_s: float | None = None,
-               **target: Any):
+    def retain(self, session_id: str, *, priority: int, ttl_s: float | None = None, **target: Any):
         return self._one(Action.RETAIN, session_id, priority=priority, ttl_s=ttl_s, **target)
 
     def demote(self, session_id: str, **target: Any):
@@ -169,8 +183,9 @@ def _action(action: Action, session_id: str, kw: dict[str, Any]) -> dict[str, An
 class HintClient(_Protocol):
     """Blocking client (see the module docstring)."""
 
-    def __init__(self, endpoint: str, secret: bytes, *, client_id: str | None = None,
-                 timeout_s: float = 5.0):
+    def __init__(
+        self, endpoint: str, secret: bytes, *, client_id: str | None = None, timeout_s: float = 5.0
+    ):
         super().__init__(endpoint, secret, client_id, timeout_s)
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
@@ -200,12 +215,14 @@ class HintClient(_Protocol):
             if self._monitor in ready:
                 recv_monitor_message(self._monitor)
                 self.close()
-                raise ControlError(f"{self.endpoint}: handshake refused: not authentic "
-                                   "(another secret?)")
+                raise ControlError(
+                    f"{self.endpoint}: handshake refused: not authentic (another secret?)"
+                )
             if not ready:
-                self.close()         # a late reply must not answer the next request
-                raise ControlError(f"{self.endpoint}: no reply within {self._timeout_ms} ms"
-                                   " (engine down or busy)")
+                self.close()  # a late reply must not answer the next request
+                raise ControlError(
+                    f"{self.endpoint}: no reply within {self._timeout_ms} ms (engine down or busy)"
+                )
 
     def hello(self) -> dict[str, Any]:
         info = self.call("hello").info
@@ -258,18 +275,23 @@ class HintClient(_Protocol):
         while True:
             page = self.events(after)
             for ev in page.events:
-                if isinstance(ev, Outcome) and ev.via == "transfer" \
-                        and ev.outcome.hint_id == hint_id:
+                if (
+                    isinstance(ev, Outcome)
+                    and ev.via == "transfer"
+                    and ev.outcome.hint_id == hint_id
+                ):
                     return ev.outcome
             if page.events:
                 after = page.events[-1].seq
             if time.monotonic() > deadline:
-                raise ControlError(f"{self.endpoint}: no final outcome for {hint_id} "
-                                   f"in {timeout_s:g} s")
+                raise ControlError(
+                    f"{self.endpoint}: no final outcome for {hint_id} in {timeout_s:g} s"
+                )
             time.sleep(0.05)
 
-    def subscribe(self, after: int | None = None, kinds=None,
-                  idle_timeout_s: float | None = None) -> Iterator[AnyEvent]:
+    def subscribe(
+        self, after: int | None = None, kinds=None, idle_timeout_s: float | None = None
+    ) -> Iterator[AnyEvent]:
         """Events in ``seq`` order: those kept after ``after`` first (None:
         only new ones), then the stream; an event lost on the way is fetched
         from the engine's log (while the engine keeps it). ``kinds`` filters
@@ -277,9 +299,9 @@ class HintClient(_Protocol):
         sub = self._subscriber(self._ctx, self.hello()["events"], None)
         wanted = set(kinds or KINDS)
         try:
-            time.sleep(0.05)         # let the subscription reach the publisher
+            time.sleep(0.05)  # let the subscription reach the publisher
             last = self.events(1 << 62, 0).next_seq - 1 if after is None else after
-            upto = None              # catch up to the end of the log
+            upto = None  # catch up to the end of the log
             timeout = None if idle_timeout_s is None else int(idle_timeout_s * 1000)
             while True:
                 while upto is None or last < upto:
@@ -296,7 +318,7 @@ class HintClient(_Protocol):
                 ev = self._event(sub.recv_multipart())
                 if ev is None or ev.seq <= last:
                     continue
-                upto = ev.seq        # fill (last, ev.seq] from the log if needed
+                upto = ev.seq  # fill (last, ev.seq] from the log if needed
                 if ev.seq == last + 1:
                     last = ev.seq
                     if ev.__struct_config__.tag in wanted:
@@ -311,7 +333,7 @@ class HintClient(_Protocol):
             self._sock.close(linger=0)
             self._sock = self._monitor = None
 
-    def __enter__(self) -> "HintClient":
+    def __enter__(self) -> HintClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -322,8 +344,9 @@ class AsyncHintClient(_Protocol):
     """asyncio client: the same verbs as ``HintClient``, awaited. Requests may
     run concurrently on one client; replies are matched by counter."""
 
-    def __init__(self, endpoint: str, secret: bytes, *, client_id: str | None = None,
-                 timeout_s: float = 5.0):
+    def __init__(
+        self, endpoint: str, secret: bytes, *, client_id: str | None = None, timeout_s: float = 5.0
+    ):
         super().__init__(endpoint, secret, client_id, timeout_s)
         self._ctx = zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
@@ -341,12 +364,11 @@ class AsyncHintClient(_Protocol):
         """A refused handshake fails the waiting calls at once, not at their
         timeout; the next call connects afresh."""
         await monitor.recv_multipart()
-        err = ControlError(f"{self.endpoint}: handshake refused: not authentic "
-                           "(another secret?)")
+        err = ControlError(f"{self.endpoint}: handshake refused: not authentic (another secret?)")
         for fut in self._waiting.values():
             if not fut.done():
                 fut.set_exception(err)
-        self._watcher = None            # close() must not cancel this task
+        self._watcher = None  # close() must not cancel this task
         self.close()
 
     async def call(self, op: str, **fields: Any) -> wire.ControlReply:
@@ -366,8 +388,9 @@ class AsyncHintClient(_Protocol):
         try:
             return await asyncio.wait_for(fut, self._timeout_ms / 1000)
         except asyncio.TimeoutError:
-            raise ControlError(f"{self.endpoint}: no reply within {self._timeout_ms} ms"
-                               " (engine down or busy)") from None
+            raise ControlError(
+                f"{self.endpoint}: no reply within {self._timeout_ms} ms (engine down or busy)"
+            ) from None
         finally:
             self._waiting.pop(counter, None)
 
@@ -383,7 +406,11 @@ class AsyncHintClient(_Protocol):
                 continue
             # Refused frames that could not be read come back with counter 0:
             # they answer the oldest request still waiting.
-            key = reply.counter if reply.counter in self._waiting else min(self._waiting, default=None)
+            key = (
+                reply.counter
+                if reply.counter in self._waiting
+                else min(self._waiting, default=None)
+            )
             fut = self._waiting.get(key)
             if fut is not None and not fut.done():
                 fut.set_result(reply)

@@ -17,8 +17,9 @@ while the engine starts, never later. Nothing here reads the environment.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -33,7 +34,7 @@ G2_EVICTION_POLICIES = ("lru", "arc", "session")
 class G2Policy:
     """Policy of the G2 tier (pinned host memory, vLLM's CPU primary tier)."""
 
-    eviction: str = "session"     # un-hinted, it evicts exactly as vLLM's "lru"
+    eviction: str = "session"  # un-hinted, it evicts exactly as vLLM's "lru"
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,8 @@ class G3Policy:
 class SessionPolicy:
     """Session lifecycle in the SessionPrefixIndex."""
 
-    idle_timeout_s: float = 3600.0   # a session with no request for this long ends
-    max_tombstones: int = 10_000     # ended sessions remembered (to tell "ended" from "unknown")
+    idle_timeout_s: float = 3600.0  # a session with no request for this long ends
+    max_tombstones: int = 10_000  # ended sessions remembered (to tell "ended" from "unknown")
     # At shutdown (SIGTERM), live sessions are Demoted to G3 first; waits this
     # long at most for the copies (0: no drain).
     drain_timeout_s: float = 10.0
@@ -60,12 +61,12 @@ class SessionPolicy:
 class Limits:
     """Bounds on what hints may ask. Fractions are of G2's capacity."""
 
-    max_ttl_s: float = 600.0             # longer TTLs are clipped to this
-    max_blocks_per_hint: int = 65_536    # larger targets are clipped to this
-    pin_fraction_session: float = 0.25   # of G2 one session's pins may hold
-    pin_fraction_global: float = 0.5     # of G2 all pins together may hold
+    max_ttl_s: float = 600.0  # longer TTLs are clipped to this
+    max_blocks_per_hint: int = 65_536  # larger targets are clipped to this
+    pin_fraction_session: float = 0.25  # of G2 one session's pins may hold
+    pin_fraction_global: float = 0.5  # of G2 all pins together may hold
     hints_per_s_per_client: float = 100.0
-    unsigned_pin_fraction: float = 0.0   # separate quota for unsigned Pins; 0 = refused
+    unsigned_pin_fraction: float = 0.0  # separate quota for unsigned Pins; 0 = refused
     # Of G2 that hint copies (Demote, Share, Prefetch) reserve at a time; larger
     # ones proceed in waves, so vLLM's stores still find chunks (at least 1 chunk).
     move_fraction: float = 0.25
@@ -98,10 +99,12 @@ class ReportPolicy:
 
 
 # G3 tier types whose ``module_path`` the policy file's ``tiers.g3.tier`` may leave out.
-G3_MODULES = {"MooncakeTier": "sessionkv.tiers.g3.backends.mooncake",
-              "RedisTier": "sessionkv.tiers.g3.backends.redis",
-              "LMCacheTier": "sessionkv.tiers.g3.backends.lmcache",
-              "DiskTier": "sessionkv.tiers.g3.backends.disk"}
+G3_MODULES = {
+    "MooncakeTier": "sessionkv.tiers.g3.backends.mooncake",
+    "RedisTier": "sessionkv.tiers.g3.backends.redis",
+    "LMCacheTier": "sessionkv.tiers.g3.backends.lmcache",
+    "DiskTier": "sessionkv.tiers.g3.backends.disk",
+}
 # Where 0.1.0 kept them: a ``module_path`` naming one still finds the tier.
 MOVED_MODULES = {f"sessionkv.tiers.{m.rpartition('.')[2]}": m for m in G3_MODULES.values()}
 
@@ -160,9 +163,7 @@ class SessionKVConfig:
 def _reject_unknown(section: Mapping[str, Any], known: tuple[str, ...], where: str) -> None:
     for key in section:
         if key not in known:
-            raise ValueError(
-                f"unknown key {where}{key!r}; supported keys: {', '.join(known)}"
-            )
+            raise ValueError(f"unknown key {where}{key!r}; supported keys: {', '.join(known)}")
 
 
 def mapping_of(value: Any, where: str) -> Mapping[str, Any]:
@@ -174,13 +175,16 @@ def mapping_of(value: Any, where: str) -> Mapping[str, Any]:
     return value
 
 
-MAX_NUMBER = 1e9        # seconds (31 years), rates, counts: finite and in range
-MAX_INT = 1 << 50       # bytes (1 PiB), blocks
+MAX_NUMBER = 1e9  # seconds (31 years), rates, counts: finite and in range
+MAX_INT = 1 << 50  # bytes (1 PiB), blocks
 
 
 def _positive_number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not 0 < value <= MAX_NUMBER:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value <= MAX_NUMBER
+    ):
         raise ValueError(f"{where} must be a positive number up to {MAX_NUMBER:g}, got {value!r}")
     return float(value)
 
@@ -200,13 +204,22 @@ def _fraction(value: Any, where: str) -> float:
 def _parse_limits(raw: Any, source: str) -> Limits:
     raw = mapping_of(raw, f"{source}: limits")
     d = Limits()
-    kinds = {"max_ttl_s": _positive_number, "max_blocks_per_hint": _positive_int,
-             "pin_fraction_session": _fraction, "pin_fraction_global": _fraction,
-             "hints_per_s_per_client": _positive_number, "unsigned_pin_fraction": _fraction,
-             "move_fraction": _fraction}
+    kinds = {
+        "max_ttl_s": _positive_number,
+        "max_blocks_per_hint": _positive_int,
+        "pin_fraction_session": _fraction,
+        "pin_fraction_global": _fraction,
+        "hints_per_s_per_client": _positive_number,
+        "unsigned_pin_fraction": _fraction,
+        "move_fraction": _fraction,
+    }
     _reject_unknown(raw, tuple(kinds), f"{source}: limits.")
-    return Limits(**{k: check(raw.get(k, getattr(d, k)), f"{source}: limits.{k}")
-                     for k, check in kinds.items()})
+    return Limits(
+        **{
+            k: check(raw.get(k, getattr(d, k)), f"{source}: limits.{k}")
+            for k, check in kinds.items()
+        }
+    )
 
 
 def _parse_trust(raw: Any, source: str) -> Trust:
@@ -235,8 +248,11 @@ def _positive_int(value: Any, where: str) -> int:
 def parse_policy(doc: Any, source: str = "policy") -> TierPolicy:
     """Parse a tier policy document (the YAML file's content)."""
     doc = mapping_of(doc, source)
-    _reject_unknown(doc, ("version", "g2", "g3", "sessions", "limits", "trust", "report",
-                          "tiers"), f"{source}: ")
+    _reject_unknown(
+        doc,
+        ("version", "g2", "g3", "sessions", "limits", "trust", "report", "tiers"),
+        f"{source}: ",
+    )
     version = doc.get("version", 1)
     if isinstance(version, bool) or version != 1:
         raise ValueError(f"{source}: version must be 1, got {version!r}")
@@ -254,26 +270,33 @@ def parse_policy(doc: Any, source: str = "policy") -> TierPolicy:
     if not isinstance(write_through, bool):
         raise ValueError(f"{source}: g3.write_through must be true or false, got {write_through!r}")
     sess = mapping_of(doc.get("sessions"), f"{source}: sessions")
-    _reject_unknown(sess, ("idle_timeout_s", "max_tombstones", "drain_timeout_s"),
-                    f"{source}: sessions.")
+    _reject_unknown(
+        sess, ("idle_timeout_s", "max_tombstones", "drain_timeout_s"), f"{source}: sessions."
+    )
     defaults = SessionPolicy()
     sessions = SessionPolicy(
         idle_timeout_s=_positive_number(
             sess.get("idle_timeout_s", defaults.idle_timeout_s),
-            f"{source}: sessions.idle_timeout_s"),
+            f"{source}: sessions.idle_timeout_s",
+        ),
         max_tombstones=_positive_int(
             sess.get("max_tombstones", defaults.max_tombstones),
-            f"{source}: sessions.max_tombstones"),
+            f"{source}: sessions.max_tombstones",
+        ),
         drain_timeout_s=_seconds_or_zero(
             sess.get("drain_timeout_s", defaults.drain_timeout_s),
-            f"{source}: sessions.drain_timeout_s"),
+            f"{source}: sessions.drain_timeout_s",
+        ),
     )
-    return TierPolicy(g2=G2Policy(eviction=eviction), g3=G3Policy(write_through=write_through),
-                      sessions=sessions,
-                      limits=_parse_limits(doc.get("limits"), source),
-                      trust=_parse_trust(doc.get("trust"), source),
-                      report=_parse_report(doc.get("report"), source),
-                      tiers=_parse_tiers(doc.get("tiers"), source))
+    return TierPolicy(
+        g2=G2Policy(eviction=eviction),
+        g3=G3Policy(write_through=write_through),
+        sessions=sessions,
+        limits=_parse_limits(doc.get("limits"), source),
+        trust=_parse_trust(doc.get("trust"), source),
+        report=_parse_report(doc.get("report"), source),
+        tiers=_parse_tiers(doc.get("tiers"), source),
+    )
 
 
 def _parse_tiers(raw: Any, source: str) -> TierStack:
@@ -286,10 +309,13 @@ def _parse_tiers(raw: Any, source: str) -> TierStack:
     if g3 is None:
         return TierStack(g2_bytes=g2)
     if not isinstance(g3, list):
-        raise ValueError(f"{source}: tiers.g3.tier must be a list of tier entries, "
-                         f"got {type(g3).__name__}")
-    return TierStack(g2_bytes=g2, g3=tuple(_tier_entry(e, f"{source}: tiers.g3.tier[{i}]")
-                                           for i, e in enumerate(g3)))
+        raise ValueError(
+            f"{source}: tiers.g3.tier must be a list of tier entries, got {type(g3).__name__}"
+        )
+    return TierStack(
+        g2_bytes=g2,
+        g3=tuple(_tier_entry(e, f"{source}: tiers.g3.tier[{i}]") for i, e in enumerate(g3)),
+    )
 
 
 def _tier_entry(raw: Any, where: str) -> Mapping[str, Any]:
@@ -302,8 +328,10 @@ def _tier_entry(raw: Any, where: str) -> Mapping[str, Any]:
             raise ValueError(f"{where}: keys must be strings, got {key!r}")
     kind = raw.get("type")
     if not isinstance(kind, str) or not kind:
-        raise ValueError(f"{where}.type must name a tier ({', '.join(G3_MODULES)} or a "
-                         f"vLLM secondary tier with module_path), got {kind!r}")
+        raise ValueError(
+            f"{where}.type must name a tier ({', '.join(G3_MODULES)} or a "
+            f"vLLM secondary tier with module_path), got {kind!r}"
+        )
     module = raw.get("module_path", G3_MODULES.get(kind))
     if not isinstance(module, str) or not module:
         raise ValueError(f"{where}.module_path is required for tier type {kind!r}")
@@ -315,8 +343,10 @@ def _parse_report(raw: Any, source: str) -> ReportPolicy:
     _reject_unknown(raw, ("per_tier",), f"{source}: report.")
     per_tier = raw.get("per_tier", ReportPolicy.per_tier)
     if per_tier not in REPORT_PER_TIER:
-        raise ValueError(f"{source}: report.per_tier must be one of "
-                         f"{', '.join(REPORT_PER_TIER)}, got {per_tier!r}")
+        raise ValueError(
+            f"{source}: report.per_tier must be one of "
+            f"{', '.join(REPORT_PER_TIER)}, got {per_tier!r}"
+        )
     return ReportPolicy(per_tier=per_tier)
 
 
@@ -327,7 +357,8 @@ class _Loader(yaml.SafeLoader):
     def compose_node(self, parent, index):
         if self.check_event(yaml.events.AliasEvent):
             raise yaml.composer.ComposerError(
-                None, None, "aliases (*name) are not allowed here", self.peek_event().start_mark)
+                None, None, "aliases (*name) are not allowed here", self.peek_event().start_mark
+            )
         return super().compose_node(parent, index)
 
 
@@ -367,9 +398,12 @@ def parse_extra_config(extra_config: Mapping[str, Any]) -> SessionKVConfig:
         if not isinstance(policy_file, str) or not policy_file:
             raise ValueError(f"{SUBKEY}.policy_file must be a path, got {policy_file!r}")
         policy = load_policy_file(policy_file)
-    cfg = SessionKVConfig(policy=policy, policy_file=policy_file, control=control,
-                          tier_options=_parse_tier_options(ours.get("tier_options"),
-                                                           policy.tiers.g3))
+    cfg = SessionKVConfig(
+        policy=policy,
+        policy_file=policy_file,
+        control=control,
+        tier_options=_parse_tier_options(ours.get("tier_options"), policy.tiers.g3),
+    )
     _check_vllm_keys(extra_config, cfg)
     return cfg
 
@@ -377,11 +411,13 @@ def parse_extra_config(extra_config: Mapping[str, Any]) -> SessionKVConfig:
 def _check_vllm_keys(extra_config: Mapping[str, Any], cfg: SessionKVConfig) -> None:
     stack, where = cfg.policy.tiers, f"the policy file {cfg.policy_file!r}"
     if stack.g2_bytes is not None and "cpu_bytes_to_use" in extra_config:
-        raise ValueError(f"cpu_bytes_to_use and tiers.g2_bytes in {where} both give G2's "
-                         "size: keep one")
+        raise ValueError(
+            f"cpu_bytes_to_use and tiers.g2_bytes in {where} both give G2's size: keep one"
+        )
     if stack.g3 is not None and "secondary_tiers" in extra_config:
-        raise ValueError(f"secondary_tiers and tiers.g3.tier in {where} both give the G3 tiers: "
-                         "keep one")
+        raise ValueError(
+            f"secondary_tiers and tiers.g3.tier in {where} both give the G3 tiers: keep one"
+        )
     if "cpu_bytes_to_use" not in extra_config and stack.g2_bytes is None:
         raise ValueError(
             "cpu_bytes_to_use is required in kv_connector_extra_config (bytes of "
@@ -400,26 +436,33 @@ def _check_vllm_keys(extra_config: Mapping[str, Any], cfg: SessionKVConfig) -> N
             )
 
 
-def _parse_tier_options(raw: Any, tiers: tuple[Mapping[str, Any], ...] | None,
-                        ) -> Mapping[str, Mapping[str, Any]]:
+def _parse_tier_options(
+    raw: Any,
+    tiers: tuple[Mapping[str, Any], ...] | None,
+) -> Mapping[str, Mapping[str, Any]]:
     where = f"{SUBKEY}.tier_options"
     raw = mapping_of(raw, where)
     if not raw:
         return {}
     if tiers is None:
-        raise ValueError(f"{where} sets options of the policy file's tiers.g3.tier, which has none "
-                         f"(give them in the secondary_tiers entries instead)")
+        raise ValueError(
+            f"{where} sets options of the policy file's tiers.g3.tier, which has none "
+            f"(give them in the secondary_tiers entries instead)"
+        )
     out = {}
     for kind, options in raw.items():
         options = mapping_of(options, f"{where}.{kind}")
         mine = [t for t in tiers if t["type"] == kind]
         if not mine:
-            raise ValueError(f"{where}.{kind}: no tier of that type in the policy file's "
-                             f"tiers.g3.tier ({', '.join(t['type'] for t in tiers)})")
+            raise ValueError(
+                f"{where}.{kind}: no tier of that type in the policy file's "
+                f"tiers.g3.tier ({', '.join(t['type'] for t in tiers)})"
+            )
         for key in options:
             if key in ("type", "module_path") or any(key in t for t in mine):
-                raise ValueError(f"{where}.{kind}.{key} is set in the policy file's tiers.g3.tier "
-                                 "too: keep one")
+                raise ValueError(
+                    f"{where}.{kind}.{key} is set in the policy file's tiers.g3.tier too: keep one"
+                )
         out[kind] = dict(options)
     return out
 
@@ -432,13 +475,16 @@ def vllm_extra_config(extra_config: Mapping[str, Any], cfg: SessionKVConfig) -> 
     if stack.g2_bytes is not None:
         out["cpu_bytes_to_use"] = stack.g2_bytes
     if stack.g3 is not None:
-        out["secondary_tiers"] = [{**entry, **cfg.tier_options.get(entry["type"], {})}
-                                  for entry in stack.g3]
+        out["secondary_tiers"] = [
+            {**entry, **cfg.tier_options.get(entry["type"], {})} for entry in stack.g3
+        ]
     elif isinstance(tiers := out.get("secondary_tiers"), list):
         out["secondary_tiers"] = [
             {**t, "module_path": MOVED_MODULES[t["module_path"]]}
-            if isinstance(t, dict) and t.get("module_path") in MOVED_MODULES else t
-            for t in tiers]
+            if isinstance(t, dict) and t.get("module_path") in MOVED_MODULES
+            else t
+            for t in tiers
+        ]
     return out
 
 

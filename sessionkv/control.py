@@ -60,7 +60,7 @@ from sessionkv.keys import CONTROL, CURVE_CLIENT, CURVE_SERVER, derive
 REQUEST_DOMAIN = b"sessionkv-control-request-v1\n"
 REPLY_DOMAIN = b"sessionkv-control-reply-v1\n"
 EVENT_DOMAIN = b"sessionkv-event-v1\n"
-MAX_FRAME_BYTES = 4 << 20        # larger requests are refused with an outcome
+MAX_FRAME_BYTES = 4 << 20  # larger requests are refused with an outcome
 HARD_MAX_FRAME_BYTES = MAX_FRAME_BYTES + (1 << 20)  # ZMQ drops a peer that sends more
 ZAP_DOMAIN = b"sessionkv"
 REPLAY_WINDOW_S = 60.0
@@ -73,8 +73,8 @@ class ControlRequest(msgspec.Struct, kw_only=True):
     client: str
     counter: int
     op: str
-    engine: str = ""              # the engine_id it is for (every op but hello): a frame
-                                  # captured on one engine does not replay on another
+    engine: str = ""  # the engine_id it is for (every op but hello): a frame
+    # captured on one engine does not replay on another
     session_id: str | None = None
     hints: Any = None
     after: int = 0
@@ -89,11 +89,11 @@ class ControlReply(msgspec.Struct, kw_only=True):
     error: str = ""
     outcomes: list[HintOutcome] = []
     events: list[AnyEvent] = []
-    oldest: int = 0               # op=events: oldest seq still kept
-    next_seq: int = 0             # op=events: the next seq the engine assigns
-    last_seq: int = 0             # op=events: the page's last event (kept by a
-                                  # client that skips kinds it does not know)
-    keys: list[bytes] = []        # op=resolve
+    oldest: int = 0  # op=events: oldest seq still kept
+    next_seq: int = 0  # op=events: the next seq the engine assigns
+    last_seq: int = 0  # op=events: the page's last event (kept by a
+    # client that skips kinds it does not know)
+    keys: list[bytes] = []  # op=resolve
     info: dict[str, Any] = {}
 
 
@@ -146,19 +146,40 @@ def secure_client(sock: zmq.Socket, secret: bytes) -> None:
 def zap_reply(frames: list[bytes], secret: bytes) -> tuple[list[bytes], bool]:
     """The answer to one ZAP request (RFC 27) and whether it admits the peer:
     CURVE in our domain with the clients' derived public key, nothing else."""
-    if len(frames) < 6:          # not a ZAP request: answer what can be answered
-        return [b"1.0", frames[1] if len(frames) > 1 else b"", b"400", b"malformed", b"", b""], False
+    if len(frames) < 6:  # not a ZAP request: answer what can be answered
+        return [
+            b"1.0",
+            frames[1] if len(frames) > 1 else b"",
+            b"400",
+            b"malformed",
+            b"",
+            b"",
+        ], False
     version, request_id, domain, _address, _identity, mechanism, *creds = frames
-    ok = (version == b"1.0" and domain == ZAP_DOMAIN and mechanism == b"CURVE"
-          and len(creds) == 1
-          and hmac.compare_digest(creds[0], z85.decode(curve_keys(secret).client_public)))
-    return [b"1.0", request_id, b"200" if ok else b"400",
-            b"OK" if ok else b"unknown client key", b"client" if ok else b"", b""], ok
+    ok = (
+        version == b"1.0"
+        and domain == ZAP_DOMAIN
+        and mechanism == b"CURVE"
+        and len(creds) == 1
+        and hmac.compare_digest(creds[0], z85.decode(curve_keys(secret).client_public))
+    )
+    return [
+        b"1.0",
+        request_id,
+        b"200" if ok else b"400",
+        b"OK" if ok else b"unknown client key",
+        b"client" if ok else b"",
+        b"",
+    ], ok
 
 
 def refused(counter: int, reason: str) -> ControlReply:
-    return ControlReply(counter=counter, ok=False, error=reason,
-                        outcomes=[HintOutcome("frame", None, Status.REJECTED, reason=reason)])
+    return ControlReply(
+        counter=counter,
+        ok=False,
+        error=reason,
+        outcomes=[HintOutcome("frame", None, Status.REJECTED, reason=reason)],
+    )
 
 
 class ReplayGuard:
@@ -172,7 +193,7 @@ class ReplayGuard:
         self._last: dict[str, int] = {}
 
     def check(self, client: str, counter: int) -> str:
-        """"" when fresh (and remembered), else why not."""
+        """ "" when fresh (and remembered), else why not."""
         if abs(counter - time.time_ns()) > self._window_ns:
             return "stale frame: counter outside the replay window (clock skew?)"
         if counter <= self._last.get(client, 0):

@@ -53,14 +53,15 @@ REGION_PREFIX = "vllm_offload_"
 class Finding:
     """One thing found: ``ok`` or an ``error`` that says what is wrong and the fix."""
 
-    level: str            # "ok" | "error" | "warning"
+    level: str  # "ok" | "error" | "warning"
     engine: str
     what: str
     fix: str = ""
 
 
-def ask(engines: list[str], secret: bytes, timeout_s: float = 10.0
-        ) -> tuple[dict[str, dict[str, Any]], list[Finding]]:
+def ask(
+    engines: list[str], secret: bytes, timeout_s: float = 10.0
+) -> tuple[dict[str, dict[str, Any]], list[Finding]]:
     """Each engine's probe answer; findings for those that did not answer."""
     answers, findings = {}, []
     for url in engines:
@@ -69,13 +70,24 @@ def ask(engines: list[str], secret: bytes, timeout_s: float = 10.0
                 answers[url] = c.probe(PROBE_TOKENS)
         except ControlError as e:
             if "not authentic" in str(e):
-                findings.append(Finding("error", url, "the control channel did not authenticate "
-                                        "with this secret",
-                                        "use the key in the engine's trust.secret_file"))
+                findings.append(
+                    Finding(
+                        "error",
+                        url,
+                        "the control channel did not authenticate with this secret",
+                        "use the key in the engine's trust.secret_file",
+                    )
+                )
             else:
-                findings.append(Finding("error", url, f"no answer: {e}",
-                                        "check the endpoint (sessionkv.control.port or the "
-                                        "endpoint file) and that the engine runs"))
+                findings.append(
+                    Finding(
+                        "error",
+                        url,
+                        f"no answer: {e}",
+                        "check the endpoint (sessionkv.control.port or the "
+                        "endpoint file) and that the engine runs",
+                    )
+                )
     return answers, findings
 
 
@@ -84,23 +96,40 @@ def compare(answers: dict[str, dict[str, Any]]) -> list[Finding]:
     out: list[Finding] = []
     for url, a in answers.items():
         if a["pythonhashseed"] is None:
-            out.append(Finding("warning", url, "PYTHONHASHSEED is not set: vLLM picks a random "
-                               "block-hash root at every start, so no other engine (and not "
-                               "this one after a restart) names its blocks alike",
-                               "set the same PYTHONHASHSEED on every engine"))
+            out.append(
+                Finding(
+                    "warning",
+                    url,
+                    "PYTHONHASHSEED is not set: vLLM picks a random "
+                    "block-hash root at every start, so no other engine (and not "
+                    "this one after a restart) names its blocks alike",
+                    "set the same PYTHONHASHSEED on every engine",
+                )
+            )
         for t in a["g3"]:
             if t["error"]:
-                out.append(Finding("error", url, f"G3 tier {t['tier']} does not answer: "
-                                   f"{t['error']}", "check the backend service "
-                                   "(scripts/services status) and the tier's address"))
+                out.append(
+                    Finding(
+                        "error",
+                        url,
+                        f"G3 tier {t['tier']} does not answer: {t['error']}",
+                        "check the backend service "
+                        "(scripts/services status) and the tier's address",
+                    )
+                )
     if not answers:
         return out
     first_url, first = next(iter(answers.items()))
     for url, a in list(answers.items())[1:]:
         out += _pair(first_url, first, url, a)
     if not any(f.level == "error" for f in out):
-        out.append(Finding("ok", ", ".join(answers), f"{len(answers)} engine(s) hash the probe "
-                           "alike and share G3 fingerprints"))
+        out.append(
+            Finding(
+                "ok",
+                ", ".join(answers),
+                f"{len(answers)} engine(s) hash the probe alike and share G3 fingerprints",
+            )
+        )
     return out
 
 
@@ -110,30 +139,53 @@ def _pair(u0: str, a0: dict, url: str, a: dict) -> list[Finding]:
 
     out = []
     if a["block_size"] != a0["block_size"]:
-        out.append(mismatch(f"block size {a['block_size']} != {a0['block_size']}",
-                            "start every engine with the same --block-size"))
+        out.append(
+            mismatch(
+                f"block size {a['block_size']} != {a0['block_size']}",
+                "start every engine with the same --block-size",
+            )
+        )
     if a["hash_algo"] != a0["hash_algo"]:
-        out.append(mismatch(f"hash function {a['hash_algo']} != {a0['hash_algo']}",
-                            "start every engine with the same --prefix-caching-hash-algo"))
+        out.append(
+            mismatch(
+                f"hash function {a['hash_algo']} != {a0['hash_algo']}",
+                "start every engine with the same --prefix-caching-hash-algo",
+            )
+        )
     if a["hash_root"] != a0["hash_root"] and a["hash_algo"] == a0["hash_algo"]:
         seeds = (a["pythonhashseed"], a0["pythonhashseed"])
-        why = (f"PYTHONHASHSEED {seeds[0]!r} != {seeds[1]!r}" if seeds[0] != seeds[1]
-               else "PYTHONHASHSEED unset" if seeds[0] is None else "another hash seed")
-        out.append(mismatch(f"block-hash root differs: {why}",
-                            "set the same PYTHONHASHSEED on every engine"))
+        why = (
+            f"PYTHONHASHSEED {seeds[0]!r} != {seeds[1]!r}"
+            if seeds[0] != seeds[1]
+            else "PYTHONHASHSEED unset"
+            if seeds[0] is None
+            else "another hash seed"
+        )
+        out.append(
+            mismatch(
+                f"block-hash root differs: {why}", "set the same PYTHONHASHSEED on every engine"
+            )
+        )
     if not out and a["block_hashes"] != a0["block_hashes"]:
-        out.append(mismatch("the probe's block hashes differ with the same hash settings "
-                            "(extra keys: LoRA adapter, cache_salt, multimodal inputs)",
-                            "send requests that should share KV with the same LoRA and "
-                            "cache_salt"))
+        out.append(
+            mismatch(
+                "the probe's block hashes differ with the same hash settings "
+                "(extra keys: LoRA adapter, cache_salt, multimodal inputs)",
+                "send requests that should share KV with the same LoRA and cache_salt",
+            )
+        )
     mine = {t["tier"]: t for t in a["g3"]}
     for t in a0["g3"]:
         other = mine.get(t["tier"])
         if other is not None and other["objects"] != t["objects"] and not out:
-            out.append(mismatch(f"G3 tier {t['tier']} names objects {other['objects']}* != "
-                                f"{t['objects']}*: {_differs(other, t)}",
-                                "serve the same model, revision, quantization and KV dtype "
-                                "with the same tier namespace"))
+            out.append(
+                mismatch(
+                    f"G3 tier {t['tier']} names objects {other['objects']}* != "
+                    f"{t['objects']}*: {_differs(other, t)}",
+                    "serve the same model, revision, quantization and KV dtype "
+                    "with the same tier namespace",
+                )
+            )
     return out
 
 
@@ -144,7 +196,8 @@ def _differs(a: dict, b: dict) -> str:
     if not names:
         return "another namespace" if ia else "another model, dtype, layout or namespace"
     return "fingerprint fields differ: " + ", ".join(
-        f"{k} ({ia.get(k)!r} != {ib.get(k)!r})" for k in names)
+        f"{k} ({ia.get(k)!r} != {ib.get(k)!r})" for k in names
+    )
 
 
 def g2_bytes(kv_transfer_config: str) -> int:
@@ -169,46 +222,76 @@ def _size(n: int) -> str:
 
 def shm_findings(g2: int, engines: int = 1, directory: str = SHM) -> list[Finding]:
     """Whether ``directory`` can hold ``engines`` G2 regions of ``g2`` bytes each."""
-    need, usage = g2 * engines, shutil.disk_usage(directory)      # statvfs
-    what = f"G2 needs {_size(need)} ({g2} bytes" + (f" x {engines} engines" if engines > 1
-                                                     else "") + ")"
+    need, usage = g2 * engines, shutil.disk_usage(directory)  # statvfs
+    what = (
+        f"G2 needs {_size(need)} ({g2} bytes"
+        + (f" x {engines} engines" if engines > 1 else "")
+        + ")"
+    )
     if usage.total < need:
-        return [Finding("error", directory, f"{directory} holds {_size(usage.total)} in all; "
-                        f"{what}: the engine refuses to start (vLLM: Insufficient space "
-                        f"in {directory})",
-                        f"give {directory} more than {_size(need)}: docker run --shm-size "
-                        "(or --ipc=host); Kubernetes: an emptyDir with medium: Memory and a "
-                        f"sizeLimit mounted at {directory}; or lower cpu_bytes_to_use "
-                        "(tiers.g2_bytes)")]
+        return [
+            Finding(
+                "error",
+                directory,
+                f"{directory} holds {_size(usage.total)} in all; "
+                f"{what}: the engine refuses to start (vLLM: Insufficient space "
+                f"in {directory})",
+                f"give {directory} more than {_size(need)}: docker run --shm-size "
+                "(or --ipc=host); Kubernetes: an emptyDir with medium: Memory and a "
+                f"sizeLimit mounted at {directory}; or lower cpu_bytes_to_use "
+                "(tiers.g2_bytes)",
+            )
+        ]
     if usage.free < need:
         held = []
         with os.scandir(directory) as entries:
             for entry in entries:
                 if entry.name.startswith(REGION_PREFIX):
-                    with contextlib.suppress(OSError):           # gone meanwhile
+                    with contextlib.suppress(OSError):  # gone meanwhile
                         held.append(entry.stat().st_blocks * 512)
-        there = (f"; {len(held)} G2 region(s) already there hold {_size(sum(held))}"
-                 if held else "")
-        return [Finding("warning", directory, f"{directory} has {_size(usage.free)} free of "
-                        f"{_size(usage.total)}; {what}{there}",
-                        "if the engines run already, their regions are in the used space and "
-                        "all is well; otherwise free " + directory + " before they start (a "
-                        "region no running engine holds can be removed)")]
-    return [Finding("ok", directory, f"{directory} holds G2: {what}, {_size(usage.free)} free "
-                    f"of {_size(usage.total)}")]
+        there = f"; {len(held)} G2 region(s) already there hold {_size(sum(held))}" if held else ""
+        return [
+            Finding(
+                "warning",
+                directory,
+                f"{directory} has {_size(usage.free)} free of {_size(usage.total)}; {what}{there}",
+                "if the engines run already, their regions are in the used space and "
+                "all is well; otherwise free " + directory + " before they start (a "
+                "region no running engine holds can be removed)",
+            )
+        ]
+    return [
+        Finding(
+            "ok",
+            directory,
+            f"{directory} holds G2: {what}, {_size(usage.free)} free of {_size(usage.total)}",
+        )
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="sessionkv doctor", description=__doc__.split("\n")[0])
-    p.add_argument("--engine", action="append", default=[],
-                   help="an engine's control endpoint, tcp://host:port (repeat)")
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        help="an engine's control endpoint, tcp://host:port (repeat)",
+    )
     p.add_argument("--secret-file", help="the shared secret (router key), with --engine")
     p.add_argument("--timeout", type=float, default=10.0)
-    p.add_argument("--kv-transfer-config", metavar="JSON",
-                   help="an engine's --kv-transfer-config: check here that /dev/shm holds G2")
-    p.add_argument("--local-engines", type=int, default=1, metavar="N",
-                   help="engines on this host, each with its own G2 (data-parallel ranks "
-                        "count one each; default 1)")
+    p.add_argument(
+        "--kv-transfer-config",
+        metavar="JSON",
+        help="an engine's --kv-transfer-config: check here that /dev/shm holds G2",
+    )
+    p.add_argument(
+        "--local-engines",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engines on this host, each with its own G2 (data-parallel ranks "
+        "count one each; default 1)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per finding")
     args = p.parse_args(argv)
     if not args.engine and args.kv_transfer_config is None:

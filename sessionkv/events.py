@@ -55,10 +55,10 @@ class Op(str, Enum):
 class Via(str, Enum):
     """How an outcome was made (``Outcome``)."""
 
-    REQUEST = "request"      # a request's hints, when it finished
-    CONTROL = "control"      # the control channel
-    POLICY = "policy"        # a pin clipped later under pressure
-    TRANSFER = "transfer"    # a deferred hint's final outcome
+    REQUEST = "request"  # a request's hints, when it finished
+    CONTROL = "control"  # the control channel
+    POLICY = "policy"  # a pin clipped later under pressure
+    TRANSFER = "transfer"  # a deferred hint's final outcome
 
 
 class Event(msgspec.Struct, tag_field="kind", kw_only=True):
@@ -90,11 +90,11 @@ class Eviction(Event, tag="eviction"):
 class Transfer(Event, tag="transfer"):
     src: TierName
     dst: TierName
-    keys: list[bytes]             # chunks copied
+    keys: list[bytes]  # chunks copied
     ok: bool = True
     req_id: str | None = None
-    hint_id: str | None = None    # the Demote, Prefetch or Share that made the copy
-    already: list[bytes] = []     # a hint's chunks found at dst already (not copied)
+    hint_id: str | None = None  # the Demote, Prefetch or Share that made the copy
+    already: list[bytes] = []  # a hint's chunks found at dst already (not copied)
 
 
 class Outcome(Event, tag="outcome"):
@@ -127,7 +127,7 @@ class Wake:
     def set(self) -> None:
         try:
             os.write(self._w, b"\0")
-        except BlockingIOError:          # the pipe is full: a wake-up is pending anyway
+        except BlockingIOError:  # the pipe is full: a wake-up is pending anyway
             pass
 
     def drain(self) -> None:
@@ -156,7 +156,7 @@ class EventLog:
         self._lock = threading.Lock()
         self._events: deque[AnyEvent] = deque(maxlen=capacity)
         self._next_seq = 1
-        self._published = 0          # highest seq handed to drain_new
+        self._published = 0  # highest seq handed to drain_new
         self._signalled = False
         self._wake = Wake()
 
@@ -199,7 +199,7 @@ class EventLog:
         if not ev or after >= ev[-1].seq:
             return []
         start = max(0, after + 1 - ev[0].seq)
-        if len(ev) - start <= 64:      # the publisher's case: deque indexing near the end is O(1)
+        if len(ev) - start <= 64:  # the publisher's case: deque indexing near the end is O(1)
             return [ev[i] for i in range(start, len(ev))][:limit]
         stop = None if limit is None else start + limit
         return list(itertools.islice(ev, start, stop))

@@ -33,8 +33,9 @@ import math
 import re
 import time
 import uuid
+from collections.abc import Mapping
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any
 
 import msgspec
 
@@ -44,12 +45,12 @@ PROTOCOL_VERSION = "1.0"
 ACTION_VERSION = "1.0"
 KVCR_PROTOCOL_VERSION = "0.1"
 KVCR_FETCH = "kv.fetch"
-MAX_ACTIONS = 64           # per envelope; more is refused as a whole
+MAX_ACTIONS = 64  # per envelope; more is refused as a whole
 MAX_ID_LEN = 128
-MAX_KEYS = 65_536          # per target
+MAX_KEYS = 65_536  # per target
 MAX_ENDPOINT_LEN = 512
-SIG_TTL_S = 300.0          # a request signature's lifetime
-SIG_MAX_AHEAD_S = 3600.0   # expiries further ahead are refused (clock skew fits inside)
+SIG_TTL_S = 300.0  # a request signature's lifetime
+SIG_MAX_AHEAD_S = 3600.0  # expiries further ahead are refused (clock skew fits inside)
 # C0 and C1 controls (NUL included) and lone surrogates: not valid in an
 # HTTP header, a log line or UTF-8 (an outcome with one could not be encoded).
 _NOT_IN_IDS = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
@@ -77,7 +78,7 @@ ACTION_TYPES = {a.action_type: a for a in Action}
 class Status(str, Enum):
     ACCEPTED = "accepted"
     CLIPPED = "clipped"
-    DEFERRED = "deferred"     # a final outcome follows later
+    DEFERRED = "deferred"  # a final outcome follows later
     REJECTED = "rejected"
     MISSING = "missing"
 
@@ -117,7 +118,7 @@ class KvHint(msgspec.Struct, frozen=True):
     action: Action
     target: Target
     bounds: Bounds = Bounds()
-    source: str | None = None        # where Share data comes from (KVCR's endpoint)
+    source: str | None = None  # where Share data comes from (KVCR's endpoint)
     signed: bool = False
 
 
@@ -136,12 +137,19 @@ def canonical(envelope: Any) -> bytes:
     """The bytes a signature covers: JSON with sorted keys, no spaces, UTF-8."""
     if isinstance(envelope, msgspec.Struct):
         envelope = msgspec.to_builtins(envelope)
-    return json.dumps(envelope, sort_keys=True, separators=(",", ":"),
-                      ensure_ascii=False, allow_nan=False).encode()
+    return json.dumps(
+        envelope, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode()
 
 
-def sign(envelope: Any, session_id: str, secret: bytes, *, ttl_s: float = SIG_TTL_S,
-         now: float | None = None) -> str:
+def sign(
+    envelope: Any,
+    session_id: str,
+    secret: bytes,
+    *,
+    ttl_s: float = SIG_TTL_S,
+    now: float | None = None,
+) -> str:
     """The router's signature over an envelope, the request's session id and
     an expiry (``ttl_s`` from now, Unix time): ``"<expiry>.<hex HMAC>"``; send
     it as ``kv_transfer_params["kv_hints_sig"]``. A captured request so
@@ -157,16 +165,26 @@ def _sig_mac(envelope: Any, session_id: str, secret: bytes, exp: int) -> str:
     return hmac.new(derive(secret, HINT_SIG), msg, hashlib.sha256).hexdigest()
 
 
-def verify(envelope: Any, session_id: str | None, signature: Any, secret: bytes | None,
-           now: float | None = None) -> bool:
+def verify(
+    envelope: Any,
+    session_id: str | None,
+    signature: Any,
+    secret: bytes | None,
+    now: float | None = None,
+) -> bool:
     """Whether ``signature`` is the router's over these and has not expired
     (nor expires more than ``SIG_MAX_AHEAD_S`` ahead). Never raises."""
     return not signature_problem(envelope, session_id, signature, secret, now)
 
 
-def signature_problem(envelope: Any, session_id: str | None, signature: Any,
-                      secret: bytes | None, now: float | None = None) -> str:
-    """"" when ``verify`` holds, else why not: a signature outside its time
+def signature_problem(
+    envelope: Any,
+    session_id: str | None,
+    signature: Any,
+    secret: bytes | None,
+    now: float | None = None,
+) -> str:
+    """ "" when ``verify`` holds, else why not: a signature outside its time
     window names the skew, the usual cause being clocks apart. Never raises."""
     if signature is None:
         return "no signature"
@@ -181,8 +199,10 @@ def signature_problem(envelope: Any, session_id: str | None, signature: Any,
     if not now <= exp <= now + SIG_MAX_AHEAD_S:
         late = now - exp if now > exp else exp - now - SIG_MAX_AHEAD_S
         side = "expired" if now > exp else "expires too far ahead"
-        return (f"the signature {side} by {late:.0f} s on this engine's clock: "
-                f"are the router's and the engine's clocks apart?")
+        return (
+            f"the signature {side} by {late:.0f} s on this engine's clock: "
+            f"are the router's and the engine's clocks apart?"
+        )
     try:
         want = _sig_mac(envelope, session_id, secret, exp)
     except (TypeError, ValueError, RecursionError):
@@ -194,7 +214,7 @@ def signature_problem(envelope: Any, session_id: str | None, signature: Any,
 
 
 def id_problem(value: Any, field: str, max_len: int = MAX_ID_LEN) -> str:
-    """"" when ``value`` is a valid identifier (session, hint, action, client
+    """ "" when ``value`` is a valid identifier (session, hint, action, client
     id, endpoint: 1..``max_len`` characters of valid UTF-8, no control
     characters), else why not, naming ``field``. The one check on every path."""
     if not isinstance(value, str):
@@ -321,7 +341,9 @@ def parse_envelope(raw: Any, session_id: str | None) -> list[KvHint | HintOutcom
         return [_rejected("envelope", None, "kv_hints must be an envelope object")]
     env_id = _short_id(raw.get("message_id"), "envelope")
     if raw.get("protocol_version") != PROTOCOL_VERSION:
-        return [_rejected(env_id, None, f"unsupported protocol_version; supported {PROTOCOL_VERSION!r}")]
+        return [
+            _rejected(env_id, None, f"unsupported protocol_version; supported {PROTOCOL_VERSION!r}")
+        ]
     actions = raw.get("actions")
     if not isinstance(actions, list):
         return [_rejected(env_id, None, "actions must be a list")]
@@ -336,10 +358,17 @@ def parse_kvcr_fetch(raw: Any) -> KvHint | HintOutcome:
         return _rejected("kv_hint", KVCR_FETCH, "kv_hint must be a KVCR envelope")
     env_id = _short_id(raw.get("message_id"), "kv_hint")
     if raw.get("protocol_version") != KVCR_PROTOCOL_VERSION:
-        return _rejected(env_id, KVCR_FETCH,
-                         f"unsupported protocol_version; supported {KVCR_PROTOCOL_VERSION!r}")
-    fetch = next((a for a in raw["actions"][:MAX_ACTIONS]
-                  if isinstance(a, Mapping) and a.get("action_type") == KVCR_FETCH), None)
+        return _rejected(
+            env_id, KVCR_FETCH, f"unsupported protocol_version; supported {KVCR_PROTOCOL_VERSION!r}"
+        )
+    fetch = next(
+        (
+            a
+            for a in raw["actions"][:MAX_ACTIONS]
+            if isinstance(a, Mapping) and a.get("action_type") == KVCR_FETCH
+        ),
+        None,
+    )
     if fetch is None:
         return _rejected(env_id, KVCR_FETCH, "no kv.fetch action")
     hint_id = _short_id(fetch.get("action_id"), env_id)
@@ -353,12 +382,21 @@ def parse_kvcr_fetch(raw: Any) -> KvHint | HintOutcome:
         return _rejected(hint_id, KVCR_FETCH, bad)
     if payload.get("mode", "copy") != "copy":
         return _rejected(hint_id, KVCR_FETCH, "only copy mode is supported")
-    if (not isinstance(hashes, list) or not 0 < len(hashes) <= MAX_KEYS
-            or not all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 64
-                       for h in hashes)):
+    if (
+        not isinstance(hashes, list)
+        or not 0 < len(hashes) <= MAX_KEYS
+        or not all(
+            isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 64 for h in hashes
+        )
+    ):
         return _rejected(hint_id, KVCR_FETCH, "block_hashes must be 1.. 64-bit integers")
-    return KvHint(hint_id, Action.SHARE, HashesTarget(tuple(dict.fromkeys(hashes))),
-                  Bounds(destination="self"), source=source)
+    return KvHint(
+        hint_id,
+        Action.SHARE,
+        HashesTarget(tuple(dict.fromkeys(hashes))),
+        Bounds(destination="self"),
+        source=source,
+    )
 
 
 def hint_action(
@@ -381,19 +419,38 @@ def hint_action(
     if keys is not None:
         target: dict[str, Any] | None = {"keys": [k.hex() for k in keys]}
     else:
-        target = {k: v for k, v in (("session_id", session_id),
-                                    ("branch", branch and branch.hex()),
-                                    ("boundary", boundary and boundary.hex())) if v is not None}
-    payload = {k: v for k, v in (("target", target or None), ("ttl_s", ttl_s),
-                                 ("priority", priority), ("destination", destination),
-                                 ("max_blocks", max_blocks)) if v is not None}
-    return {"action_id": action_id or f"{action.value}-{uuid.uuid4().hex[:12]}",
-            "action_type": action.action_type, "action_version": ACTION_VERSION,
-            "payload": payload}
+        target = {
+            k: v
+            for k, v in (
+                ("session_id", session_id),
+                ("branch", branch and branch.hex()),
+                ("boundary", boundary and boundary.hex()),
+            )
+            if v is not None
+        }
+    payload = {
+        k: v
+        for k, v in (
+            ("target", target or None),
+            ("ttl_s", ttl_s),
+            ("priority", priority),
+            ("destination", destination),
+            ("max_blocks", max_blocks),
+        )
+        if v is not None
+    }
+    return {
+        "action_id": action_id or f"{action.value}-{uuid.uuid4().hex[:12]}",
+        "action_type": action.action_type,
+        "action_version": ACTION_VERSION,
+        "payload": payload,
+    }
 
 
 def envelope(*actions: Mapping[str, Any], message_id: str | None = None) -> dict[str, Any]:
     """A ``KvHintsEnvelope`` in its JSON form around ``actions``."""
-    return {"protocol_version": PROTOCOL_VERSION,
-            "message_id": message_id or f"m-{uuid.uuid4().hex[:12]}",
-            "actions": list(actions)}
+    return {
+        "protocol_version": PROTOCOL_VERSION,
+        "message_id": message_id or f"m-{uuid.uuid4().hex[:12]}",
+        "actions": list(actions),
+    }

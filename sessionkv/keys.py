@@ -18,14 +18,14 @@ import functools
 import hashlib
 import hmac
 
-G3_MAC = "g3-object-mac"        # keyed BLAKE3 over each G3 object's name and bytes
-HINT_SIG = "hint-signature"     # HMAC-SHA256 over a request's hint envelope and session id
-CONTROL = "control-frame"       # HMAC-SHA256 over each control channel frame
-CURVE_SERVER = "curve-server"   # the engines' CURVE secret key (ZMQ socket authentication)
-CURVE_CLIENT = "curve-client"   # the one CURVE secret key of every client holding the secret
-ROUTER_CLIENT = "router-client" # HMAC-SHA256 naming a router client by its API key (kept
-                                # in Redis instead of the key itself)
-ROUTER_ADMIN = "router-admin"   # the bearer token of the router's admin routes (drain)
+G3_MAC = "g3-object-mac"  # keyed BLAKE3 over each G3 object's name and bytes
+HINT_SIG = "hint-signature"  # HMAC-SHA256 over a request's hint envelope and session id
+CONTROL = "control-frame"  # HMAC-SHA256 over each control channel frame
+CURVE_SERVER = "curve-server"  # the engines' CURVE secret key (ZMQ socket authentication)
+CURVE_CLIENT = "curve-client"  # the one CURVE secret key of every client holding the secret
+ROUTER_CLIENT = "router-client"  # HMAC-SHA256 naming a router client by its API key (kept
+# in Redis instead of the key itself)
+ROUTER_ADMIN = "router-admin"  # the bearer token of the router's admin routes (drain)
 
 
 # Each frame and hint derives its key again: a few secrets, so a small cache.

@@ -17,7 +17,8 @@ Readers tolerate fields they do not know (a newer engine's).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
@@ -41,10 +42,10 @@ class RequestReport(msgspec.Struct, frozen=True):
     session_id: str | None
     block_size: int
     prompt_tokens: int
-    tokens: TierCounts | None       # None: withheld (``report.per_tier``)
+    tokens: TierCounts | None  # None: withheld (``report.per_tier``)
     blocks: TierCounts | None
-    hints: tuple[HintOutcome, ...] = ()     # one outcome per hint the request carried
-    cached_tokens: int | None = 0   # prompt tokens whose KV was not recomputed; None: withheld
+    hints: tuple[HintOutcome, ...] = ()  # one outcome per hint the request carried
+    cached_tokens: int | None = 0  # prompt tokens whose KV was not recomputed; None: withheld
 
     @classmethod
     def build(
@@ -56,7 +57,7 @@ class RequestReport(msgspec.Struct, frozen=True):
         g2_tokens: int,
         g3_tokens: int,
         hints: tuple[HintOutcome, ...] = (),
-    ) -> "RequestReport":
+    ) -> RequestReport:
         # Hits are counted against the whole sequence of the request's last
         # scheduling attempt, which after a preemption includes generated
         # tokens; the report covers the prompt, so each tier is capped by what
@@ -75,10 +76,17 @@ class RequestReport(msgspec.Struct, frozen=True):
             g3_tokens // block_size,
             -(-recomputed // block_size),
         )
-        return cls(session_id, block_size, prompt_tokens, tokens, blocks, tuple(hints),
-                   prompt_tokens - recomputed)
+        return cls(
+            session_id,
+            block_size,
+            prompt_tokens,
+            tokens,
+            blocks,
+            tuple(hints),
+            prompt_tokens - recomputed,
+        )
 
-    def totals_only(self) -> "RequestReport":
+    def totals_only(self) -> RequestReport:
         """This report without the counts of what a cache held (per tier and
         in all): the prompt's length and the hints' outcomes."""
         return msgspec.structs.replace(self, tokens=None, blocks=None, cached_tokens=None)
@@ -88,7 +96,7 @@ class RequestReport(msgspec.Struct, frozen=True):
         return {REPORT_KEY: msgspec.to_builtins(self)}
 
     @classmethod
-    def from_params(cls, params: Mapping[str, Any] | None) -> "RequestReport | None":
+    def from_params(cls, params: Mapping[str, Any] | None) -> RequestReport | None:
         """Read the report back from a response's ``kv_transfer_params``."""
         if not params or REPORT_KEY not in params:
             return None

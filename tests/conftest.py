@@ -9,6 +9,7 @@ import pytest
 
 def _vllm() -> str:
     import vllm
+
     return f"vllm {vllm.__version__} ({os.path.dirname(vllm.__file__)})"
 
 
@@ -25,6 +26,7 @@ def pytest_configure(config):
     """Engines in tests run in-process with a small G1 (``ENGINE_ENV``), set
     before any test module imports vLLM."""
     from sessionkv.devtools.engines import use_engine_env
+
     use_engine_env()
 
 
@@ -34,9 +36,13 @@ def mooncake(tmp_path_factory):
     free ports, for the whole session. Inside scripts/test's private network
     namespace where the machine allows one (it says so when it does not)."""
     from sessionkv.devtools.services import lan_address, start_mooncake
+
     if not os.environ.get("SESSIONKV_NETNS"):
-        warnings.warn("no private network namespace: Mooncake's store process listens on "
-                      f"all interfaces ({lan_address()}) while the tests run")
+        warnings.warn(
+            "no private network namespace: Mooncake's store process listens on "
+            f"all interfaces ({lan_address()}) while the tests run",
+            stacklevel=2,
+        )
     ports, master, store = start_mooncake(tmp_path_factory.mktemp("mooncake"))
     yield ports
     store.stop()
@@ -47,6 +53,7 @@ def mooncake(tmp_path_factory):
 def redis_url(tmp_path_factory):
     """A real redis-server (volatile-lru, 256 MB) on a free port, for the session."""
     from sessionkv.devtools.services import start_redis
+
     url, server = start_redis(tmp_path_factory.mktemp("redis"))
     yield url
     server.stop()
@@ -56,6 +63,7 @@ def redis_url(tmp_path_factory):
 def lmcache_url(tmp_path_factory):
     """A real LMCache storage server (``lmcache_server ... cpu``) on a free port."""
     from sessionkv.devtools.services import start_lmcache
+
     url, server = start_lmcache(tmp_path_factory.mktemp("lmcache"))
     yield url
     server.stop()

@@ -24,8 +24,12 @@ HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 
 
 def markdown_files() -> list[Path]:
-    files = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", ROOT / "CHANGELOG.md",
-             ROOT / "bench" / "README.md"]
+    files = [
+        ROOT / "README.md",
+        ROOT / "ARCHITECTURE.md",
+        ROOT / "CHANGELOG.md",
+        ROOT / "bench" / "README.md",
+    ]
     files += sorted((ROOT / "bench" / "results").glob("*.md"))
     files += sorted(DOCS.rglob("*.md"))
     return [f for f in files if f.exists()]
@@ -44,8 +48,9 @@ def prose_lines(text: str, blank_code: bool = True):
 
 
 def links(path: Path) -> list[tuple[int, str]]:
-    return [(n, m.group(1)) for n, line in prose_lines(path.read_text())
-            for m in LINK.finditer(line)]
+    return [
+        (n, m.group(1)) for n, line in prose_lines(path.read_text()) for m in LINK.finditer(line)
+    ]
 
 
 def is_relative(target: str) -> bool:
@@ -54,7 +59,7 @@ def is_relative(target: str) -> bool:
 
 
 def _heading_text(raw: str) -> str:
-    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", raw)       # links keep their text
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", raw)  # links keep their text
     return text.replace("`", "").replace("*", "")
 
 
@@ -83,7 +88,7 @@ def anchors(path: Path) -> set[str]:
             k = seen.get(slug, 0)
             seen[slug] = k + 1
             out.add(slug if k == 0 else f"{slug}-{k}")
-            out.add(f"{slug}_{k}")          # mkdocs' suffix for repeats
+            out.add(f"{slug}_{k}")  # mkdocs' suffix for repeats
     return out
 
 
@@ -146,6 +151,8 @@ def test_the_site_names_every_page():
     config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
     pages = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
     nav = _nav_pages(config["nav"])
-    assert pages == nav, f"not in mkdocs.yml's nav: {sorted(pages - nav)}; " \
-                         f"in the nav, no such page: {sorted(nav - pages)}"
+    assert pages == nav, (
+        f"not in mkdocs.yml's nav: {sorted(pages - nav)}; "
+        f"in the nav, no such page: {sorted(nav - pages)}"
+    )
     assert config.get("site_dir", "site").startswith(".cache/")

@@ -16,9 +16,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # folder -> installed package (pyproject.toml's package-dir)
-FOLDERS = {"sessionkv": "sessionkv", "index": "sessionkv.index", "tiers": "sessionkv.tiers",
-           "engine": "sessionkv.engine", "connectors": "sessionkv.connectors", "router": "sessionkv.router",
-           "devtools": "sessionkv.devtools"}
+FOLDERS = {
+    "sessionkv": "sessionkv",
+    "index": "sessionkv.index",
+    "tiers": "sessionkv.tiers",
+    "engine": "sessionkv.engine",
+    "connectors": "sessionkv.connectors",
+    "router": "sessionkv.router",
+    "devtools": "sessionkv.devtools",
+}
 # The public API: sessionkv/ but for its applications (the CLI and the doctor).
 API = "api"
 CLI = ("sessionkv.cli", "sessionkv.doctor")
@@ -31,15 +37,27 @@ MAY_IMPORT = {
     "sessionkv.connectors": {"sessionkv.engine", "sessionkv.tiers", "sessionkv.index", API},
     "sessionkv.router": {API},
     "cli": {"sessionkv.router", API},
-    "sessionkv.devtools": {"sessionkv.connectors", "sessionkv.engine", "sessionkv.tiers", "sessionkv.index",
-                           "sessionkv.router", "cli", API},
+    "sessionkv.devtools": {
+        "sessionkv.connectors",
+        "sessionkv.engine",
+        "sessionkv.tiers",
+        "sessionkv.index",
+        "sessionkv.router",
+        "cli",
+        API,
+    },
 }
 # Third-party packages a layer must not import: the index and the API are pure
 # (they run in routers and clients without vLLM); the router speaks HTTP and
 # the control channel only; the engine reaches vLLM only through the tiers.
 ENGINE_ONLY = ("vllm", "torch", "lmcache", "mooncake")
-FORBIDDEN = {API: ENGINE_ONLY, "cli": ENGINE_ONLY, "sessionkv.index": ENGINE_ONLY,
-             "sessionkv.router": ENGINE_ONLY, "sessionkv.engine": ENGINE_ONLY}
+FORBIDDEN = {
+    API: ENGINE_ONLY,
+    "cli": ENGINE_ONLY,
+    "sessionkv.index": ENGINE_ONLY,
+    "sessionkv.router": ENGINE_ONLY,
+    "sessionkv.engine": ENGINE_ONLY,
+}
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -70,11 +88,13 @@ def imports(path: Path, module: str) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             # ``from sessionkv import control`` imports sessionkv.control
-            out += [(node.lineno, f"{base}.{a.name}" if base == "sessionkv" else base)
-                    for a in node.names]
+            out += [
+                (node.lineno, f"{base}.{a.name}" if base == "sessionkv" else base)
+                for a in node.names
+            ]
     return out
 
 
@@ -104,11 +124,14 @@ def test_every_product_folder_is_an_installed_package():
         assert f'"{pkg}" = "{folder}"' in pyproject
 
 
-@pytest.mark.parametrize("source, wrong", [
-    ("from sessionkv.connectors.manager import SessionTierManager\n", "downwards"),
-    ("from ..connectors import manager\n", "downwards"),
-    ("def f():\n    import vllm\n", "without vLLM"),
-])
+@pytest.mark.parametrize(
+    "source, wrong",
+    [
+        ("from sessionkv.connectors.manager import SessionTierManager\n", "downwards"),
+        ("from ..connectors import manager\n", "downwards"),
+        ("def f():\n    import vllm\n", "without vLLM"),
+    ],
+)
 def test_a_wrong_import_is_found(tmp_path, source, wrong):
     """The check itself: an upward import, relative or lazy, or vLLM in the index."""
     for folder in FOLDERS:

@@ -81,11 +81,23 @@ from vllm.v1.kv_offload.tiering.manager import (
 )
 
 __all__ = [
-    "LookupResult", "OffloadKey", "ReqContext",   # the words sessionkv.engine speaks to G2
-    "VLLM_FENCES_RESETS", "VLLM_LOCKS_HOOKS", "CascadeGate", "ParkedCascades", "QuarantinedSlots",
-    "after_vllm_step", "close_step", "cpu_policy", "insert", "manager_kwargs", "manager_lock",
+    "LookupResult",
+    "OffloadKey",
+    "ReqContext",  # the words sessionkv.engine speaks to G2
+    "VLLM_FENCES_RESETS",
+    "VLLM_LOCKS_HOOKS",
+    "CascadeGate",
+    "ParkedCascades",
+    "QuarantinedSlots",
+    "after_vllm_step",
+    "close_step",
+    "cpu_policy",
+    "insert",
+    "manager_kwargs",
+    "manager_lock",
     "open_step",
-    "primary_kwargs", "replace_events_tracker",
+    "primary_kwargs",
+    "replace_events_tracker",
 ]
 
 # 0.33: after reset_cache the connector scheduler calls the manager's
@@ -103,6 +115,7 @@ _MANAGER_PARAMS = inspect.signature(TieringOffloadingManager.__init__).parameter
 
 # ---- the lock ----------------------------------------------------------------
 
+
 def manager_lock(manager: OffloadingManager) -> threading.Lock:
     """The lock of a manager over vLLM's ``manager``: vLLM's own where it is
     a real lock (0.33's tiering manager: its tier-poll thread takes it too),
@@ -117,7 +130,7 @@ def open_step(scheduler: OffloadingConnectorScheduler, lock: Any) -> float:
     own (idempotent, closed by vLLM's ``build_connector_meta``), on 0.32 ours.
     The seconds it waited for another thread's hold (0.0 when free on 0.32)."""
     if VLLM_LOCKS_HOOKS:
-        if not lock.locked():           # free (a metric's read: a race costs one count)
+        if not lock.locked():  # free (a metric's read: a race costs one count)
             scheduler._acquire_step()
             return 0.0
         t0 = time.perf_counter()
@@ -152,6 +165,7 @@ def after_vllm_step(lock: Any) -> AbstractContextManager:
 
 # ---- construction ------------------------------------------------------------
 
+
 def replace_events_tracker(scheduler: OffloadingConnectorScheduler, make: Any) -> None:
     """``scheduler._events_tracker = make(scheduler._events_tracker)``: vLLM
     builds its KV events tracker inside the connector scheduler's constructor
@@ -172,6 +186,7 @@ def manager_kwargs(spec: Any) -> dict:
 
 
 # ---- the CPU manager's internals -----------------------------------------------
+
 
 def cpu_policy(manager: Any):
     """The cache policy object a ``CPUOffloadingManager`` built."""
@@ -241,15 +256,17 @@ class ParkedCascades:
 
     _parked = False
 
-    def _cascade_existing_chunks_to_request_level_tiers(self, keys, req_context,
-                                                        request_level_tiers) -> None:
+    def _cascade_existing_chunks_to_request_level_tiers(
+        self, keys, req_context, request_level_tiers
+    ) -> None:
         super()._cascade_existing_chunks_to_request_level_tiers(
-            keys, req_context, request_level_tiers)
+            keys, req_context, request_level_tiers
+        )
         state = self._req_state.get(req_context.req_id)
         if state is not None and state.pending_cascade_keys:
             self._parked = True
 
     def _flush_pending_cascades(self) -> None:
         if self._parked:
-            self._parked = False        # a key parked again sets it again
+            self._parked = False  # a key parked again sets it again
             super()._flush_pending_cascades()

@@ -10,8 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from agents_workload import Shape, TurnResult, coding_shape, make_tasks, max_context, run_figures, \
-    summary
+from agents_workload import (
+    Shape,
+    TurnResult,
+    coding_shape,
+    make_tasks,
+    max_context,
+    run_figures,
+    summary,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +35,7 @@ def test_tasks_are_drawn_once_from_the_seed():
         assert len(t.head) == shape.task_tokens + (shape.doc_tokens if t.doc is not None else 0)
     # Tasks over one document share its tokens exactly (a shared prefix).
     same = [t for t in a if t.doc == 0]
-    assert len(same) >= 2 and same[0].head[:shape.doc_tokens] == same[1].head[:shape.doc_tokens]
+    assert len(same) >= 2 and same[0].head[: shape.doc_tokens] == same[1].head[: shape.doc_tokens]
     assert max_context(shape) >= max(len(t.head) + sum(map(len, t.results)) for t in a)
 
 
@@ -58,12 +65,13 @@ def test_coding_tasks_branch_sub_agents_and_compact():
         # The turn after a compaction restarts from the document, a summary
         # and the tool result; until then the context only grows.
         assert lengths[k + 1] == shape.doc_tokens + shape.summary_tokens + len(t.results[k])
-        assert lengths[:k + 1] == sorted(lengths[:k + 1]) and lengths[k] > lengths[k + 1]
+        assert lengths[: k + 1] == sorted(lengths[: k + 1]) and lengths[k] > lengths[k + 1]
         assert max(lengths) <= shape.compact_tokens + shape.output_tokens + shape.tool_tokens[1]
     gaps = sorted(g for t in tasks for g in t.tools)
-    assert gaps[len(gaps) // 2] < 2.0 < gaps[-1]            # a short median, a long tail
+    assert gaps[len(gaps) // 2] < 2.0 < gaps[-1]  # a short median, a long tail
     assert max_context(shape, tasks) + shape.output_tokens >= max(
-        n for t in tasks for n in t.prompt_lengths(shape.output_tokens))
+        n for t in tasks for n in t.prompt_lengths(shape.output_tokens)
+    )
 
 
 def turn(task, k, ttft, prompt, cached, worker, moved=False, prefix=0):
@@ -71,11 +79,13 @@ def turn(task, k, ttft, prompt, cached, worker, moved=False, prefix=0):
 
 
 def test_figures_count_resumed_and_moved_turns():
-    turns = [turn(0, 0, 3.0, 1000, 0, "a"),
-             turn(0, 1, 0.5, 1200, 960, "a", prefix=1000),
-             turn(0, 2, 2.0, 1400, 800, "b", moved=True, prefix=1200),   # 400 of 1200 missing
-             turn(1, 0, 1.0, 500, 0, "b"),
-             turn(1, 1, 1.5, 700, 480, "a", moved=True, prefix=500)]     # 20 of 500 missing
+    turns = [
+        turn(0, 0, 3.0, 1000, 0, "a"),
+        turn(0, 1, 0.5, 1200, 960, "a", prefix=1000),
+        turn(0, 2, 2.0, 1400, 800, "b", moved=True, prefix=1200),  # 400 of 1200 missing
+        turn(1, 0, 1.0, 500, 0, "b"),
+        turn(1, 1, 1.5, 700, 480, "a", moved=True, prefix=500),
+    ]  # 20 of 500 missing
     f = run_figures(turns, [10.0, 4.0])
     assert f["resumed_turns"] == 3 and f["resumed_ttft_p50_s"] == 1.5
     assert f["recomputed_tokens"] == 4800 - 2240
@@ -85,16 +95,22 @@ def test_figures_count_resumed_and_moved_turns():
 
 
 def test_summary_ratios_are_medians_of_ratios_within_a_round():
-    runs = {"lru": [{"resumed_ttft_p50_s": 2.0, "recomputed_tokens": 100},
-                    {"resumed_ttft_p50_s": 4.0, "recomputed_tokens": 100},
-                    {"resumed_ttft_p50_s": 1.0, "recomputed_tokens": 100}],
-            "sessionkv": [{"resumed_ttft_p50_s": 1.0, "recomputed_tokens": 50},
-                          {"resumed_ttft_p50_s": 1.0, "recomputed_tokens": 30},
-                          {"resumed_ttft_p50_s": 1.0, "recomputed_tokens": 10}]}
+    runs = {
+        "lru": [
+            {"resumed_ttft_p50_s": 2.0, "recomputed_tokens": 100},
+            {"resumed_ttft_p50_s": 4.0, "recomputed_tokens": 100},
+            {"resumed_ttft_p50_s": 1.0, "recomputed_tokens": 100},
+        ],
+        "sessionkv": [
+            {"resumed_ttft_p50_s": 1.0, "recomputed_tokens": 50},
+            {"resumed_ttft_p50_s": 1.0, "recomputed_tokens": 30},
+            {"resumed_ttft_p50_s": 1.0, "recomputed_tokens": 10},
+        ],
+    }
     s = summary(runs)
-    assert s["resumed_ttft_p50_ratio_to_lru"] == 0.5          # of 0.5, 0.25, 1.0
+    assert s["resumed_ttft_p50_ratio_to_lru"] == 0.5  # of 0.5, 0.25, 1.0
     assert s["recomputed_ratio_to_lru"] == 0.3
-    assert s["resumed_ttft_p50_ratio_to_oracle"] is None      # no oracle runs
+    assert s["resumed_ttft_p50_ratio_to_oracle"] is None  # no oracle runs
     assert s["modes"]["lru"]["resumed_ttft_p50_s"] == 2.0
     assert s["modes"]["lru"]["resumed_ttft_p50_s_spread"] == [1.0, 4.0]
 
@@ -102,8 +118,13 @@ def test_summary_ratios_are_medians_of_ratios_within_a_round():
 def test_a_quick_run_serves_every_mode_exactly(tmp_path):
     out, png = tmp_path / "agents.json", tmp_path / "agents.png"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    subprocess.run([sys.executable, "bench/agents.py", "--quick", "--json", str(out),
-                    "--plot", str(png)], cwd=ROOT, env=env, check=True, timeout=900)
+    subprocess.run(
+        [sys.executable, "bench/agents.py", "--quick", "--json", str(out), "--plot", str(png)],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=900,
+    )
     doc = json.loads(out.read_text())
     assert doc["outputs_equal"] is True and doc["outputs_differing"] == []
     runs = {}
@@ -111,7 +132,7 @@ def test_a_quick_run_serves_every_mode_exactly(tmp_path):
         (runs[mode],) = doc["runs"][mode]
         assert runs[mode]["errors"] == 0 and runs[mode]["resumed_turns"] > 0
         assert runs[mode]["turns"] == doc["sizes"]["turns"] == len(runs[mode]["turn_records"])
-    assert runs["plain"]["prompt_tokens_by_source"] == {}      # no connector
+    assert runs["plain"]["prompt_tokens_by_source"] == {}  # no connector
     served = 0
     for mode in ("lru", "lru+g3", "sessionkv", "oracle"):
         by = runs[mode]["prompt_tokens_by_source"]
@@ -120,10 +141,14 @@ def test_a_quick_run_serves_every_mode_exactly(tmp_path):
     # G1 cannot keep two agents' contexts: below it the connector served some
     # prefix (which mode's, the closed loop's timing decides).
     assert served > 0
-    assert runs["lru"]["prompt_tokens_by_source"].get("g3", 0) == 0     # no G3
-    for key in ("resumed_ttft_p50_ratio_to_lru", "resumed_ttft_p50_ratio_to_oracle",
-                "recomputed_ratio_to_lru", "resumed_ttft_p50_ratio_to_lru+g3",
-                "task_s_p50_ratio_to_lru+g3"):
+    assert runs["lru"]["prompt_tokens_by_source"].get("g3", 0) == 0  # no G3
+    for key in (
+        "resumed_ttft_p50_ratio_to_lru",
+        "resumed_ttft_p50_ratio_to_oracle",
+        "recomputed_ratio_to_lru",
+        "resumed_ttft_p50_ratio_to_lru+g3",
+        "task_s_p50_ratio_to_lru+g3",
+    ):
         assert doc["summary"][key] > 0
     # The attribution: the router's part of each resumed turn and the
     # engines' queue and prefill, per mode.
@@ -132,8 +157,8 @@ def test_a_quick_run_serves_every_mode_exactly(tmp_path):
         assert run["engine_s_per_request"]["ttft"] > 0, mode
         assert run["engine_s_per_request"]["prefill"] > 0, mode
     assert runs["lru+g3"]["hints_sent"].get("policy", 0) == 0
-    assert runs["sessionkv"]["engine_s_total"].get("hints", 0) > 0     # its Retains' work
+    assert runs["sessionkv"]["engine_s_total"].get("hints", 0) > 0  # its Retains' work
     assert runs["lru+g3"]["engine_s_total"].get("hints", 0) == 0
-    assert runs["lru+g3"]["moved_bytes"].get("G2>G3", 0) > 0     # written through
+    assert runs["lru+g3"]["moved_bytes"].get("G2>G3", 0) > 0  # written through
     assert "moved_prefix_recomputed_fraction" in doc["summary"]
     assert png.stat().st_size > 10_000

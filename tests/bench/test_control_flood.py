@@ -11,7 +11,7 @@ def test_a_small_flood_run_writes_every_key(tmp_path):
     assert control_flood.main(["--json", str(out), "--pins", "10", "--peers", "6"]) == 0
     doc = json.loads(out.read_text())
     for phase in ("unloaded", "loaded"):
-        assert doc[phase]["statuses"] == {"accepted": 10}    # every Pin served, none refused
+        assert doc[phase]["statuses"] == {"accepted": 10}  # every Pin served, none refused
         assert 0 < doc[phase]["p50_ms"] <= doc[phase]["p99_ms"]
     assert doc["flood_tcp_bytes"] > 0 and doc["zap_refused"] == 0
     assert doc["rss_growth_mib"] == doc["rss_peak_mib"] - doc["rss_before_mib"] >= 0

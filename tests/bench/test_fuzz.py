@@ -11,10 +11,21 @@ def test_every_target_runs_clean(tmp_path):
     out = tmp_path / "fuzz.json"
     rc = fuzz.main(["--examples", "200", "--json", str(out)])
     result = json.loads(out.read_text())
-    assert set(result["targets"]) >= {"envelope", "kv_fetch", "sign_verify", "request_hints",
-                                      "control_frames", "client_replies", "event_decoding",
-                                      "router_config", "policy_config", "probe_replies",
-                                      "metrics_text", "yaml_files", "router_handler"}
+    assert set(result["targets"]) >= {
+        "envelope",
+        "kv_fetch",
+        "sign_verify",
+        "request_hints",
+        "control_frames",
+        "client_replies",
+        "event_decoding",
+        "router_config",
+        "policy_config",
+        "probe_replies",
+        "metrics_text",
+        "yaml_files",
+        "router_handler",
+    }
     bad = {k: v["first"] for k, v in result["targets"].items() if v["unexpected"]}
     assert rc == 0 and not bad, bad
     assert all(v["examples"] == 200 for v in result["targets"].values())
@@ -27,5 +38,6 @@ def test_the_fuzzer_finds_what_it_is_for():
     def planted(s):
         if "\ud800" in s:
             raise TypeError("planted")
+
     r = fuzz.run_target(st.sampled_from(["ok", "a\ud800"]), planted, 50)
     assert r["unexpected"] > 0 and "planted" in r["first"]["error"]

@@ -16,9 +16,14 @@ SCRIPT = ROOT / "bench" / "gpu_check.py"
 def test_without_a_cuda_device_it_exits_2_and_says_why(tmp_path):
     out = tmp_path / "gpu.json"
     # No device visible, on any machine (CUDA_VISIBLE_DEVICES hides a GPU too).
-    r = subprocess.run([sys.executable, str(SCRIPT), "--json", str(out)], cwd=ROOT,
-                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--json", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     assert "gpu_check: no CUDA device" in r.stderr
     assert not out.exists()

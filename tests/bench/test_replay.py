@@ -11,8 +11,12 @@ B = 512
 
 def req(t, ids, tokens=None):
     """A trace row: ``tokens`` defaults to full blocks only."""
-    return {"timestamp": t * 1000, "input_length": tokens or B * len(ids),
-            "output_length": 1, "hash_ids": ids}
+    return {
+        "timestamp": t * 1000,
+        "input_length": tokens or B * len(ids),
+        "output_length": 1,
+        "hash_ids": ids,
+    }
 
 
 def trace(*rows):
@@ -26,14 +30,15 @@ def hits(tr, policy, g2, g1=0, **kw):
 
 # ---- sessions -------------------------------------------------------------
 
+
 def test_a_request_continues_the_one_whose_full_blocks_are_its_prefix():
     tr = trace(
-        req(0, [0, 1, 2], 2 * B + 100),      # A, last block partial
-        req(1, [0, 7, 8]),                   # B: shares only the root block 0
-        req(2, [0, 1, 3, 4]),                # continues A: A's full blocks [0, 1]
-        req(3, [0, 1, 2, 5]),                # A's partial 2 never repeats -> but [0,1] does: A
-        req(4, [0, 7, 8, 9]),                # continues B
-        req(5, [0, 20]),                     # new session: [0] alone is shared by A and B
+        req(0, [0, 1, 2], 2 * B + 100),  # A, last block partial
+        req(1, [0, 7, 8]),  # B: shares only the root block 0
+        req(2, [0, 1, 3, 4]),  # continues A: A's full blocks [0, 1]
+        req(3, [0, 1, 2, 5]),  # A's partial 2 never repeats -> but [0,1] does: A
+        req(4, [0, 7, 8, 9]),  # continues B
+        req(5, [0, 20]),  # new session: [0] alone is shared by A and B
     )
     s = tr.session
     assert s[0] == s[2] == s[3] != s[1] == s[4]
@@ -59,6 +64,7 @@ def test_next_use_positions():
 
 # ---- prefix semantics, LRU, opt ---------------------------------------------
 
+
 def test_a_request_hits_only_its_leading_resident_prefix():
     # G2 of 3 blocks, no G1. After r0 [1,2,3]; r1 [4] evicts the LRU block:
     # vLLM frees tail first, so 3 goes and [1,2] stay. r2 [1,2,3,5] hits
@@ -74,8 +80,15 @@ def test_a_request_hits_only_its_leading_resident_prefix():
 def test_lru_evicts_the_least_recently_used_request():
     # capacity 4: [1,2] [3,4] fill it; [1,2] again makes 1,2 recent; [5,6]
     # evicts 3,4; then [3,4] misses and [1,2] ... was evicted by [3,4].
-    tr = trace(req(0, [1, 2]), req(1, [3, 4]), req(2, [1, 2]), req(3, [5, 6]),
-               req(4, [3, 4]), req(5, [5, 6]), req(6, [1, 2]))
+    tr = trace(
+        req(0, [1, 2]),
+        req(1, [3, 4]),
+        req(2, [1, 2]),
+        req(3, [5, 6]),
+        req(4, [3, 4]),
+        req(5, [5, 6]),
+        req(6, [1, 2]),
+    )
     per, _ = hits(tr, "lru", 4)
     assert per == [0, 0, 2 * B, 0, 0, 2 * B, 0]
 
@@ -88,7 +101,7 @@ def test_opt_keeps_the_block_needed_soonest():
     per, r = hits(tr, "opt", 2)
     assert per == [0, 0, 0, B, B]
     lru, _ = hits(tr, "lru", 2)
-    assert lru == [0, 0, 0, 0, 0]          # LRU evicts 1 then 2: no hit at all
+    assert lru == [0, 0, 0, 0, 0]  # LRU evicts 1 then 2: no hit at all
 
 
 def test_opt_evicts_deeper_blocks_first_on_ties():
@@ -107,6 +120,7 @@ def test_token_weights_count_the_partial_last_block():
 
 
 # ---- G1 in front of G2, G3, hints ---------------------------------------------
+
 
 def test_g1_hits_come_first_and_g2_continues_the_prefix():
     # G1 of 1 block, G2 of 8. r0 [1,2,3]: G1 keeps its head (1). r1 [1,2,3]
@@ -128,7 +142,7 @@ def test_a_shared_g3_serves_another_workers_blocks():
         per, r = hits(tr, "lru", 4, workers=2, routing="random", shared_g3_blocks=8, seed=seed)
         assert per == [0, 2 * B]
     per, _ = hits(tr, "lru", 4, workers=2, routing="sticky", shared_g3_blocks=0)
-    assert per == [0, 2 * B]                 # same session, same worker
+    assert per == [0, 2 * B]  # same session, same worker
 
 
 def test_arc_and_lru_run_through_vllms_manager():
@@ -166,6 +180,7 @@ def test_session_policy_retains_continuing_sessions_over_ended_ones():
 
 # ---- the shipped router policy on trace time ----------------------------------
 
+
 def test_session_policy_gives_up_partial_last_blocks_first():
     # G2 of 5 blocks, no G1. A and B each send 2 full blocks and a partial
     # one, and continue; single-block sessions follow. The session policy
@@ -174,8 +189,14 @@ def test_session_policy_gives_up_partial_last_blocks_first():
     # sessions are what goes: both next turns hit their 2 full blocks.
     # Unbounded naive pins the partial blocks too, runs out of room and clips
     # A's oldest pins.
-    rows = [req(0, [1, 2, 3], 2 * B + B // 2), req(1, [10, 11, 12], 2 * B + B // 2),
-            req(2, [20]), req(3, [21]), req(4, [1, 2, 4]), req(5, [10, 11, 13])]
+    rows = [
+        req(0, [1, 2, 3], 2 * B + B // 2),
+        req(1, [10, 11, 12], 2 * B + B // 2),
+        req(2, [20]),
+        req(3, [21]),
+        req(4, [1, 2, 4]),
+        req(5, [10, 11, 13]),
+    ]
     tr = trace(*rows)
     per, r = hits(tr, "session", 5)
     assert per == [0, 0, 0, 0, 2 * B, 2 * B]
@@ -203,7 +224,10 @@ def test_the_session_policy_reports_its_hint_traffic_and_strategy():
     rows = [req(t, [1, 2] + list(range(100 * t, 100 * t + t))) for t in range(6)]
     per, r = hits(trace(*rows), "session", 16)
     eng = r["router"]["engines"]["0"]
-    assert eng["requests"] == 6 and eng["hints_sent"] >= 5 and eng["strategy"] in \
-        ("recency+shared", "density+shared", "recency", "density", "plain")
+    assert (
+        eng["requests"] == 6
+        and eng["hints_sent"] >= 5
+        and eng["strategy"] in ("recency+shared", "density+shared", "recency", "density", "plain")
+    )
     assert r["router"]["outcomes"]["retain:accepted"] >= 5
     assert not any(k.endswith(":rejected") for k in r["hints"]), r["hints"]

@@ -6,16 +6,29 @@ import replay
 import tracegen
 from replay_sim import RunSpec
 from replay_time import (
-    HINTS, PARAMS, PREFETCH, TURN, Link, TimeParams, gain_captured, oracle_events, turn_times,
+    HINTS,
+    PARAMS,
+    PREFETCH,
+    TURN,
+    Link,
+    TimeParams,
+    gain_captured,
+    oracle_events,
+    turn_times,
 )
 from replay_trace import parse_rows
 
 # Round figures: 1 byte a token, prefill 100 tokens/s (10 ms a token), G2 at
 # 1,000 tokens/s (1 ms) with 10 ms latency, G3 at 200 tokens/s (5 ms) with
 # 20 ms latency, 2 ms a hint.
-P = TimeParams(name="test", kv_bytes_per_token=1, prefill_tokens_per_s=100.0,
-               g2=Link(bandwidth=1000.0, latency=0.010), g3=Link(bandwidth=200.0, latency=0.020),
-               hint_s=0.002)
+P = TimeParams(
+    name="test",
+    kv_bytes_per_token=1,
+    prefill_tokens_per_s=100.0,
+    g2=Link(bandwidth=1000.0, latency=0.010),
+    g3=Link(bandwidth=200.0, latency=0.020),
+    hint_s=0.002,
+)
 
 
 def turn(t, i, g1=0, g2=0, g3=0, miss=0, w=0):
@@ -108,26 +121,39 @@ def test_gain_captured():
 
 
 def test_the_oracle_keeps_what_g1_holds_and_loads_the_rest_from_g2():
-    tr = parse_rows([{"timestamp": t * 1000, "input_length": 1024, "output_length": 1,
-                      "hash_ids": [1, 2]} for t in range(3)])
+    tr = parse_rows(
+        [
+            {"timestamp": t * 1000, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}
+            for t in range(3)
+        ]
+    )
     # opt hit 1,024, 512 and 0 tokens; G1 held 512, 512 and 1,024
     ev = oracle_events(tr, [1024, 512, 0], [512, 512, 1024])
     assert [e[4:] for e in ev] == [(512, 512, 0, 0), (512, 0, 0, 512), (1024, 0, 0, 0)]
 
 
 def small_trace(seed):
-    p = tracegen.Params(seed=seed, sessions=40, arrival_per_s=0.5, turns_mean=5,
-                        system_tokens=1000, first_user_tokens_median=1500,
-                        user_tokens_median=300, output_tokens_median=200,
-                        gaps=(tracegen.Gap(1.0, 20.0, 0.8),))
+    p = tracegen.Params(
+        seed=seed,
+        sessions=40,
+        arrival_per_s=0.5,
+        turns_mean=5,
+        system_tokens=1000,
+        first_user_tokens_median=1500,
+        user_tokens_median=300,
+        output_tokens_median=200,
+        gaps=(tracegen.Gap(1.0, 20.0, 0.8),),
+    )
     return parse_rows(tracegen.generate(p), f"small{seed}")
 
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_the_oracle_bounds_every_policy_and_lru_captures_nothing(seed):
     tr = small_trace(seed)
-    specs = [RunSpec(p, 24, None, 1, "sticky", 0, 0)
-             for p in ("lru", "arc", "naive", "naive-unbounded", "session")]
+    specs = [
+        RunSpec(p, 24, None, 1, "sticky", 0, 0)
+        for p in ("lru", "arc", "naive", "naive-unbounded", "session")
+    ]
     specs.append(RunSpec("opt", specs[0].total_capacity, 0, 1, "sticky", 0, 0))
     out = replay.replay(tr, specs)
     runs = {r["policy"]: r for r in out["runs"]}

@@ -12,9 +12,17 @@ PARAMS = sorted((Path(__file__).resolve().parents[2] / "bench" / "traces").glob(
 
 
 def small(**kw) -> tracegen.Params:
-    base = dict(seed=3, sessions=30, arrival_per_s=1.0, turns_mean=4, system_tokens=1000,
-                first_user_tokens_median=600, user_tokens_median=100,
-                output_tokens_median=100, gaps=(tracegen.Gap(1.0, 10.0, 0.5),))
+    base = dict(
+        seed=3,
+        sessions=30,
+        arrival_per_s=1.0,
+        turns_mean=4,
+        system_tokens=1000,
+        first_user_tokens_median=600,
+        user_tokens_median=100,
+        output_tokens_median=100,
+        gaps=(tracegen.Gap(1.0, 10.0, 0.5),),
+    )
     return tracegen.Params(**{**base, **kw})
 
 
@@ -49,17 +57,21 @@ def test_branches_share_only_an_earlier_prefix():
     branched = 0
     for r in rows:
         ids = r["hash_ids"]
-        branched += any(tuple(ids[:k]) in tips for k in range(1, len(ids))) and \
-            tuple(ids[:-1]) not in tips
-        tips[tuple(ids[:r["input_length"] // BLOCK_TOKENS])] = True
+        branched += (
+            any(tuple(ids[:k]) in tips for k in range(1, len(ids))) and tuple(ids[:-1]) not in tips
+        )
+        tips[tuple(ids[: r["input_length"] // BLOCK_TOKENS])] = True
     assert branched > 0
 
 
-@pytest.mark.parametrize("doc, msg", [
-    ({"sesions": 3}, "unknown key 'sesions'"),
-    ({"sessions": "many"}, "sessions must be a number"),
-    ({"gaps": []}, "gaps need positive weights"),
-])
+@pytest.mark.parametrize(
+    "doc, msg",
+    [
+        ({"sesions": 3}, "unknown key 'sesions'"),
+        ({"sessions": "many"}, "sessions must be a number"),
+        ({"gaps": []}, "gaps need positive weights"),
+    ],
+)
 def test_bad_parameters_are_named(tmp_path, doc, msg):
     p = tmp_path / "p.yaml"
     p.write_text(json.dumps(doc))
@@ -67,14 +79,28 @@ def test_bad_parameters_are_named(tmp_path, doc, msg):
         tracegen.Params.load(str(p))
 
 
-def test_the_suite_replays_every_trace_and_writes_json_plots_and_a_table(tmp_path, monkeypatch,
-                                                                          capsys):
+def test_the_suite_replays_every_trace_and_writes_json_plots_and_a_table(
+    tmp_path, monkeypatch, capsys
+):
     import replay
+
     conv = tmp_path / "conv.jsonl"
     conv.write_text("".join(json.dumps(r) + "\n" for r in tracegen.generate(small())))
     monkeypatch.setattr(replay, "SUITE_G2", (16,))
-    monkeypatch.setattr(sys, "argv", ["replay.py", "--suite", "--trace", str(conv),
-                                      "--out-dir", str(tmp_path / "out"), "--limit", "150"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "replay.py",
+            "--suite",
+            "--trace",
+            str(conv),
+            "--out-dir",
+            str(tmp_path / "out"),
+            "--limit",
+            "150",
+        ],
+    )
     replay.main()
     rows = json.loads((tmp_path / "out" / "suite.json").read_text())
     assert [r["trace"] for r in rows] == ["conv"] + [p.stem for p in PARAMS]

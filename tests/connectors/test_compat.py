@@ -14,11 +14,21 @@ import textwrap
 
 from sessionkv.tiers import compat
 
-MODULES = ("sessionkv.connectors.vllm", "sessionkv.connectors.manager", "sessionkv.tiers.g2.tier",
-           "sessionkv.connectors.spec", "sessionkv.connectors.cpu_worker",
-           "sessionkv.engine.mover", "sessionkv.tiers.g2.policy", "sessionkv.tiers.g3.tier",
-           "sessionkv.tiers.g3.io", "sessionkv.tiers.g3.spec", "sessionkv.tiers.g3.backends.redis",
-           "sessionkv.tiers.g3.backends.mooncake", "sessionkv.tiers.g3.backends.lmcache")
+MODULES = (
+    "sessionkv.connectors.vllm",
+    "sessionkv.connectors.manager",
+    "sessionkv.tiers.g2.tier",
+    "sessionkv.connectors.spec",
+    "sessionkv.connectors.cpu_worker",
+    "sessionkv.engine.mover",
+    "sessionkv.tiers.g2.policy",
+    "sessionkv.tiers.g3.tier",
+    "sessionkv.tiers.g3.io",
+    "sessionkv.tiers.g3.spec",
+    "sessionkv.tiers.g3.backends.redis",
+    "sessionkv.tiers.g3.backends.mooncake",
+    "sessionkv.tiers.g3.backends.lmcache",
+)
 _SET = re.compile(r"self\.(_[a-zA-Z]\w*)\s*(?::[^=\n]*)?=")
 
 
@@ -50,8 +60,11 @@ def ours() -> list[type]:
     for name in MODULES:
         mod = importlib.import_module(name)
         for obj in vars(mod).values():
-            if (inspect.isclass(obj) and obj.__module__ == name
-                    and any(_is_vllm(b) for b in obj.__mro__)):
+            if (
+                inspect.isclass(obj)
+                and obj.__module__ == name
+                and any(_is_vllm(b) for b in obj.__mro__)
+            ):
                 found.append(obj)
     return found
 
@@ -59,15 +72,23 @@ def ours() -> list[type]:
 def self_names(cls: type) -> set[str]:
     """``self.<name>`` of every method defined in ``cls`` itself."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
-            and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    return {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+    }
 
 
 def test_our_vllm_subclasses_leave_vllms_private_names_to_compat():
     classes = ours()
     assert {c.__name__ for c in classes} >= {
-        "SessionTierConnector", "SessionTierManager", "SessionPrimaryTier", "SessionTierSpec",
-        "SessionCachePolicy", "TorchCopyWorker"}
+        "SessionTierConnector",
+        "SessionTierManager",
+        "SessionPrimaryTier",
+        "SessionTierSpec",
+        "SessionCachePolicy",
+        "TorchCopyWorker",
+    }
     offences = []
     for cls in classes:
         private = vllm_private_names(cls)
@@ -75,8 +96,10 @@ def test_our_vllm_subclasses_leave_vllms_private_names_to_compat():
         used = {n for n in self_names(cls) if _private(n)} & private
         for n in sorted(defined | used):
             offences.append(f"{cls.__module__}.{cls.__name__}: {n}")
-    assert not offences, ("private vLLM names outside tiers/compat.py (add them there, "
-                          "with the reason):\n" + "\n".join(offences))
+    assert not offences, (
+        "private vLLM names outside tiers/compat.py (add them there, "
+        "with the reason):\n" + "\n".join(offences)
+    )
 
 
 def test_compat_names_what_it_touches():
@@ -84,9 +107,10 @@ def test_compat_names_what_it_touches():
     doc = compat.__doc__
     for mixin in (compat.QuarantinedSlots, compat.CascadeGate, compat.ParkedCascades):
         for n in {n for n in vars(mixin) if _private(n)} | {
-                n for n in self_names(mixin) if _private(n)}:
+            n for n in self_names(mixin) if _private(n)
+        }:
             if n in ("_leave_out", "_parked"):
-                continue                        # its own helpers
+                continue  # its own helpers
             assert f"``{n}``" in doc, n
     for n in ("_policy", "_acquire_step", "_release_step"):
         assert f"``{n}``" in doc and n in inspect.getsource(compat), n

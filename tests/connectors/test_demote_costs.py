@@ -11,10 +11,9 @@ Real parts, as ``SessionTierSpec`` builds them: vLLM's CPU primary tier with
 """
 
 import pytest
+from test_storage_events import Stack, disk
 
 from sessionkv.hints import Action, Status
-
-from test_storage_events import Stack, disk
 
 
 @pytest.fixture
@@ -25,8 +24,8 @@ def stack(tmp_path):
 
 
 def test_a_demote_leaves_what_another_owner_holds(stack):
-    doc = stack.fill(4, tag="doc")          # a shared document, in session s's chain
-    own = stack.fill(4, tag="own")          # s's own turns
+    doc = stack.fill(4, tag="doc")  # a shared document, in session s's chain
+    own = stack.fill(4, tag="own")  # s's own turns
     policy = stack.g2.policy
     with stack.m.lock:
         assert policy.retain(doc, 1, None, "another-session") == 4
@@ -41,7 +40,7 @@ def test_a_demote_leaves_what_another_owner_holds(stack):
 
 def test_a_demote_of_chunks_in_g3_already_seals_nothing(stack):
     keys = stack.fill(4)
-    assert stack.hint(Action.SHARE).status is Status.ACCEPTED    # now in G3, as written through
+    assert stack.hint(Action.SHARE).status is Status.ACCEPTED  # now in G3, as written through
     sealed = []
     layout = stack.g3._layout
     seal = layout.seal
@@ -49,6 +48,7 @@ def test_a_demote_of_chunks_in_g3_already_seals_nothing(stack):
     def counting(name, chunk):
         sealed.append(name)
         return seal(name, chunk)
+
     layout.seal = counting
     assert stack.hint(Action.DEMOTE).status is Status.ACCEPTED
     assert sealed == []

@@ -7,10 +7,9 @@ import time
 import zmq
 
 from sessionkv import control as wire
+from sessionkv.devtools.server import free_port
 from sessionkv.engine.fetch import Fetcher
 from sessionkv.hints import Action, Bounds, HashesTarget, KvHint, Status
-from sessionkv.devtools.server import free_port
-
 
 SECRET = b"s" * 32
 
@@ -29,8 +28,9 @@ def fetch_from(source: str, secret: bytes = SECRET):
 
     fetcher = Fetcher(secret, prefetch, emit, timeout_s=0.5)
     try:
-        hint = KvHint("h1", Action.SHARE, HashesTarget((1, 2)), Bounds(destination="self"),
-                      source=source)
+        hint = KvHint(
+            "h1", Action.SHARE, HashesTarget((1, 2)), Bounds(destination="self"), source=source
+        )
         first = fetcher.start(hint)
         assert done.wait(10)
         return first, emitted[0]
@@ -41,8 +41,11 @@ def fetch_from(source: str, secret: bytes = SECRET):
 def test_an_unreachable_source_gives_a_rejected_final_outcome():
     source = f"tcp://127.0.0.1:{free_port()}"
     first, final = fetch_from(source)
-    assert (first.status, first.blocks_asked, first.reason) == \
-        (Status.DEFERRED, 2, f"fetching from {source}")
+    assert (first.status, first.blocks_asked, first.reason) == (
+        Status.DEFERRED,
+        2,
+        f"fetching from {source}",
+    )
     assert (final.hint_id, final.action, final.status) == ("h1", "kv.share", Status.REJECTED)
     assert final.reason.startswith(f"source failed: {source}: no reply within 500 ms")
 

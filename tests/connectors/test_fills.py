@@ -6,9 +6,9 @@ index must hold every full block of every request after every step, through
 chunked prefills beside decodes, a request left unscheduled, and finishes."""
 
 import pytest
+import scale_steps as steps
 from vllm.v1.request import RequestStatus
 
-import scale_steps as steps
 from sessionkv.connectors.fills import FillWatch
 from sessionkv.types import Tier
 
@@ -19,10 +19,10 @@ def test_a_decode_step_looks_only_at_the_requests_filed_for_it():
     assert list(w.step(sched, 3)) == []
     w.file("a", 1)
     w.file("b", 3)
-    assert list(w.step(sched, 3)) == ["a"]          # step 2: a's tokens are in
+    assert list(w.step(sched, 3)) == ["a"]  # step 2: a's tokens are in
     w.file("a", 16)
-    assert list(w.step(sched, 3)) == []             # step 3
-    assert list(w.step(sched, 3)) == ["b"]          # step 4: b, 3 tokens after step 1
+    assert list(w.step(sched, 3)) == []  # step 3
+    assert list(w.step(sched, 3)) == ["b"]  # step 4: b, 3 tokens after step 1
     w.file("b", 5)
     assert len(w) == 2
 
@@ -31,7 +31,7 @@ def test_a_step_with_more_than_one_token_for_a_request_looks_at_all_it_schedules
     w = FillWatch()
     w.file("a", 16)
     assert sorted(w.step({"a": 1, "b": 40}, 41)) == ["a", "b"]
-    w.look_now("c")                                 # scheduled afresh in this pass
+    w.look_now("c")  # scheduled afresh in this pass
     w.file("a", 16)
     assert list(w.step({"a": 1}, 1)) == ["c"]
 
@@ -40,11 +40,11 @@ def test_a_refiling_leaves_the_old_entry_stale_and_forget_ends_it():
     w = FillWatch()
     w.file("a", 4)
     w.look_now("a")
-    assert list(w.step({"a": 1}, 1)) == ["a"]       # step 1
+    assert list(w.step({"a": 1}, 1)) == ["a"]  # step 1
     w.file("a", 1)
-    assert list(w.step({"a": 1}, 1)) == ["a"]       # step 2
+    assert list(w.step({"a": 1}, 1)) == ["a"]  # step 2
     w.forget("a")
-    for _ in range(4):                              # its step-4 entry is stale
+    for _ in range(4):  # its step-4 entry is stale
         assert list(w.step({"a": 1}, 1)) == []
     assert len(w) == 0 and not w._at
 
@@ -68,8 +68,9 @@ def _index_holds_every_full_block(sched, reqs) -> int:
 def test_every_filled_block_is_admitted_in_the_step_that_fills_it(batch_tokens):
     # 96 tokens a step: prefill chunks beside decodes, and requests the
     # budget leaves unscheduled in some steps; 1024: all prefill at once.
-    spec = steps.StepSpec(context=160, running=6, decode_steps=80, g2_chunks=4096,
-                          batch_tokens=batch_tokens)
+    spec = steps.StepSpec(
+        context=160, running=6, decode_steps=80, g2_chunks=4096, batch_tokens=batch_tokens
+    )
     sched = steps.make_scheduler(True, spec)
     reqs = steps.make_requests(spec)
     for r in reqs:
@@ -95,8 +96,9 @@ def test_the_index_has_room_for_what_g1_and_g2_hold_before_the_first_step():
     # A growth copies every index array inside the step that needs it (1.9 ms
     # at 65,536 nodes, a decode step of bench/scale.py at 256 x 4k): the
     # connector reserves G1's blocks plus G2's when it binds vLLM's block pool.
-    spec = steps.StepSpec(context=1024, running=24, decode_steps=20, g2_chunks=4096,
-                          batch_tokens=8192)
+    spec = steps.StepSpec(
+        context=1024, running=24, decode_steps=20, g2_chunks=4096, batch_tokens=8192
+    )
     sched = steps.make_scheduler(True, spec)
     reqs = steps.make_requests(spec)
     for r in reqs:

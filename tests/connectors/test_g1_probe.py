@@ -17,7 +17,7 @@ def test_the_index_follows_vllms_block_pool():
     blocks = pool.get_new_blocks(4)
     for key, block in zip(chain, blocks):
         pool.cached_block_hash_to_block.insert(key, block)
-    pool.cached_block_hash_to_block.insert(chain[0], blocks[3])     # a duplicate of block 0
+    pool.cached_block_hash_to_block.insert(chain[0], blocks[3])  # a duplicate of block 0
     probe = g1_probe(pool)
     assert probe(chain + [block_key("never")]) == [1, 1, 1, 0]
 
@@ -28,8 +28,8 @@ def test_the_index_follows_vllms_block_pool():
     idx.sweep_g1()
     assert chain[2] not in idx and idx.frontiers("s") == [chain[1]]
 
-    pool.free_blocks(blocks)                 # nothing in use: the reset may clear the map
+    pool.free_blocks(blocks)  # nothing in use: the reset may clear the map
     assert pool.reset_prefix_cache()
-    assert probe(chain) == [0, 0, 0]          # the probe reads the new map
+    assert probe(chain) == [0, 0, 0]  # the probe reads the new map
     idx.sweep_g1()
     assert len(idx) == 0 and idx.frontiers("s") == []

@@ -24,11 +24,11 @@ from vllm.v1.request import Request
 
 from sessionkv.connectors.spec import SessionTierSpec
 from sessionkv.connectors.vllm import SessionTierConnector
-from sessionkv.tiers.g3.tier import BATCH_BYTES
 from sessionkv.tiers.g3.backpressure import CascadeQueue, default_max_chunks
+from sessionkv.tiers.g3.tier import BATCH_BYTES
 from sessionkv.types import Tier
 
-TIER = ("1:RedisTier",)             # vLLM's tier label
+TIER = ("1:RedisTier",)  # vLLM's tier label
 ACTIVE = "vllm:kv_offload_tiering_active_cascade_jobs"
 READ_USAGE = "vllm:kv_offload_tiering_primary_read_usage_perc"
 DROPPED_BLOCKS = "vllm:kv_offload_tiering_backpressure_blocks_dropped"
@@ -63,11 +63,20 @@ class RecordingConnector(SessionTierConnector):
 def make(redis_url, g2_chunks=64, timeout_s=30.0, **tier):
     init_none_hash(sha256)
     RecordingConnector.total, RecordingConnector.peak, RecordingConnector.last = {}, {}, {}
-    g3 = {"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis", "url": redis_url,
-          "namespace": f"bp-{time.monotonic_ns()}", "timeout_s": timeout_s, **tier}
+    g3 = {
+        "type": "RedisTier",
+        "module_path": "sessionkv.tiers.g3.backends.redis",
+        "url": redis_url,
+        "namespace": f"bp-{time.monotonic_ns()}",
+        "timeout_s": timeout_s,
+        **tier,
+    }
     return steps.make_scheduler(
-        True, steps.StepSpec(context=64 * steps.BLOCK, running=16, g2_chunks=g2_chunks),
-        connector=(RecordingConnector.__name__, __name__), extra_config={"secondary_tiers": [g3]})
+        True,
+        steps.StepSpec(context=64 * steps.BLOCK, running=16, g2_chunks=g2_chunks),
+        connector=(RecordingConnector.__name__, __name__),
+        extra_config={"secondary_tiers": [g3]},
+    )
 
 
 class Stall:
@@ -96,10 +105,14 @@ def request(i: int, chunks: int) -> Request:
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     params.update_from_generation_config({}, 0)
     base = 1 + i * (chunks + 1) * steps.BLOCK
-    req = Request(request_id=f"r{i}", prompt_token_ids=[
-        base + t for t in range(chunks * steps.BLOCK + 3)], sampling_params=params,
-        pooling_params=None, mm_features=None,
-        block_hasher=get_request_block_hasher(steps.BLOCK, sha256))
+    req = Request(
+        request_id=f"r{i}",
+        prompt_token_ids=[base + t for t in range(chunks * steps.BLOCK + 3)],
+        sampling_params=params,
+        pooling_params=None,
+        mm_features=None,
+        block_hasher=get_request_block_hasher(steps.BLOCK, sha256),
+    )
     req.kv_transfer_params = {"session_id": f"s{i}"}
     return req
 
@@ -132,8 +145,13 @@ def serve(sched, sessions, chunks, per_step=False) -> None:
         if per_step and len(added) < len(sessions):
             added.append(sessions[len(added)])
             sched.add_request(request(added[-1], chunks))
-    step_until(sched, lambda: len(added) == len(sessions) or not per_step,
-               "the requests did not finish", add)
+
+    step_until(
+        sched,
+        lambda: len(added) == len(sessions) or not per_step,
+        "the requests did not finish",
+        add,
+    )
 
 
 def drain(sched) -> None:
@@ -148,9 +166,9 @@ def in_tier(manager, tier, sessions) -> int:
 
 
 def test_the_default_is_an_eighth_of_g2_and_at_least_one_backend_call():
-    assert default_max_chunks(1 << 16, 2 << 20, 64 << 20) == 1 << 13    # G2 128 GiB: 16 GiB
-    assert default_max_chunks(1 << 10, 2 << 20, 64 << 20) == 128        # G2 2 GiB: 256 MiB
-    assert default_max_chunks(64, 2 << 20, 64 << 20) == 32              # never below a call
+    assert default_max_chunks(1 << 16, 2 << 20, 64 << 20) == 1 << 13  # G2 128 GiB: 16 GiB
+    assert default_max_chunks(1 << 10, 2 << 20, 64 << 20) == 128  # G2 2 GiB: 256 MiB
+    assert default_max_chunks(64, 2 << 20, 64 << 20) == 32  # never below a call
     assert default_max_chunks(12, 64 << 10, 64 << 20) == 1024
     for bad in (0, -1, 1.5, True, None):
         with pytest.raises(ValueError, match="backpressure.max_chunks"):
@@ -158,19 +176,20 @@ def test_the_default_is_an_eighth_of_g2_and_at_least_one_backend_call():
 
 
 def test_by_default_a_stalled_g3_carries_a_bounded_backlog_and_the_rest_is_dropped(
-        redis_url, stall):
+    redis_url, stall
+):
     # G2 128 MiB of 4 KiB chunks: the default is one call's 64 MiB, half of
     # G2 (an eighth is less). Without it the queue took every G2 chunk.
     g2 = 32768
     bound = default_max_chunks(g2, steps.CHUNK_BYTES, BATCH_BYTES)
     assert bound == BATCH_BYTES // steps.CHUNK_BYTES == g2 // 2
     sched = make(redis_url, g2_chunks=g2)
-    stall.on()                              # from here every put waits
+    stall.on()  # from here every put waits
     try:
         manager = sched.connector.manager
         (g3,) = manager.secondary_tiers
         assert isinstance(g3.bp_detector, CascadeQueue) and g3.bp_detector.max_chunks == bound
-        n = bound // 64 + 40                # 64-chunk prompts, one a step
+        n = bound // 64 + 40  # 64-chunk prompts, one a step
         serve(sched, range(n), 64, per_step=True)
         # Past the bound by one step's cascades at most; the others dropped.
         queued = g3.bp_detector.chunks
@@ -179,16 +198,21 @@ def test_by_default_a_stalled_g3_carries_a_bounded_backlog_and_the_rest_is_dropp
         assert RecordingConnector.peak[ACTIVE] == queued // 64
         assert RecordingConnector.total[DROPPED_BLOCKS] == n * 64 - queued
         assert RecordingConnector.total[DROPPED_STORES] == n - queued // 64
-        for name in (ACTIVE, READ_USAGE, DROPPED_BLOCKS, DROPPED_STORES):   # on /metrics
+        for name in (ACTIVE, READ_USAGE, DROPPED_BLOCKS, DROPPED_STORES):  # on /metrics
             assert name in SessionTierSpec.build_metric_definitions(
-                {"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [{"type": "RedisTier",
-                 "module_path": "sessionkv.tiers.g3.backends.redis"}]})
-        assert in_tier(manager, Tier.G2, range(n)) == n * 64    # G2 took every store
+                {
+                    "cpu_bytes_to_use": 1 << 20,
+                    "secondary_tiers": [
+                        {"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis"}
+                    ],
+                }
+            )
+        assert in_tier(manager, Tier.G2, range(n)) == n * 64  # G2 took every store
         stall.off()
         drain(sched)
         assert g3.bp_detector.chunks == 0 and RecordingConnector.last[ACTIVE] == 0
-        assert in_tier(manager, Tier.G3, range(n)) == queued    # the dropped stay in G2
-        serve(sched, [n], 64)                   # the backlog gone, cascades go again
+        assert in_tier(manager, Tier.G3, range(n)) == queued  # the dropped stay in G2
+        serve(sched, [n], 64)  # the backlog gone, cascades go again
         drain(sched)
         assert in_tier(manager, Tier.G3, [n]) == 64
     finally:
@@ -220,9 +244,9 @@ def test_a_users_cascade_queue_bounds_what_is_carried_not_a_steps_burst(redis_ur
         manager = sched.connector.manager
         (g3,) = manager.secondary_tiers
         assert g3.bp_detector.max_chunks == 8
-        serve(sched, range(4), 4)           # one step's 16 chunks: all go
+        serve(sched, range(4), 4)  # one step's 16 chunks: all go
         assert g3.bp_detector.chunks == 16
-        serve(sched, range(4, 6), 4, per_step=True)     # carried 16: dropped
+        serve(sched, range(4, 6), 4, per_step=True)  # carried 16: dropped
         assert g3.bp_detector.chunks == 16
         assert RecordingConnector.total[DROPPED_BLOCKS] == 8
         stall.off()
@@ -235,19 +259,23 @@ def test_a_users_cascade_queue_bounds_what_is_carried_not_a_steps_burst(redis_ur
 def test_failed_cascades_leave_the_queue(redis_url, stall):
     # vLLM 0.32 tells a detector of successful cascades only: the queue counts
     # what vLLM collects, failures too, so a failing tier does not wedge it.
-    sched = make(redis_url, timeout_s=1.0, retry_s=0.1,
-                 backpressure={"backpressure_cls": CASCADE_QUEUE, "max_chunks": 4})
+    sched = make(
+        redis_url,
+        timeout_s=1.0,
+        retry_s=0.1,
+        backpressure={"backpressure_cls": CASCADE_QUEUE, "max_chunks": 4},
+    )
     stall.on()
     try:
         manager = sched.connector.manager
         (g3,) = manager.secondary_tiers
         serve(sched, range(2), 4)
         assert g3.bp_detector.chunks == 8
-        drain(sched)                            # the puts pass their deadline and fail
+        drain(sched)  # the puts pass their deadline and fail
         assert g3.bp_detector.chunks == 0
         assert in_tier(manager, Tier.G3, range(2)) == 0
         stall.off()
-        time.sleep(1.0)                         # past the breaker's retry
+        time.sleep(1.0)  # past the breaker's retry
         serve(sched, range(2, 4), 4)
         drain(sched)
         assert in_tier(manager, Tier.G3, range(2, 4)) == 8

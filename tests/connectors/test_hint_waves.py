@@ -12,51 +12,69 @@ import uuid
 import numpy as np
 import pytest
 import redis
+from replay_router import make_hint
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from sessionkv.config import SessionKVConfig
-from sessionkv.tiers import compat
-from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier
 from sessionkv.connectors.manager import SessionTierManager
-from sessionkv.engine.service import G3Copies
 from sessionkv.devtools.engines import MODELS
 from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.keys import block_key
+from sessionkv.engine.service import G3Copies
 from sessionkv.events import EventLog, Outcome, Transfer
 from sessionkv.hints import Action, Status
 from sessionkv.index.prefix_index import SessionPrefixIndex
+from sessionkv.tiers import compat
 from sessionkv.tiers.g2.policy import SessionCachePolicy
-from sessionkv.tiers.g3.tier import Quarantine
+from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier
 from sessionkv.tiers.g3.backends.redis import RedisTier
+from sessionkv.tiers.g3.tier import Quarantine
 from sessionkv.types import Tier
 
-from replay_router import make_hint
-
 CHUNKS, CHUNK = 16, 4096
-WAVE = CHUNKS // 4                  # limits.move_fraction's default: 25 % of G2
-init_none_hash(sha256)              # what the engine does at start
+WAVE = CHUNKS // 4  # limits.move_fraction's default: 25 % of G2
+init_none_hash(sha256)  # what the engine does at start
 
 
 @pytest.fixture
 def parts(redis_url):
-    region = SharedOffloadRegion(engine_id=f"waves-{uuid.uuid4().hex[:8]}", num_chunks=CHUNKS,
-                                 rank=None, kv_bytes_per_chunk=CHUNK, cpu_page_size=4096)
+    region = SharedOffloadRegion(
+        engine_id=f"waves-{uuid.uuid4().hex[:8]}",
+        num_chunks=CHUNKS,
+        rank=None,
+        kv_bytes_per_chunk=CHUNK,
+        cpu_page_size=4096,
+    )
     index, quarantine, copies, events = SessionPrefixIndex(), Quarantine(), G3Copies(), EventLog()
-    seen = []                       # every G3 copy the tier made: (load, keys, ok)
+    seen = []  # every G3 copy the tier made: (load, keys, ok)
 
     def observe(load, keys, ok):
         seen.append((load, list(keys), list(ok)))
         copies.observe(load, keys, ok)
+
     primary = QuarantinedPrimaryTier(
-        num_chunks=CHUNKS, mmap_region=region, cache_policy=SessionCachePolicy.__name__,
-        cache_policy_module_path=SessionCachePolicy.__module__, index=index,
-        blocks_per_chunk=1, quarantine=quarantine, event_log=events)
-    g3 = RedisTier(standalone_spec(str(MODELS / "tiny"), CHUNK), primary.get_kv_memoryview(),
-                   "redis", url=redis_url, namespace=f"waves-{uuid.uuid4().hex[:8]}",
-                   timeout_s=10.0, quarantine=quarantine, observer=observe)
+        num_chunks=CHUNKS,
+        mmap_region=region,
+        cache_policy=SessionCachePolicy.__name__,
+        cache_policy_module_path=SessionCachePolicy.__module__,
+        index=index,
+        blocks_per_chunk=1,
+        quarantine=quarantine,
+        event_log=events,
+    )
+    g3 = RedisTier(
+        standalone_spec(str(MODELS / "tiny"), CHUNK),
+        primary.get_kv_memoryview(),
+        "redis",
+        url=redis_url,
+        namespace=f"waves-{uuid.uuid4().hex[:8]}",
+        timeout_s=10.0,
+        quarantine=quarantine,
+        observer=observe,
+    )
     m = SessionTierManager(primary, [g3], index, SessionKVConfig(), copies, events)
     yield m, g3, seen
     r = redis.Redis.from_url(redis_url)
@@ -86,8 +104,13 @@ def final(m, hint_id, timeout_s=30.0):
         with m.lock:
             m.service.apply_moves()
         evs, _, _ = m.event_log.since(0, 100_000)
-        outs = [e.outcome for e in evs if isinstance(e, Outcome) and e.outcome.hint_id == hint_id
-                and e.outcome.status is not Status.DEFERRED]
+        outs = [
+            e.outcome
+            for e in evs
+            if isinstance(e, Outcome)
+            and e.outcome.hint_id == hint_id
+            and e.outcome.status is not Status.DEFERRED
+        ]
         if outs or time.monotonic() > until:
             return outs, [e for e in evs if isinstance(e, Transfer) and e.hint_id == hint_id]
         time.sleep(0.02)
@@ -97,11 +120,11 @@ def test_a_share_of_all_of_g2_leaves_vllm_chunks_to_evict_and_copies_in_waves(pa
     # Issue "production scale": a Share reserved all its G2 chunks at once; with
     # every chunk named, vLLM's prepare_store found nothing to evict meanwhile.
     m, g3, seen = parts
-    keys = fill(m, CHUNKS)                                   # G2 full, all of it shared
+    keys = fill(m, CHUNKS)  # G2 full, all of it shared
     (first,) = m.service.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
     assert first.status is Status.DEFERRED, first
     ctx = ReqContext(req_id="vllm")
-    with m.lock:                                             # before any wave ended
+    with m.lock:  # before any wave ended
         out = m.primary_tier.prepare_store([block_key("new")], ctx)
         assert out is not None and len(out.evicted_keys) == 1, out
         m.primary_tier.complete_store([block_key("new")], ctx)
@@ -120,18 +143,18 @@ def test_a_reset_gives_up_a_stalled_copy_and_keeps_its_slots_until_it_ends(parts
     m, g3, seen = parts
     fill(m, 8)
     r = redis.Redis.from_url(redis_url)
-    r.execute_command("CLIENT", "PAUSE", 3000, "WRITE")      # the first wave's put stalls
+    r.execute_command("CLIENT", "PAUSE", 3000, "WRITE")  # the first wave's put stalls
     (first,) = m.service.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
     assert first.status is Status.DEFERRED, first
     held = g3.quarantine.held
     assert len(held) == WAVE
-    with m.lock:                       # as the connector's reset_cache holds it
+    with m.lock:  # as the connector's reset_cache holds it
         m.reset_cache()
-    assert seen == []                                        # returned while the copy stalls
+    assert seen == []  # returned while the copy stalls
     (gone,), _ = final(m, first.hint_id, timeout_s=0)
     assert (gone.status, gone.reason) == (Status.REJECTED, "G2 was reset"), gone
     ctx = ReqContext(req_id="after")
-    with m.lock:                       # the stalled copy's slots are not given to new KV
+    with m.lock:  # the stalled copy's slots are not given to new KV
         new = [block_key(f"n{i}") for i in range(CHUNKS - WAVE)]
         out = m.primary_tier.prepare_store(new, ctx)
         assert not held & {int(c) for c in out.store_spec.chunk_ids}
@@ -140,8 +163,8 @@ def test_a_reset_gives_up_a_stalled_copy_and_keeps_its_slots_until_it_ends(parts
     g3.drain_hints()
     assert [ks for _, ks, _ in seen] and g3.quarantine.held == set()
     outs, _ = final(m, first.hint_id, timeout_s=0)
-    assert outs == [gone]                                    # the late end changes nothing
-    with m.lock:                       # its slots are G2's again
+    assert outs == [gone]  # the late end changes nothing
+    with m.lock:  # its slots are G2's again
         more = [block_key(f"m{i}") for i in range(WAVE)]
         out = m.primary_tier.prepare_store(more, ctx)
         assert {int(c) for c in out.store_spec.chunk_ids} == held
@@ -156,14 +179,17 @@ def test_a_share_asks_the_backend_again_before_answering_already_in_g3(parts, re
     (first,) = m.service.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
     (done,), _ = final(m, first.hint_id)
     assert done.status is Status.ACCEPTED and g3.listed(keys) == [True] * 4
-    with m.lock:                                     # G2 forgets them; G3 still has them
+    with m.lock:  # G2 forgets them; G3 still has them
         m.reset_cache()
     assert [m.index.copies(k)[Tier.G3] for k in keys] == [1] * 4
     redis.Redis.from_url(redis_url).delete(*g3.objects(keys[2]), *g3.objects(keys[3]))
     (again,) = m.service.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
     (last,), (named,) = final(m, again.hint_id)
-    assert (last.status, last.reason, last.blocks_affected) == \
-        (Status.ACCEPTED, "already in G3", 2), last
+    assert (last.status, last.reason, last.blocks_affected) == (
+        Status.ACCEPTED,
+        "already in G3",
+        2,
+    ), last
     assert named.keys == [] and named.already == keys[:2]
     assert keys[2] not in m.index and keys[3] not in m.index
 
@@ -184,11 +210,12 @@ def test_the_lock_is_never_taken_twice(parts):
             m.get_stats()
             m.reset_cache()
             done.append(True)
+
     t = threading.Thread(target=pass_, daemon=True)
     t.start()
     t.join(30)
     assert done == [True], "a scheduler-side method took the lock again"
-    assert m.service.end_session("nobody") is False        # out of band: takes it itself
+    assert m.service.end_session("nobody") is False  # out of band: takes it itself
 
 
 def test_the_scheduler_finishes_copies_without_a_system_call(parts, monkeypatch):
@@ -197,18 +224,20 @@ def test_the_scheduler_finishes_copies_without_a_system_call(parts, monkeypatch)
     # kept the disk tier's reads from the GIL for 5-10 s a load, past their
     # deadline (a miss and a recompute). The pipe is the control thread's.
     from sessionkv import events
+
     m, g3, _ = parts
     keys = fill(m, 4)
 
     def no_read(*args):
         raise AssertionError("apply read the wake pipe")
+
     monkeypatch.setattr(events.os, "read", no_read)
     (first,) = m.service.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
     (done,), _ = final(m, first.hint_id)
     assert done.status is Status.ACCEPTED and g3.listed(keys) == [True] * 4
     monkeypatch.undo()
     wake = m.service.wake.fd
-    assert select.select([wake], [], [], 0)[0] == [wake]    # left for the control thread
+    assert select.select([wake], [], [], 0)[0] == [wake]  # left for the control thread
     m.service.wake.drain()
     assert select.select([wake], [], [], 0)[0] == []
 
@@ -225,7 +254,7 @@ def test_no_hint_load_writes_g2_between_a_reset_and_the_flush(parts):
     (done,), _ = final(m, share.hint_id)
     assert done.status is Status.ACCEPTED and g3.listed(keys) == [True] * 4
     with m.lock:
-        m.reset_cache()                 # vLLM's connector scheduler: jobs were in flight
+        m.reset_cache()  # vLLM's connector scheduler: jobs were in flight
     seen.clear()
     (first,) = m.service.control_hints([make_hint(Action.PREFETCH, "s")], "s", "r")
     assert first.status is Status.DEFERRED, first
@@ -235,7 +264,7 @@ def test_no_hint_load_writes_g2_between_a_reset_and_the_flush(parts):
         assert outs == [] and seen == [], "a hint load ran before the workers flushed"
         with m.lock:
             assert [m.primary_tier.lookup(k, ctx) for k in keys] == [LookupResult.MISS] * 4
-            m.on_reset_flushed()        # the workers reported every flushed job
+            m.on_reset_flushed()  # the workers reported every flushed job
     (last,), (moved,) = final(m, first.hint_id)
     assert last.status is Status.ACCEPTED, last
     assert [load for load, _, _ in seen] == [True] and sorted(moved.keys) == sorted(keys)
@@ -248,12 +277,13 @@ def test_one_hold_of_the_lock_reserves_at_most_a_slice(parts, monkeypatch):
     # the step lock (92 ms for 16,384 chunks). Now each hold takes at most
     # SLICE_CHUNKS, and the Mover wakes its reader to go on while idle.
     from sessionkv.engine import mover as moves
+
     m, g3, seen = parts
     monkeypatch.setattr(moves, "SLICE_CHUNKS", 3)
     keys = fill(m, CHUNKS)
     (first,) = m.service.control_hints([make_hint(Action.SHARE, "s", destination="self")], "s", "r")
     assert first.status is Status.DEFERRED
-    assert [len(ks) for _, ks, _ in seen] in ([], [3])       # the first hold's one slice
+    assert [len(ks) for _, ks, _ in seen] in ([], [3])  # the first hold's one slice
     (last,), (moved,) = final(m, first.hint_id)
     assert last.status is Status.ACCEPTED and sorted(moved.keys) == sorted(keys)
     assert [len(ks) for _, ks, _ in seen] == [3, 3, 3, 3, 3, 1]

@@ -9,26 +9,25 @@ import time
 import uuid
 
 import pytest
+from replay_router import make_hint
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from sessionkv.config import SessionKVConfig
-from sessionkv.engine import service as service_mod
-from sessionkv.tiers.g2 import tier as g2_mod
-from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier, SessionPrimaryTier
 from sessionkv.connectors.manager import SessionTierManager
-from sessionkv.engine.service import G3Copies
 from sessionkv.devtools.engines import MODELS
 from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.keys import block_key
+from sessionkv.engine import service as service_mod
+from sessionkv.engine.service import G3Copies
 from sessionkv.hints import Action
 from sessionkv.index.prefix_index import SessionPrefixIndex, alias64
-from sessionkv.tiers.g3.backends.disk import DiskTier
+from sessionkv.tiers.g2 import tier as g2_mod
 from sessionkv.tiers.g2.policy import SessionCachePolicy
+from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier, SessionPrimaryTier
+from sessionkv.tiers.g3.backends.disk import DiskTier
 from sessionkv.tiers.g3.tier import Quarantine
 from sessionkv.types import Tier
-
-from replay_router import make_hint
 
 CHUNKS = 1024
 TIMEOUT = 10.0
@@ -36,13 +35,23 @@ TIMEOUT = 10.0
 
 @pytest.fixture
 def manager():
-    region = SharedOffloadRegion(engine_id=f"bounds-{uuid.uuid4().hex[:8]}", num_chunks=CHUNKS,
-                                 rank=None, kv_bytes_per_chunk=4096, cpu_page_size=4096)
+    region = SharedOffloadRegion(
+        engine_id=f"bounds-{uuid.uuid4().hex[:8]}",
+        num_chunks=CHUNKS,
+        rank=None,
+        kv_bytes_per_chunk=4096,
+        cpu_page_size=4096,
+    )
     index = SessionPrefixIndex(idle_timeout_s=TIMEOUT)
     primary = SessionPrimaryTier(
-        num_chunks=CHUNKS, mmap_region=region, cache_policy=SessionCachePolicy.__name__,
-        cache_policy_module_path=SessionCachePolicy.__module__, index=index,
-        blocks_per_chunk=1, event_log=None)
+        num_chunks=CHUNKS,
+        mmap_region=region,
+        cache_policy=SessionCachePolicy.__name__,
+        cache_policy_module_path=SessionCachePolicy.__module__,
+        index=index,
+        blocks_per_chunk=1,
+        event_log=None,
+    )
     m = SessionTierManager(primary, [], index, SessionKVConfig(), G3Copies(), None)
     yield m
     m.shutdown()
@@ -57,8 +66,11 @@ def fill(m, sessions: int, blocks: int = 2, pin: int = 0, now: float = 1.0):
         m.primary_tier.prepare_store(keys, ctx)
         m.primary_tier.complete_store(keys, ctx)
         if pin:
-            (o,) = m.service.control_hints([make_hint(Action.PIN, f"s{s}", ttl_s=600.0,
-                                              max_blocks=pin)], f"s{s}", client=f"s{s}")
+            (o,) = m.service.control_hints(
+                [make_hint(Action.PIN, f"s{s}", ttl_s=600.0, max_blocks=pin)],
+                f"s{s}",
+                client=f"s{s}",
+            )
             assert o.blocks_affected == pin, o
 
 
@@ -72,6 +84,7 @@ def lock_taken_while(manager, monkeypatch, hooked: str, call):
     def first(*args):
         started.set()
         return inner(*args)
+
     monkeypatch.setattr(manager.index, hooked, first)
     t = threading.Thread(target=lambda: done.append((call(), time.monotonic())))
     t.start()
@@ -79,7 +92,7 @@ def lock_taken_while(manager, monkeypatch, hooked: str, call):
     with manager.lock:
         got = time.monotonic()
     t.join(30)
-    (out, finished), = done
+    ((out, finished),) = done
     return out, finished - got
 
 
@@ -90,12 +103,12 @@ def test_expiry_ends_at_most_its_budget_per_pass_and_the_next_pass_goes_on(manag
     fill(manager, 20, blocks=2, pin=2)
     assert manager.service.executor.pinned_chunks == 40
     later = 1.0 + TIMEOUT + 5.0
-    assert manager.service.expire_sessions(later, max_chunks=9) is True     # 3 sessions x (1 + 2)
+    assert manager.service.expire_sessions(later, max_chunks=9) is True  # 3 sessions x (1 + 2)
     assert manager.index.sessions()[:1] == ["s3"] and manager.index.num_sessions == 17
     assert manager.service.executor.pinned_chunks == 34
     assert manager.service.expire_sessions(later, max_chunks=1000) is False
     assert manager.index.num_sessions == 0 and manager.service.executor.pinned_chunks == 0
-    assert manager.service.expire_sessions(later, max_chunks=1000) is False      # nothing left
+    assert manager.service.expire_sessions(later, max_chunks=1000) is False  # nothing left
 
 
 def test_status_lets_the_lock_go_between_batches(manager, monkeypatch):
@@ -103,18 +116,22 @@ def test_status_lets_the_lock_go_between_batches(manager, monkeypatch):
     # the lock (60 ms for 1,000 sessions). A scheduler pass waiting for the
     # lock now gets it between batches, long before status ends.
     fill(manager, 200, blocks=4, pin=1)
-    monkeypatch.setattr(service_mod, "STATUS_HOLD_S", 0.0)     # one session per batch
+    monkeypatch.setattr(service_mod, "STATUS_HOLD_S", 0.0)  # one session per batch
     monkeypatch.setattr(service_mod, "STATUS_YIELD_S", 0.002)
     st, ahead = lock_taken_while(manager, monkeypatch, "summary", manager.service.status)
-    assert ahead > 0.1                          # ~200 batches x 2 ms still to go
+    assert ahead > 0.1  # ~200 batches x 2 ms still to go
     assert [s["session_id"] for s in st["sessions"]] == [f"s{i}" for i in reversed(range(200))]
-    assert all(s["blocks"] == 4 and s["per_tier"]["G2"] == 4 and s["per_tier"]["G1"] == 0 for s in st["sessions"])
+    assert all(
+        s["blocks"] == 4 and s["per_tier"]["G2"] == 4 and s["per_tier"]["G1"] == 0
+        for s in st["sessions"]
+    )
     assert len(st["pins"]) == 200 and st["pinned_chunks"] == 200
     assert 0 <= st["lock_max_ms"] < 1000
 
 
 def test_the_first_resolve_builds_the_alias_map_letting_the_lock_go_between_slices(
-        manager, monkeypatch):
+    manager, monkeypatch
+):
     # Admission keeps no alias map (it was 1.5 us of a decode block's 9 us
     # at 256 x 64k); the control channel's first ``resolve`` builds it, a
     # slice per hold of the lock, and a scheduler pass gets the lock between.
@@ -124,11 +141,14 @@ def test_the_first_resolve_builds_the_alias_map_letting_the_lock_go_between_slic
     monkeypatch.setattr(service_mod, "STATUS_YIELD_S", 0.002)
     keys = [block_key(f"s7-{b}") for b in range(4)]
     resolved, ahead = lock_taken_while(
-        manager, monkeypatch, "build_aliases",
-        lambda: manager.service.resolve_hashes([alias64(k) for k in reversed(keys)] + [12345]))
-    assert ahead > 0.1                          # ~400 slices x 2 ms still to go
-    assert resolved == keys                     # root first; the unknown hash dropped
-    assert manager.service.resolve_hashes([alias64(keys[0])]) == keys[:1]     # kept since
+        manager,
+        monkeypatch,
+        "build_aliases",
+        lambda: manager.service.resolve_hashes([alias64(k) for k in reversed(keys)] + [12345]),
+    )
+    assert ahead > 0.1  # ~400 slices x 2 ms still to go
+    assert resolved == keys  # root first; the unknown hash dropped
+    assert manager.service.resolve_hashes([alias64(keys[0])]) == keys[:1]  # kept since
 
 
 def test_status_of_sessions_that_end_while_it_runs(manager, monkeypatch):
@@ -141,6 +161,7 @@ def test_status_of_sessions_that_end_while_it_runs(manager, monkeypatch):
     class Between:
         """``manager``'s clock, whose ``sleep`` (between batches, lock free)
         ends s3 once, as a control-channel end_session would then."""
+
         perf_counter = staticmethod(time.perf_counter)
 
         @staticmethod
@@ -148,6 +169,7 @@ def test_status_of_sessions_that_end_while_it_runs(manager, monkeypatch):
             if not ended:
                 ended.append(manager.service.end_session("s3"))
             time.sleep(s)
+
     monkeypatch.setattr(service_mod, "time", Between)
     st = manager.service.status()
     assert ended == [True]
@@ -161,16 +183,16 @@ def test_g3_copies_are_known_for_a_bounded_number_of_chunks(manager):
     # index knows the G3 copies of the chunks seen last, twice G2's size.
     cap = g2_mod.G3_KNOWN_PER_G2_CHUNK * CHUNKS
     keys = [block_key(f"g3-{i}") for i in range(cap + 100)]
-    for i in range(0, len(keys), 64):          # as apply_moves indexes cascades, in batches
-        part = keys[i:i + 64]
-        for k in part:                                        # in G2, cascaded, evicted
+    for i in range(0, len(keys), 64):  # as apply_moves indexes cascades, in batches
+        part = keys[i : i + 64]
+        for k in part:  # in G2, cascaded, evicted
             manager.index.admit(None, [k], Tier.G2)
         manager.primary_tier.set_copies(Tier.G3, part, 1)
         manager.index.set_copies(Tier.G2, part, 0)
-    assert len(manager.index) == cap                          # the oldest 100 forgotten
+    assert len(manager.index) == cap  # the oldest 100 forgotten
     assert keys[99] not in manager.index and keys[100] in manager.index
     assert manager.index.copies(keys[-1])[Tier.G3] == 1
-    manager.primary_tier.set_copies(Tier.G3, keys[100:101], 1)   # seen again: newest now
+    manager.primary_tier.set_copies(Tier.G3, keys[100:101], 1)  # seen again: newest now
     manager.index.admit(None, [block_key("one-more")], Tier.G2)
     manager.primary_tier.set_copies(Tier.G3, [block_key("one-more")], 1)
     assert keys[100] in manager.index and keys[101] not in manager.index
@@ -179,16 +201,33 @@ def test_g3_copies_are_known_for_a_bounded_number_of_chunks(manager):
 def with_disk_g3(tmp_path):
     """``manager``'s parts with a real G3 tier (a directory), so that vLLM's
     tiering manager runs under ours."""
-    region = SharedOffloadRegion(engine_id=f"bounds-{uuid.uuid4().hex[:8]}", num_chunks=CHUNKS,
-                                 rank=None, kv_bytes_per_chunk=4096, cpu_page_size=4096)
+    region = SharedOffloadRegion(
+        engine_id=f"bounds-{uuid.uuid4().hex[:8]}",
+        num_chunks=CHUNKS,
+        rank=None,
+        kv_bytes_per_chunk=4096,
+        cpu_page_size=4096,
+    )
     index, quarantine, copies = SessionPrefixIndex(), Quarantine(), G3Copies()
     primary = QuarantinedPrimaryTier(
-        num_chunks=CHUNKS, mmap_region=region, cache_policy=SessionCachePolicy.__name__,
-        cache_policy_module_path=SessionCachePolicy.__module__, index=index,
-        blocks_per_chunk=1, quarantine=quarantine, event_log=None)
-    g3 = DiskTier(standalone_spec(str(MODELS / "tiny"), 4096), primary.get_kv_memoryview(),
-                  "disk", path=str(tmp_path / "g3"), max_bytes=1 << 24,
-                  quarantine=quarantine, observer=copies.observe)
+        num_chunks=CHUNKS,
+        mmap_region=region,
+        cache_policy=SessionCachePolicy.__name__,
+        cache_policy_module_path=SessionCachePolicy.__module__,
+        index=index,
+        blocks_per_chunk=1,
+        quarantine=quarantine,
+        event_log=None,
+    )
+    g3 = DiskTier(
+        standalone_spec(str(MODELS / "tiny"), 4096),
+        primary.get_kv_memoryview(),
+        "disk",
+        path=str(tmp_path / "g3"),
+        max_bytes=1 << 24,
+        quarantine=quarantine,
+        observer=copies.observe,
+    )
     return SessionTierManager(primary, [g3], index, SessionKVConfig(), copies, None)
 
 
@@ -208,7 +247,7 @@ def test_a_step_end_costs_the_same_however_many_requests_run(tmp_path):
             for i in range(started, n):
                 manager.on_new_request(ReqContext(req_id=f"run-{i}"))
             started = n
-            manager.on_schedule_end(end)            # the step's first poll, alike at both
+            manager.on_schedule_end(end)  # the step's first poll, alike at both
             lines.append(lines_run(lambda: manager.on_schedule_end(end), files))
     finally:
         manager.shutdown()
@@ -239,8 +278,9 @@ def test_without_g3_no_tiering_layer_runs(manager):
         list(manager.take_events())
         manager.get_stats()
         assert not manager.has_pending_work()
+
     assert lines_run(a_request, ("tiering/manager.py", "tiers/compat.py")) == 0
-    assert manager.index.copies(keys[0])[Tier.G2] == 1      # G2 residency still indexed
+    assert manager.index.copies(keys[0])[Tier.G2] == 1  # G2 residency still indexed
 
 
 def test_parked_cascades_are_still_retried():
@@ -271,9 +311,9 @@ def test_parked_cascades_are_still_retried():
 
     m = Parked()
     m._flush_pending_cascades()
-    assert m.flushes == 0                       # nothing parked: no walk
+    assert m.flushes == 0  # nothing parked: no walk
     m._cascade_existing_chunks_to_request_level_tiers([b"k"], ReqContext(req_id="r"), {0})
     m._flush_pending_cascades()
-    assert m.flushes == 1                       # parked: retried
+    assert m.flushes == 1  # parked: retried
     m._flush_pending_cascades()
-    assert m.flushes == 1                       # and not again until the next parking
+    assert m.flushes == 1  # and not again until the next parking

@@ -17,23 +17,33 @@ def test_counts_outcomes_moves_and_tokens_then_starts_over():
     s.record(Outcome(outcome=HintOutcome("d", "kv.demote", Status.DEFERRED), via="control"))
     s.record(Outcome(outcome=HintOutcome("d", "kv.demote", Status.CLIPPED), via="transfer"))
     s.record(Transfer(src="G1", dst="G2", keys=[b"a", b"b"], ok=True))
-    s.record(Transfer(src="G2", dst="G3", keys=[b"a"], ok=True))     # counted by moved()
+    s.record(Transfer(src="G2", dst="G3", keys=[b"a"], ok=True))  # counted by moved()
     s.moved("G2", "G3", 3)
     s.tokens(RequestReport.build("s", 32, 100, 32, 32, 0))
     got = s.take(7, 2, 1).reduce()
     assert got == {
         "sessionkv:hint_outcomes:('kv.pin', 'accepted')": 1,
         "sessionkv:hint_outcomes:('kv.demote', 'clipped')": 1,
-        "sessionkv:moved_blocks:('G1', 'G2')": 4, "sessionkv:moved_bytes:('G1', 'G2')": 2000,
-        "sessionkv:moved_blocks:('G2', 'G3')": 6, "sessionkv:moved_bytes:('G2', 'G3')": 3000,
-        "sessionkv:prompt_tokens:('g1',)": 32, "sessionkv:prompt_tokens:('g2',)": 32,
+        "sessionkv:moved_blocks:('G1', 'G2')": 4,
+        "sessionkv:moved_bytes:('G1', 'G2')": 2000,
+        "sessionkv:moved_blocks:('G2', 'G3')": 6,
+        "sessionkv:moved_bytes:('G2', 'G3')": 3000,
+        "sessionkv:prompt_tokens:('g1',)": 32,
+        "sessionkv:prompt_tokens:('g2',)": 32,
         "sessionkv:prompt_tokens:('recomputed',)": 36,
-        "sessionkv:hit_ratio:('g1',)": 0.32, "sessionkv:hit_ratio:('g2',)": 0.32,
+        "sessionkv:hit_ratio:('g1',)": 0.32,
+        "sessionkv:hit_ratio:('g2',)": 0.32,
         "sessionkv:hit_ratio:('g3',)": 0.0,
-        "sessionkv:index_blocks": 7, "sessionkv:index_sessions": 2, "sessionkv:pinned_chunks": 1}
+        "sessionkv:index_blocks": 7,
+        "sessionkv:index_sessions": 2,
+        "sessionkv:pinned_chunks": 1,
+    }
     again = s.take(7, 2, 1).reduce()
-    assert again == {"sessionkv:index_blocks": 7, "sessionkv:index_sessions": 2,
-                     "sessionkv:pinned_chunks": 1}
+    assert again == {
+        "sessionkv:index_blocks": 7,
+        "sessionkv:index_sessions": 2,
+        "sessionkv:pinned_chunks": 1,
+    }
 
 
 def test_every_name_it_emits_is_declared_for_vllm():
@@ -58,8 +68,16 @@ def test_taken_into_vllms_stats_keeps_both():
     got = s.take(7, 2, 1, into=vllms)
     assert got is vllms
     assert got.reduce() == {
-        "vllm:some_counter": 5, "sessionkv:hint_outcomes:('kv.pin', 'accepted')": 1,
-        "sessionkv:moved_blocks:('G1', 'G2')": 3, "sessionkv:moved_bytes:('G1', 'G2')": 3000,
-        "sessionkv:index_blocks": 7, "sessionkv:index_sessions": 2, "sessionkv:pinned_chunks": 1}
+        "vllm:some_counter": 5,
+        "sessionkv:hint_outcomes:('kv.pin', 'accepted')": 1,
+        "sessionkv:moved_blocks:('G1', 'G2')": 3,
+        "sessionkv:moved_bytes:('G1', 'G2')": 3000,
+        "sessionkv:index_blocks": 7,
+        "sessionkv:index_sessions": 2,
+        "sessionkv:pinned_chunks": 1,
+    }
     assert s.take(7, 2, 1, into=OffloadingConnectorStats()).reduce() == {
-        "sessionkv:index_blocks": 7, "sessionkv:index_sessions": 2, "sessionkv:pinned_chunks": 1}
+        "sessionkv:index_blocks": 7,
+        "sessionkv:index_sessions": 2,
+        "sessionkv:pinned_chunks": 1,
+    }

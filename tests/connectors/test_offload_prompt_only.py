@@ -24,16 +24,20 @@ from sessionkv.events import Outcome
 from sessionkv.hints import sign
 from sessionkv.types import Tier
 
-PROMPT = 4 * steps.BLOCK + 3        # 4 full blocks
-OUTPUT = 2 * steps.BLOCK            # the turn ends 99 tokens in: 6 full blocks committed
+PROMPT = 4 * steps.BLOCK + 3  # 4 full blocks
+OUTPUT = 2 * steps.BLOCK  # the turn ends 99 tokens in: 6 full blocks committed
 USER = steps.BLOCK
 SECRET = b"offload-defaults-secret-0123456789abcdef"
 
 
 def make(policy_file=None, **extra):
     init_none_hash(sha256)
-    return steps.make_scheduler(True, steps.StepSpec(context=PROMPT, running=2, g2_chunks=64),
-                                policy_file, extra_config=extra)
+    return steps.make_scheduler(
+        True,
+        steps.StepSpec(context=PROMPT, running=2, g2_chunks=64),
+        policy_file,
+        extra_config=extra,
+    )
 
 
 def turn(sched, rid, prompt, pin=False):
@@ -42,14 +46,28 @@ def turn(sched, rid, prompt, pin=False):
     generated (7s)."""
     params = SamplingParams(max_tokens=OUTPUT, ignore_eos=True)
     params.update_from_generation_config({}, 0)
-    req = Request(request_id=rid, prompt_token_ids=prompt, sampling_params=params,
-                  pooling_params=None, mm_features=None,
-                  block_hasher=get_request_block_hasher(steps.BLOCK, sha256))
+    req = Request(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling_params=params,
+        pooling_params=None,
+        mm_features=None,
+        block_hasher=get_request_block_hasher(steps.BLOCK, sha256),
+    )
     req.kv_transfer_params = {"session_id": "s"}
     if pin:
-        env = {"protocol_version": "1.0", "message_id": rid, "actions": [
-            {"action_id": "p", "action_type": "kv.pin", "action_version": "1.0",
-             "payload": {"ttl_s": 300}}]}
+        env = {
+            "protocol_version": "1.0",
+            "message_id": rid,
+            "actions": [
+                {
+                    "action_id": "p",
+                    "action_type": "kv.pin",
+                    "action_version": "1.0",
+                    "payload": {"ttl_s": 300},
+                }
+            ],
+        }
         req.kv_transfer_params.update(kv_hints=env, kv_hints_sig=sign(env, "s", SECRET))
     sched.add_request(req)
     pending: set[int] = set()
@@ -72,16 +90,16 @@ def in_g2(sched) -> int:
 def test_the_connector_leaves_offload_prompt_only_to_vllm():
     extra = {"cpu_bytes_to_use": 1 << 20}
     bind_spec(extra)
-    assert "offload_prompt_only" not in extra           # vLLM's default: true
+    assert "offload_prompt_only" not in extra  # vLLM's default: true
 
 
 def test_by_default_a_turn_stores_its_prompt_and_the_next_turn_its_output():
-    sched = make(offload_prompt_only=None)              # the key not given
+    sched = make(offload_prompt_only=None)  # the key not given
     try:
         assert sched.connector.connector_scheduler.config.offload_prompt_only is True
         first = list(range(1, PROMPT + 1))
         seen = turn(sched, "t1", first)
-        assert in_g2(sched) == 4                        # the prompt's blocks only
+        assert in_g2(sched) == 4  # the prompt's blocks only
         second = seen + list(range(5000, 5000 + USER))  # 99 + 16 = 115 tokens: 7 blocks
         turn(sched, "t2", second)
         # Turn 2 stored its prompt: turn 1's output included; not its own.
@@ -105,19 +123,26 @@ def test_a_turns_pin_covers_what_vllm_stores_of_it(tmp_path):
     # not wait for those chunks (they came back clipped: "not stored in G2").
     (tmp_path / "secret").write_bytes(SECRET)
     policy = tmp_path / "tiers.yaml"
-    policy.write_text("limits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n"
-                      f"trust: {{secret_file: {tmp_path / 'secret'}}}\n")
+    policy.write_text(
+        "limits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n"
+        f"trust: {{secret_file: {tmp_path / 'secret'}}}\n"
+    )
     sched = make(str(policy), offload_prompt_only=None)
     try:
         manager = sched.connector.manager
         turn(sched, "t1", list(range(1, PROMPT + 1)), pin=True)
-        for _ in range(5):                      # idle steps: nothing is left to arrive
+        for _ in range(5):  # idle steps: nothing is left to arrive
             out = sched.schedule()
             sched.update_from_output(out, steps.model_output(out, set()))
-        outcomes = [(e.via, e.outcome.status, e.outcome.blocks_affected)
-                    for e in manager.event_log.since(0, 1 << 20)[0] if isinstance(e, Outcome)]
+        outcomes = [
+            (e.via, e.outcome.status, e.outcome.blocks_affected)
+            for e in manager.event_log.since(0, 1 << 20)[0]
+            if isinstance(e, Outcome)
+        ]
         assert outcomes == [("request", "accepted", 4)]
         with manager.lock:
-            assert manager.service.executor.pinned_chunks == 4 and not manager.service.executor.waiting
+            assert (
+                manager.service.executor.pinned_chunks == 4 and not manager.service.executor.waiting
+            )
     finally:
         sched.shutdown()

@@ -20,11 +20,11 @@ import pytest
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from sessionkv.connectors import spec as spec_mod
-from sessionkv.tiers.g2 import regions
 from sessionkv.connectors.spec import SessionTierSpec
 from sessionkv.devtools.g3_spec import standalone_spec
+from sessionkv.tiers.g2 import regions
 
-CHUNK = 16384                       # bytes per chunk: one worker, four pages
+CHUNK = 16384  # bytes per chunk: one worker, four pages
 CHUNKS = 64
 DAY = 86400.0
 
@@ -48,9 +48,15 @@ def age(path, seconds):
 def holder(code: str) -> subprocess.Popen:
     """Another process running ``code`` that prints 'ready' and then sleeps."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code) + "\nprint('ready', flush=True)\n"
-         "import time\ntime.sleep(120)\n"],
-        stdout=subprocess.PIPE, text=True, env=os.environ)
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(code) + "\nprint('ready', flush=True)\nimport time\ntime.sleep(120)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ,
+    )
     line = proc.stdout.readline().strip()
     if line != "ready":
         proc.kill()
@@ -83,8 +89,11 @@ def device_spec(engine_id, monkeypatch) -> SessionTierSpec:
     (there is no GPU here): ``has_device_worker`` answers True, which is all
     the scheduler side asks of it."""
     monkeypatch.setattr(spec_mod, "has_device_worker", lambda: True)
-    cfg = dataclasses.replace(standalone_spec("m", CHUNK).config, engine_id=engine_id,
-                              extra_config={"cpu_bytes_to_use": CHUNKS * CHUNK})
+    cfg = dataclasses.replace(
+        standalone_spec("m", CHUNK).config,
+        engine_id=engine_id,
+        extra_config={"cpu_bytes_to_use": CHUNKS * CHUNK},
+    )
     return SessionTierSpec(cfg)
 
 
@@ -122,16 +131,16 @@ def test_on_a_device_the_scheduler_never_creates_the_region(engine_id, monkeypat
 def test_a_region_no_process_holds_is_removed_with_its_segments(engine_id):
     path = regions.region_path(engine_id)
     w = worker(engine_id, 1)
-    for extra in (".1", ".2"):              # vLLM 0.33's segment files
+    for extra in (".1", ".2"):  # vLLM 0.33's segment files
         with open(path + extra, "wb") as f:
             f.write(b"\0")
-    with open(path + ".bak", "wb") as f:    # not a segment: not ours to remove
+    with open(path + ".bak", "wb") as f:  # not a segment: not ours to remove
         f.write(b"\0")
     try:
-        assert path not in regions.reclaim()        # held by the worker
+        assert path not in regions.reclaim()  # held by the worker
         assert os.path.exists(path)
     finally:
-        stop(w)                                    # killed, as an engine core is
+        stop(w)  # killed, as an engine core is
     assert path in regions.reclaim()
     assert not os.path.exists(path) and not os.path.exists(path + ".1")
     assert not os.path.exists(path + ".2")
@@ -142,8 +151,9 @@ def test_a_region_no_process_holds_is_removed_with_its_segments(engine_id):
 def test_regions_sessionkv_did_not_register_are_never_removed(engine_id):
     """vLLM's own connector's regions (and anything else in /dev/shm) are
     not sessionkv's, whatever their age and whoever holds them."""
-    r = SharedOffloadRegion(engine_id=engine_id, num_chunks=4, rank=None,
-                            kv_bytes_per_chunk=4096, cpu_page_size=4096)
+    r = SharedOffloadRegion(
+        engine_id=engine_id, num_chunks=4, rank=None, kv_bytes_per_chunk=4096, cpu_page_size=4096
+    )
     path = r.mmap_path
     try:
         age(path, 30 * DAY)
@@ -161,7 +171,7 @@ def test_a_registration_symlink_is_not_followed(engine_id, tmp_path):
     assert path not in regions.reclaim()
     assert target.read_bytes() == b"keep"
     with pytest.raises(OSError):
-        regions.register(path)          # nor by the engine registering
+        regions.register(path)  # nor by the engine registering
     assert target.read_bytes() == b"keep"
 
 
@@ -181,13 +191,13 @@ def test_register_waits_out_a_reclaim_and_registers_anew(engine_id):
         t = threading.Thread(target=lambda: done.append(regions.register(path)))
         t.start()
         time.sleep(0.2)
-        assert not done                          # waits for the reclaimer
-        os.unlink(reg)                           # the reclaimer removes it ...
+        assert not done  # waits for the reclaimer
+        os.unlink(reg)  # the reclaimer removes it ...
     finally:
-        stop(reclaimer)                          # ... and lets go
+        stop(reclaimer)  # ... and lets go
     t.join(5)
     assert done and os.path.exists(reg)
     assert os.path.samestat(os.fstat(regions._held[reg]), os.stat(reg))
     open(path, "wb").close()
-    assert path not in regions.reclaim()         # held by this process
+    assert path not in regions.reclaim()  # held by this process
     assert os.path.exists(path)

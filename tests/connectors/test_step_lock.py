@@ -11,16 +11,16 @@ import threading
 import time
 
 import pytest
+import scale_steps as steps
 import vllm
 from vllm import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
-import scale_steps as steps
 from sessionkv.client import HintClient
-from sessionkv.tiers import compat
 from sessionkv.connectors.vllm import SessionTierConnector
+from sessionkv.tiers import compat
 from sessionkv.types import Tier
 
 SECRET = b"step-lock-test-secret-0123456789abcdef"
@@ -47,10 +47,14 @@ class PausingConnector(SessionTierConnector):
 def request(rid: str, session: str, base: int) -> Request:
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     params.update_from_generation_config({}, 0)
-    req = Request(request_id=rid, prompt_token_ids=[
-        base + t for t in range(PROMPT_BLOCKS * steps.BLOCK + 3)],
-        sampling_params=params, pooling_params=None, mm_features=None,
-        block_hasher=get_request_block_hasher(steps.BLOCK, sha256))
+    req = Request(
+        request_id=rid,
+        prompt_token_ids=[base + t for t in range(PROMPT_BLOCKS * steps.BLOCK + 3)],
+        sampling_params=params,
+        pooling_params=None,
+        mm_features=None,
+        block_hasher=get_request_block_hasher(steps.BLOCK, sha256),
+    )
     req.kv_transfer_params = {"session_id": session}
     return req
 
@@ -60,14 +64,24 @@ def scheduler(tmp_path, redis_url):
     init_none_hash(sha256)
     (tmp_path / "secret").write_bytes(SECRET)
     policy = tmp_path / "tiers.yaml"
-    policy.write_text("limits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n"
-                      f"trust: {{secret_file: {tmp_path / 'secret'}}}\n")
-    g3 = {"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis", "url": redis_url,
-          "namespace": f"steplock-{time.monotonic_ns()}", "timeout_s": 10.0}
+    policy.write_text(
+        "limits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n"
+        f"trust: {{secret_file: {tmp_path / 'secret'}}}\n"
+    )
+    g3 = {
+        "type": "RedisTier",
+        "module_path": "sessionkv.tiers.g3.backends.redis",
+        "url": redis_url,
+        "namespace": f"steplock-{time.monotonic_ns()}",
+        "timeout_s": 10.0,
+    }
     sched = steps.make_scheduler(
-        True, steps.StepSpec(context=PROMPT_BLOCKS * steps.BLOCK, running=2, g2_chunks=64),
-        str(policy), connector=(PausingConnector.__name__, __name__),
-        extra_config={"secondary_tiers": [g3]})
+        True,
+        steps.StepSpec(context=PROMPT_BLOCKS * steps.BLOCK, running=2, g2_chunks=64),
+        str(policy),
+        connector=(PausingConnector.__name__, __name__),
+        extra_config={"secondary_tiers": [g3]},
+    )
     yield sched
     PausingConnector.pause = None
     sched.shutdown()
@@ -87,13 +101,15 @@ def test_a_control_pin_during_a_step_waits_for_the_steps_lock(scheduler):
     sched = scheduler
     conn = sched.connector
     assert isinstance(conn, PausingConnector)
-    print(f"vLLM {vllm.__version__}: vLLM takes the manager lock in its hooks: "
-          f"{compat.VLLM_LOCKS_HOOKS}")
+    print(
+        f"vLLM {vllm.__version__}: vLLM takes the manager lock in its hooks: "
+        f"{compat.VLLM_LOCKS_HOOKS}"
+    )
     sched.add_request(request("a", "s", 1))
     run_until_idle(sched, set())
     with conn.manager.lock:
         in_g2 = conn.manager.index.resolve_session("s").per_tier[Tier.G2]
-    assert len(in_g2) == PROMPT_BLOCKS          # session s's blocks stored in G2
+    assert len(in_g2) == PROMPT_BLOCKS  # session s's blocks stored in G2
 
     inside, go = threading.Event(), threading.Event()
     PausingConnector.pause = (inside, go)
@@ -102,8 +118,9 @@ def test_a_control_pin_during_a_step_waits_for_the_steps_lock(scheduler):
     step_out = []
 
     def step():
-        step_out.append(sched.schedule())       # pauses inside the pass
+        step_out.append(sched.schedule())  # pauses inside the pass
         ended["step"] = time.monotonic()
+
     stepper = threading.Thread(target=step, daemon=True)
     stepper.start()
     assert inside.wait(30), "the pass never reached the connector"
@@ -114,6 +131,7 @@ def test_a_control_pin_during_a_step_waits_for_the_steps_lock(scheduler):
         with HintClient(conn.control.endpoint, SECRET) as client:
             outcome.append(client.pin("s", ttl_s=600))
         ended["pin"] = time.monotonic()
+
     pinner = threading.Thread(target=pin, daemon=True)
     pinner.start()
     pinner.join(1.0)
@@ -123,7 +141,7 @@ def test_a_control_pin_during_a_step_waits_for_the_steps_lock(scheduler):
     stepper.join(30)
     pinner.join(30)
     assert not stepper.is_alive() and not pinner.is_alive()
-    assert ended["pin"] >= ended["step"]        # it took effect after the pass
+    assert ended["pin"] >= ended["step"]  # it took effect after the pass
     (out,) = outcome
     # Its G2 part is done; "deferred" while the copies written through to
     # Redis are pinned there too (the final outcome comes later).
@@ -141,14 +159,16 @@ def test_hint_loads_wait_for_the_workers_to_flush_a_reset(scheduler):
     # reported them; a Prefetch into G2 must not write G2 before. vLLM 0.32
     # has no fence (engine/mover.py, "Reset fence"): the load goes on.
     from replay_router import make_hint
+
     from sessionkv.events import Outcome
     from sessionkv.hints import Action, Status
+
     sched = scheduler
     m = sched.connector.connector_scheduler.manager
     sched.add_request(request("a", "s", 1))
     run_until_idle(sched, set())
     until = time.monotonic() + 30
-    while True:                                  # s's chunks written through to G3
+    while True:  # s's chunks written through to G3
         with m.lock:
             m.service.apply_moves()
             in_g3 = m.index.resolve_session("s").per_tier[Tier.G3]
@@ -157,18 +177,24 @@ def test_hint_loads_wait_for_the_workers_to_flush_a_reset(scheduler):
         assert time.monotonic() < until, "s never reached G3"
         time.sleep(0.02)
     sched.add_request(request("b", "t", 10_000))
-    pending = steps.step(sched, set())           # b's prefill (max_tokens 2)
-    first = sched.schedule()                     # b's store jobs built, in flight
+    pending = steps.step(sched, set())  # b's prefill (max_tokens 2)
+    first = sched.schedule()  # b's store jobs built, in flight
     jobs = set(first.kv_connector_metadata.store_jobs)
     assert jobs, "no store job in flight at the reset"
-    sched.connector.reset_cache()                # what reset_prefix_cache(reset_connector=True) calls
+    sched.connector.reset_cache()  # what reset_prefix_cache(reset_connector=True) calls
     (out,) = m.service.control_hints([make_hint(Action.PREFETCH, "s")], "s", "test")
     assert out.status is Status.DEFERRED, out
 
     def final():
         evs, _, _ = m.event_log.since(0, 100_000)
-        return [e.outcome for e in evs if isinstance(e, Outcome)
-                and e.outcome.hint_id == out.hint_id and e.outcome.status is not Status.DEFERRED]
+        return [
+            e.outcome
+            for e in evs
+            if isinstance(e, Outcome)
+            and e.outcome.hint_id == out.hint_id
+            and e.outcome.status is not Status.DEFERRED
+        ]
+
     if compat.VLLM_FENCES_RESETS:
         time.sleep(0.5)
         with m.lock:
@@ -177,7 +203,7 @@ def test_hint_loads_wait_for_the_workers_to_flush_a_reset(scheduler):
             assert m.service.mover.busy
     sched.update_from_output(first, steps.model_output(first, jobs | pending))
     until = time.monotonic() + 30
-    while not final():                           # the workers reported: the fence lifts
+    while not final():  # the workers reported: the fence lifts
         assert time.monotonic() < until, "the Prefetch never ended"
         with m.lock:
             m.service.apply_moves()
@@ -194,17 +220,18 @@ def test_the_steps_wait_for_the_lock_and_the_control_threads_work_are_counted(sc
     sched.add_request(request("a", "s", 1))
     run_until_idle(sched, set())
     sched.add_request(request("b", "t", 10_000))
-    conn.manager.stats.take(0, 0, 0)                 # start from nothing
+    conn.manager.stats.take(0, 0, 0)  # start from nothing
     held = threading.Event()
 
     def hold():
-        with conn.manager.lock:                      # as the control thread's hint work does
+        with conn.manager.lock:  # as the control thread's hint work does
             held.set()
             time.sleep(0.3)
+
     holder = threading.Thread(target=hold, daemon=True)
     holder.start()
     assert held.wait(10)
-    out = sched.schedule()                           # its pass opens behind the hold
+    out = sched.schedule()  # its pass opens behind the hold
     holder.join(10)
     got = conn.manager.stats.take(0, 0, 0).reduce()
     assert got.get("sessionkv:lock_wait_seconds", 0) >= 0.2, got
@@ -218,4 +245,4 @@ def test_the_steps_wait_for_the_lock_and_the_control_threads_work_are_counted(sc
     got = conn.manager.stats.take(0, 0, 0).reduce()
     assert got.get("sessionkv:control_seconds:('hints',)", 0) > 0, got
     assert got.get("sessionkv:control_seconds:('end_session',)", 0) > 0, got
-    assert "sessionkv:lock_wait_seconds" not in got      # no step waited meanwhile
+    assert "sessionkv:lock_wait_seconds" not in got  # no step waited meanwhile

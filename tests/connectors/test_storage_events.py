@@ -18,67 +18,78 @@ import uuid
 import numpy as np
 import pytest
 import redis
+from replay_router import make_hint
 from vllm import SamplingParams
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+    OffloadingEventsTracker,
+)
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import init_none_hash, maybe_convert_block_hash
 from vllm.v1.kv_offload.base import (
+    Medium,
     OffloadingEvent,
     OffloadingKVEventsConfig,
     ReqContext,
     ScheduleEndContext,
     get_offload_block_hash,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
-    OffloadingEventsTracker,
-)
-from vllm.v1.kv_offload.base import Medium
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.request import Request
 
 from sessionkv.config import SessionKVConfig
-from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier
 from sessionkv.connectors.kv_events import SessionEventsTracker
 from sessionkv.connectors.manager import SessionTierManager
-from sessionkv.engine.service import G3Copies
 from sessionkv.devtools.engines import MODELS
 from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.keys import block_key
+from sessionkv.engine.service import G3Copies
 from sessionkv.events import EventLog, Outcome
 from sessionkv.hints import Action, Status
 from sessionkv.index.prefix_index import SessionPrefixIndex
-from sessionkv.tiers.g3.backends.disk import DiskBackend, DiskTier
 from sessionkv.tiers.g2.policy import SessionCachePolicy
-from sessionkv.tiers.g3.tier import Quarantine
+from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier
+from sessionkv.tiers.g3.backends.disk import DiskBackend, DiskTier
 from sessionkv.tiers.g3.backends.redis import RedisTier
+from sessionkv.tiers.g3.tier import Quarantine
 from sessionkv.types import Tier
 
-from replay_router import make_hint
-
 CHUNKS, CHUNK = 16, 4096
-G2, G3 = "CPU", "STORAGE"           # the media vLLM's events name
-init_none_hash(sha256)              # what the engine does at start
+G2, G3 = "CPU", "STORAGE"  # the media vLLM's events name
+init_none_hash(sha256)  # what the engine does at start
 
 
 class Stack:
     """G2, one G3 tier, the manager and vLLM's events tracker, events on."""
 
     def __init__(self, make_g3):
-        region = SharedOffloadRegion(engine_id=f"ev-{uuid.uuid4().hex[:8]}", num_chunks=CHUNKS,
-                                     rank=None, kv_bytes_per_chunk=CHUNK, cpu_page_size=4096)
+        region = SharedOffloadRegion(
+            engine_id=f"ev-{uuid.uuid4().hex[:8]}",
+            num_chunks=CHUNKS,
+            rank=None,
+            kv_bytes_per_chunk=CHUNK,
+            cpu_page_size=4096,
+        )
         index, quarantine, copies = SessionPrefixIndex(), Quarantine(), G3Copies()
         self.log = EventLog()
         self.g2 = QuarantinedPrimaryTier(
-            num_chunks=CHUNKS, mmap_region=region, cache_policy=SessionCachePolicy.__name__,
-            cache_policy_module_path=SessionCachePolicy.__module__, index=index,
-            blocks_per_chunk=1, quarantine=quarantine, event_log=self.log, enable_events=True)
+            num_chunks=CHUNKS,
+            mmap_region=region,
+            cache_policy=SessionCachePolicy.__name__,
+            cache_policy_module_path=SessionCachePolicy.__module__,
+            index=index,
+            blocks_per_chunk=1,
+            quarantine=quarantine,
+            event_log=self.log,
+            enable_events=True,
+        )
         spec = standalone_spec(str(MODELS / "tiny"), CHUNK)
         spec.kv_events_config = types.SimpleNamespace(enable_kv_cache_events=True)
         self.g3 = make_g3(spec, self.g2.get_kv_memoryview(), quarantine, copies.observe)
-        self.m = SessionTierManager(self.g2, [self.g3], index, SessionKVConfig(), copies,
-                                    self.log)
+        self.m = SessionTierManager(self.g2, [self.g3], index, SessionKVConfig(), copies, self.log)
         self.tracker = SessionEventsTracker.replacing(
-            OffloadingEventsTracker(OffloadingKVEventsConfig(True, False)), 2 * CHUNKS)
+            OffloadingEventsTracker(OffloadingKVEventsConfig(True, False)), 2 * CHUNKS
+        )
 
     def fill(self, n, tag="k"):
         """``n`` chunks of session ``s`` stored in G2 (no cascade), each its own bytes."""
@@ -102,8 +113,9 @@ class Stack:
             self.m.on_new_request(ctx)
             self.m.prepare_store(keys, ctx)
             self.m.complete_store(keys, ctx)
-            self.m.on_schedule_end(ScheduleEndContext(new_req_ids=(ctx.req_id,),
-                                                      preempted_req_ids=()))
+            self.m.on_schedule_end(
+                ScheduleEndContext(new_req_ids=(ctx.req_id,), preempted_req_ids=())
+            )
             self.m.on_request_finished(ctx)
         until, evs = time.monotonic() + 30, []
         while named(evs, BlockStored, G3) != hashes(keys):
@@ -122,9 +134,13 @@ class Stack:
             with self.m.lock:
                 self.m.service.apply_moves()
             evs, _, _ = self.log.since(0, 100_000)
-            done = [e.outcome for e in evs if isinstance(e, Outcome)
-                    and e.outcome.hint_id == first.hint_id
-                    and e.outcome.status is not Status.DEFERRED]
+            done = [
+                e.outcome
+                for e in evs
+                if isinstance(e, Outcome)
+                and e.outcome.hint_id == first.hint_id
+                and e.outcome.status is not Status.DEFERRED
+            ]
             if done:
                 return done[0]
             time.sleep(0.02)
@@ -145,15 +161,23 @@ def hashes(keys):
 
 
 def named(events, kind, medium):
-    return {h for e in events if isinstance(e, kind) and e.medium == medium
-            for h in e.block_hashes}
+    return {h for e in events if isinstance(e, kind) and e.medium == medium for h in e.block_hashes}
 
 
 def disk(where, max_bytes=1 << 24):
     def make(spec, view, quarantine, observe):
-        return DiskTier(spec, view, "disk", path=str(where), max_bytes=max_bytes,
-                        namespace=f"ev-{uuid.uuid4().hex[:8]}", timeout_s=10.0,
-                        quarantine=quarantine, observer=observe)
+        return DiskTier(
+            spec,
+            view,
+            "disk",
+            path=str(where),
+            max_bytes=max_bytes,
+            namespace=f"ev-{uuid.uuid4().hex[:8]}",
+            timeout_s=10.0,
+            quarantine=quarantine,
+            observer=observe,
+        )
+
     return make
 
 
@@ -168,12 +192,12 @@ def stack(tmp_path):
 def test_a_hint_copy_to_g3_announces_its_chunks_stored_in_g3(stack, action):
     # Demote and Share write G3 outside vLLM's job table: they emitted no event.
     keys = stack.fill(4)
-    stack.events()                                          # G2's own stores
+    stack.events()  # G2's own stores
     assert stack.hint(action).status is Status.ACCEPTED
     evs = stack.events()
     assert named(evs, BlockStored, G3) == hashes(keys), evs
     assert all(e.locality == "LOCAL" for e in evs if isinstance(e, BlockStored))
-    assert stack.hint(action).status is Status.ACCEPTED     # in G3 already: no second store
+    assert stack.hint(action).status is Status.ACCEPTED  # in G3 already: no second store
     assert named(stack.events(), BlockStored, G3) == set()
 
 
@@ -181,7 +205,7 @@ def test_a_prefetch_into_g2_announces_its_chunks_stored_in_g2(stack):
     # A Prefetch (and kv.fetch) fills G2 through vLLM's own complete_store.
     keys = stack.fill(4)
     assert stack.hint(Action.SHARE).status is Status.ACCEPTED
-    stack.fill(CHUNKS, "other")                             # G2 evicts them
+    stack.fill(CHUNKS, "other")  # G2 evicts them
     stack.events()
     assert stack.hint(Action.PREFETCH, keys=keys).status is Status.ACCEPTED
     evs = stack.events()
@@ -190,7 +214,7 @@ def test_a_prefetch_into_g2_announces_its_chunks_stored_in_g2(stack):
 
 
 def test_a_lookup_that_finds_an_announced_chunk_gone_removes_it(stack, tmp_path):
-    keys = stack.cascade(4)                                 # announced by vLLM's cascade
+    keys = stack.cascade(4)  # announced by vLLM's cascade
     # Another engine on the directory removes two objects (its eviction).
     other = DiskBackend(str(tmp_path / "g3"), 1 << 24)
     assert other.remove([stack.g3.name(k) for k in keys[:2]]) == [True, True]
@@ -200,16 +224,16 @@ def test_a_lookup_that_finds_an_announced_chunk_gone_removes_it(stack, tmp_path)
     assert stack.g3.listed([*keys, never]) == [False, False, True, True, False]
     evs = stack.events()
     assert named(evs, BlockRemoved, G3) == hashes(keys[:2]), evs
-    assert stack.g3.listed(keys[:2]) == [False, False]       # said once
+    assert stack.g3.listed(keys[:2]) == [False, False]  # said once
     assert stack.events() == []
 
 
 def test_a_load_that_finds_an_announced_chunk_unreadable_removes_it(stack, tmp_path):
     keys = stack.cascade(4)
-    stack.fill(CHUNKS, "other")                             # G2 evicts them
+    stack.fill(CHUNKS, "other")  # G2 evicts them
     stack.events()
     path = stack.g3._backend.path_of(stack.g3.name(keys[0]))
-    with open(path, "r+b") as f:                            # torn: fails its checksum
+    with open(path, "r+b") as f:  # torn: fails its checksum
         f.seek(10)
         f.write(b"\xff\xfe")
     out = stack.hint(Action.PREFETCH, keys=keys)
@@ -217,7 +241,7 @@ def test_a_load_that_finds_an_announced_chunk_unreadable_removes_it(stack, tmp_p
     evs = stack.events()
     assert named(evs, BlockRemoved, G3) == hashes(keys[:1]), evs
     assert named(evs, BlockStored, G2) == hashes(keys[1:]), evs
-    assert not os.path.exists(path)                         # unlisted
+    assert not os.path.exists(path)  # unlisted
 
 
 def test_the_disk_tiers_own_eviction_removes_what_it_evicted(tmp_path):
@@ -234,8 +258,11 @@ def test_the_disk_tiers_own_eviction_removes_what_it_evicted(tmp_path):
             evs = s.events()
             stored |= named(evs, BlockStored, G3)
             removed |= named(evs, BlockRemoved, G3)
-            gone = {h for h, there in zip(hashes_list(keys), other.exists(names))
-                    if not there and h in stored}
+            gone = {
+                h
+                for h, there in zip(hashes_list(keys), other.exists(names))
+                if not there and h in stored
+            }
             if removed and removed == gone:
                 break
             assert time.monotonic() < until, (removed, gone)
@@ -252,9 +279,18 @@ def hashes_list(keys):
 
 def test_a_redis_ttl_lapse_removes_what_it_lapsed_and_a_pin_holds_it(redis_url):
     def make(spec, view, quarantine, observe):
-        return RedisTier(spec, view, "redis", url=redis_url, ttl_s=1,
-                         namespace=f"ev-{uuid.uuid4().hex[:8]}", timeout_s=10.0,
-                         quarantine=quarantine, observer=observe)
+        return RedisTier(
+            spec,
+            view,
+            "redis",
+            url=redis_url,
+            ttl_s=1,
+            namespace=f"ev-{uuid.uuid4().hex[:8]}",
+            timeout_s=10.0,
+            quarantine=quarantine,
+            observer=observe,
+        )
+
     s = Stack(make)
     try:
         keys = s.cascade(4)
@@ -267,13 +303,13 @@ def test_a_redis_ttl_lapse_removes_what_it_lapsed_and_a_pin_holds_it(redis_url):
         assert pinned == [[True]]
         r = redis.Redis.from_url(redis_url)
         names = [s.g3.name(k) for k in keys]
-        while any(r.exists(n) for n in names[1:]):              # the server lapses them
+        while any(r.exists(n) for n in names[1:]):  # the server lapses them
             assert time.monotonic() < until
             time.sleep(0.05)
         time.sleep(0.2)
         evs = s.events()
         assert named(evs, BlockRemoved, G3) == hashes(keys[1:]), evs
-        assert r.exists(names[0])                                # pinned: still there
+        assert r.exists(names[0])  # pinned: still there
     finally:
         s.close()
 
@@ -290,8 +326,8 @@ def test_announced_g3_chunks_are_bounded_and_the_oldest_retired_as_removed(stack
     evs = stack.events()
     assert named(evs, BlockStored, G3) == hashes(third)
     assert named(evs, BlockRemoved, G3) == hashes(first[:4]), evs
-    assert stack.g3.listed(first[:4]) == [True] * 4            # there, no longer vouched for
-    assert stack.events() == []                                 # and not removed twice
+    assert stack.g3.listed(first[:4]) == [True] * 4  # there, no longer vouched for
+    assert stack.events() == []  # and not removed twice
     assert second
 
 
@@ -301,24 +337,28 @@ def request(rid, session):
 
 def tags(tracker, keys):
     """The session_id vLLM's event for each chunk's G3 store carries."""
-    evs = list(tracker.take_events([OffloadingEvent(keys=list(keys), medium=Medium.STORAGE,
-                                                    removed=False)]))
+    evs = list(
+        tracker.take_events(
+            [OffloadingEvent(keys=list(keys), medium=Medium.STORAGE, removed=False)]
+        )
+    )
     return [e.session_id for e in evs]
 
 
 def test_a_chunk_several_sessions_use_names_none_of_them():
     # The first session to store a chunk was named on every later event of it.
     tracker = SessionEventsTracker.replacing(
-        OffloadingEventsTracker(OffloadingKVEventsConfig(True, False)), 64)
+        OffloadingEventsTracker(OffloadingKVEventsConfig(True, False)), 64
+    )
     alone, shared, anon, turns = (block_key(n) for n in ("alone", "shared", "anon", "turns"))
     a1, a2, b, none = request("a1", "A"), request("a2", "A"), request("b", "B"), request("n", None)
     tracker.record_store(a1, None, 0, alone)
     tracker.record_store(a1, None, 1, shared)
-    tracker.record_lookup(b, None, 1, shared)                   # B reuses it from G2
+    tracker.record_lookup(b, None, 1, shared)  # B reuses it from G2
     tracker.record_store(a1, None, 2, anon)
-    tracker.record_lookup(none, None, 2, anon)                  # so does a request of no session
+    tracker.record_lookup(none, None, 2, anon)  # so does a request of no session
     tracker.record_store(a1, None, 3, turns)
-    tracker.record_lookup(a2, None, 3, turns)                   # A's next turn: still A's alone
+    tracker.record_lookup(a2, None, 3, turns)  # A's next turn: still A's alone
     assert tags(tracker, [alone, shared, anon, turns]) == ["A", None, None, "A"]
-    tracker.record_store(a2, None, 1, shared)                   # stored again: still shared
+    tracker.record_store(a2, None, 1, shared)  # stored again: still shared
     assert tags(tracker, [shared]) == [None]

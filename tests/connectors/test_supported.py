@@ -6,10 +6,15 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, Slid
 
 from sessionkv.connectors.vllm import check_supported
 
-FULL = KVCacheGroupSpec(["l0"], FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
-                                                    dtype=torch.float32))
-SWA = KVCacheGroupSpec(["l1"], SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64,
-                                                   dtype=torch.float32, sliding_window=128))
+FULL = KVCacheGroupSpec(
+    ["l0"], FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
+)
+SWA = KVCacheGroupSpec(
+    ["l1"],
+    SlidingWindowSpec(
+        block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=128
+    ),
+)
 
 
 def test_full_attention_single_group_tp1_is_supported():
@@ -21,8 +26,11 @@ def test_full_attention_single_group_tp1_is_supported():
 
 def test_pipeline_parallel_on_a_device_is_refused_naming_the_setting_and_why():
     for tp, pp in ((1, 2), (4, 2), (2, 4)):
-        with pytest.raises(ValueError, match=f"pipeline_parallel_size=1 only, got {pp}: "
-                                             r".*stages with different layer counts"):
+        with pytest.raises(
+            ValueError,
+            match=f"pipeline_parallel_size=1 only, got {pp}: "
+            r".*stages with different layer counts",
+        ):
             check_supported("kv_both", [FULL], tp, pp, device_worker=True)
 
 

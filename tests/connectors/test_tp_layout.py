@@ -29,8 +29,14 @@ import numpy as np
 import pytest
 import torch
 import vllm.v1.kv_offload.tiering.spec as vllm_tiering_spec
-from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
-                         ParallelConfig, VllmConfig)
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    VllmConfig,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
     build_offloading_config,
 )
@@ -63,12 +69,15 @@ class DeviceWorkerViews:
     page times blocks per chunk, in tensor order, as its constructor makes
     them (direct layout)."""
 
-    def __init__(self, kv_caches, blocks_per_chunk, num_cpu_chunks, mmap_region,
-                 canonical_layout=False):
+    def __init__(
+        self, kv_caches, blocks_per_chunk, num_cpu_chunks, mmap_region, canonical_layout=False
+    ):
         assert not canonical_layout
         self.region = mmap_region
-        self.views = [mmap_region.create_next_worker_view(t.page_size_bytes * blocks_per_chunk)
-                      for t in kv_caches.tensors]
+        self.views = [
+            mmap_region.create_next_worker_view(t.page_size_bytes * blocks_per_chunk)
+            for t in kv_caches.tensors
+        ]
 
 
 def engine(tp: int, g3_path: str, monkeypatch):
@@ -77,41 +86,64 @@ def engine(tp: int, g3_path: str, monkeypatch):
     init_none_hash(sha256)
     engine_id = f"tp{tp}-{uuid.uuid4().hex[:8]}"
     heads = KV_HEADS // tp
-    page = 2 * BLOCK * heads * HEAD * 4                     # K and V of a block, float32
-    g3 = {"type": "DiskTier", "module_path": "sessionkv.tiers.g3.backends.disk", "path": g3_path,
-          "max_bytes": 1 << 26, "namespace": "tp"}
+    page = 2 * BLOCK * heads * HEAD * 4  # K and V of a block, float32
+    g3 = {
+        "type": "DiskTier",
+        "module_path": "sessionkv.tiers.g3.backends.disk",
+        "path": g3_path,
+        "max_bytes": 1 << 26,
+        "namespace": "tp",
+    }
     kvt = KVTransferConfig(
-        kv_connector="SessionTierConnector", kv_connector_module_path="sessionkv.connectors.vllm",
-        kv_role="kv_both", engine_id=engine_id, kv_connector_extra_config={
-            "block_size": BLOCK * BLOCKS_PER_CHUNK, "secondary_tiers": [g3],
-            "cpu_bytes_to_use": G2_CHUNKS * LAYERS * page * tp * BLOCKS_PER_CHUNK})
+        kv_connector="SessionTierConnector",
+        kv_connector_module_path="sessionkv.connectors.vllm",
+        kv_role="kv_both",
+        engine_id=engine_id,
+        kv_connector_extra_config={
+            "block_size": BLOCK * BLOCKS_PER_CHUNK,
+            "secondary_tiers": [g3],
+            "cpu_bytes_to_use": G2_CHUNKS * LAYERS * page * tp * BLOCKS_PER_CHUNK,
+        },
+    )
     config = VllmConfig(
-        model_config=ModelConfig(model=TINY, dtype="float32", seed=0, hf_overrides={
-            "num_attention_heads": KV_HEADS, "num_key_value_heads": KV_HEADS}),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp,
-                                       distributed_executor_backend="mp"),
-        cache_config=CacheConfig(block_size=BLOCK), kv_transfer_config=kvt,
-        device_config=DeviceConfig("cpu"))
+        model_config=ModelConfig(
+            model=TINY,
+            dtype="float32",
+            seed=0,
+            hf_overrides={"num_attention_heads": KV_HEADS, "num_key_value_heads": KV_HEADS},
+        ),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend="mp"),
+        cache_config=CacheConfig(block_size=BLOCK),
+        kv_transfer_config=kvt,
+        device_config=DeviceConfig("cpu"),
+    )
     kvt.kv_connector_extra_config[IDENTITY_KEY] = model_identity(config)
     # What every rank's KV cache manager holds: its share of the heads.
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=HEAD,
-                             dtype=torch.float32)
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=heads, head_size=HEAD, dtype=torch.float32
+    )
     assert spec.page_size_bytes == page
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    kv_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
-                              kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    kv_config = KVCacheConfig(
+        num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)]
+    )
     offloading = build_offloading_config(config, kv_config)
     assert (offloading.parallel.tp_size, offloading.parallel.world_size) == (tp, tp)
-    assert not offloading.replicated_layout          # one slot per rank in every row
+    assert not offloading.replicated_layout  # one slot per rank in every row
     monkeypatch.setattr(vllm_tiering_spec, "CPUOffloadingWorker", DeviceWorkerViews)
     caches = CanonicalKVCaches(
-        tensors=[CanonicalKVCacheTensor(torch.zeros(64, page, dtype=torch.int8), page)
-                 for _ in names],
-        group_data_refs=[[CanonicalKVCacheRef(i, page) for i in range(LAYERS)]])
+        tensors=[
+            CanonicalKVCacheTensor(torch.zeros(64, page, dtype=torch.int8), page) for _ in names
+        ],
+        group_data_refs=[[CanonicalKVCacheRef(i, page) for i in range(LAYERS)]],
+    )
     workers = []
-    for rank in range(tp):          # the workers map G2 first (vLLM's device order)
-        rank_spec = SessionTierSpec(dataclasses.replace(
-            offloading, parallel=dataclasses.replace(offloading.parallel, rank=rank)))
+    for rank in range(tp):  # the workers map G2 first (vLLM's device order)
+        rank_spec = SessionTierSpec(
+            dataclasses.replace(
+                offloading, parallel=dataclasses.replace(offloading.parallel, rank=rank)
+            )
+        )
         workers.append(TieringOffloadingSpec.create_worker(rank_spec, caches))
     scheduler = SessionTierSpec(offloading)
     assert scheduler.cpu_page_size_per_worker == LAYERS * page * BLOCKS_PER_CHUNK
@@ -143,16 +175,22 @@ def test_every_ranks_bytes_reach_g3_and_come_back_byte_exact(tmp_path, monkeypat
         with store.lock:
             store.on_new_request(ctx)
             slots = list(store.prepare_store(keys, ctx).store_spec.chunk_ids)
-        wrote = [[rng.integers(-128, 128, (CHUNKS, v.shape[1]), dtype=np.int8)
-                  for v in w.views] for w in store_workers]
+        wrote = [
+            [rng.integers(-128, 128, (CHUNKS, v.shape[1]), dtype=np.int8) for v in w.views]
+            for w in store_workers
+        ]
         for w, data in zip(store_workers, wrote):
             for view, rows in zip(w.views, data):
                 view[slots] = torch.from_numpy(rows)
         g3 = store.secondary_tiers[0]
         with store.lock:
-            store.complete_store(keys, ctx)      # vLLM's tiering manager cascades to G3
-        settle(store, lambda: all(g3._backend.exists([g3.name(k) for k in keys]))
-               and not store.has_pending_work())
+            store.complete_store(keys, ctx)  # vLLM's tiering manager cascades to G3
+        settle(
+            store,
+            lambda: (
+                all(g3._backend.exists([g3.name(k) for k in keys])) and not store.has_pending_work()
+            ),
+        )
         with store.lock:
             store.on_request_finished(ctx)
         # A whole row went: every rank's slot (and the row's padding) in each object.
@@ -168,8 +206,7 @@ def test_every_ranks_bytes_reach_g3_and_come_back_byte_exact(tmp_path, monkeypat
         assert first.status is Status.DEFERRED, first
         settle(load, lambda: not load.service.mover.busy)
         with load.lock:
-            back = list(load.primary_tier.prepare_read(keys, ReqContext(req_id="read"))
-                        .chunk_ids)
+            back = list(load.primary_tier.prepare_read(keys, ReqContext(req_id="read")).chunk_ids)
         for rank, (w, data) in enumerate(zip(load_workers, wrote)):
             for t, (view, rows) in enumerate(zip(w.views, data)):
                 assert torch.equal(view[back], torch.from_numpy(rows)), (rank, t)

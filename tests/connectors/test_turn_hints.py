@@ -16,6 +16,7 @@ import os
 import time
 
 import pytest
+import scale_steps as steps
 from vllm import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -23,14 +24,13 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.request import Request
 
-import scale_steps as steps
 from sessionkv.engine import executor as hint_executor
 from sessionkv.events import Outcome, Transfer, Via
 from sessionkv.hints import sign
 
 SECRET = b"turn-hints-test-secret-0123456789abcdef"
 PROMPT = 4 * steps.BLOCK + 3
-OUTPUT = 30            # the turn ends 97 tokens in: its last block fills at the end
+OUTPUT = 30  # the turn ends 97 tokens in: its last block fills at the end
 
 
 def make(tmp_path, monkeypatch, async_sched: bool, bpc: int):
@@ -40,14 +40,23 @@ def make(tmp_path, monkeypatch, async_sched: bool, bpc: int):
         monkeypatch.setattr(steps, "Scheduler", AsyncScheduler)
     (tmp_path / "secret").write_bytes(SECRET)
     policy = tmp_path / "tiers.yaml"
-    policy.write_text("limits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n"
-                      f"trust: {{secret_file: {tmp_path / 'secret'}}}\n")
-    g3 = {"type": "DiskTier", "module_path": "sessionkv.tiers.g3.backends.disk",
-          "path": str(tmp_path / "g3"), "max_bytes": 1 << 26}
+    policy.write_text(
+        "limits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n"
+        f"trust: {{secret_file: {tmp_path / 'secret'}}}\n"
+    )
+    g3 = {
+        "type": "DiskTier",
+        "module_path": "sessionkv.tiers.g3.backends.disk",
+        "path": str(tmp_path / "g3"),
+        "max_bytes": 1 << 26,
+    }
     sched = steps.make_scheduler(
-        True, steps.StepSpec(context=256, running=2, g2_chunks=64), str(policy),
+        True,
+        steps.StepSpec(context=256, running=2, g2_chunks=64),
+        str(policy),
         connector=("SessionTierConnector", "sessionkv.connectors.vllm"),
-        extra_config={"secondary_tiers": [g3], "block_size": bpc * steps.BLOCK})
+        extra_config={"secondary_tiers": [g3], "block_size": bpc * steps.BLOCK},
+    )
     assert isinstance(sched, AsyncScheduler) is async_sched
     assert sched.connector.manager.primary_tier.blocks_per_chunk == bpc
     return sched
@@ -57,18 +66,30 @@ def turn(rid: str, session: str, action: dict) -> Request:
     """A request of session ``session`` carrying one signed hint."""
     params = SamplingParams(max_tokens=OUTPUT, ignore_eos=True)
     params.update_from_generation_config({}, 0)
-    req = Request(request_id=rid, prompt_token_ids=[1 + t for t in range(PROMPT)],
-                  sampling_params=params, pooling_params=None, mm_features=None,
-                  block_hasher=get_request_block_hasher(steps.BLOCK, sha256))
+    req = Request(
+        request_id=rid,
+        prompt_token_ids=[1 + t for t in range(PROMPT)],
+        sampling_params=params,
+        pooling_params=None,
+        mm_features=None,
+        block_hasher=get_request_block_hasher(steps.BLOCK, sha256),
+    )
     env = {"protocol_version": "1.0", "message_id": rid, "actions": [action]}
-    req.kv_transfer_params = {"session_id": session, "kv_hints": env,
-                              "kv_hints_sig": sign(env, session, SECRET)}
+    req.kv_transfer_params = {
+        "session_id": session,
+        "kv_hints": env,
+        "kv_hints_sig": sign(env, session, SECRET),
+    }
     return req
 
 
 def hint(kind: str, **payload) -> dict:
-    return {"action_id": kind, "action_type": f"kv.{kind}", "action_version": "1.0",
-            "payload": payload}
+    return {
+        "action_id": kind,
+        "action_type": f"kv.{kind}",
+        "action_version": "1.0",
+        "payload": payload,
+    }
 
 
 def drive(sched, async_sched: bool, done=lambda: True, timeout_s: float = 30.0) -> None:
@@ -89,8 +110,7 @@ def drive(sched, async_sched: bool, done=lambda: True, timeout_s: float = 30.0) 
         meta = out.kv_connector_metadata
         jobs = set(getattr(meta, "load_jobs", ())) | set(getattr(meta, "store_jobs", ()))
         if not out.num_scheduled_tokens:
-            if not sched.has_requests() and not jobs and (prev is None or not prev[1]) \
-                    and done():
+            if not sched.has_requests() and not jobs and (prev is None or not prev[1]) and done():
                 return
             time.sleep(0.01)
     raise AssertionError("the schedule did not settle")
@@ -109,16 +129,17 @@ def turn_chunks(req: Request, bpc: int) -> list[bytes]:
 
 @pytest.mark.parametrize("bpc", [1, 2], ids=["chunk=1block", "chunk=2blocks"])
 @pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
-def test_a_turns_pin_holds_every_chunk_of_it_in_g2_and_g3(tmp_path, monkeypatch,
-                                                          async_sched, bpc):
+def test_a_turns_pin_holds_every_chunk_of_it_in_g2_and_g3(tmp_path, monkeypatch, async_sched, bpc):
     sched = make(tmp_path, monkeypatch, async_sched, bpc)
     try:
         manager = sched.connector.manager
         policy, g3 = manager.primary_tier.policy, manager.secondary_tiers[0]
         req = turn("a", "s", hint("pin", ttl_s=300))
         sched.add_request(req)
-        final = lambda: [e.outcome for e in events(manager, Outcome)   # noqa: E731
-                         if e.via is Via.TRANSFER]
+
+        def final():
+            return [e.outcome for e in events(manager, Outcome) if e.via is Via.TRANSFER]
+
         drive(sched, async_sched, done=lambda: bool(final()))
         chunks = turn_chunks(req, bpc)
         assert len(chunks) == 6 // bpc
@@ -133,8 +154,9 @@ def test_a_turns_pin_holds_every_chunk_of_it_in_g2_and_g3(tmp_path, monkeypatch,
             assert manager.service.executor.pinned_chunks == len(chunks)
             assert not manager.service.executor.waiting
         now = time.time()
-        assert [os.stat(g3._backend.path_of(g3.name(k))).st_mtime > now + 200
-                for k in chunks] == [True] * len(chunks)
+        assert [os.stat(g3._backend.path_of(g3.name(k))).st_mtime > now + 200 for k in chunks] == [
+            True
+        ] * len(chunks)
     finally:
         sched.shutdown()
 
@@ -145,8 +167,10 @@ def test_a_turns_share_copies_its_last_chunks_once_they_are_stored(tmp_path, mon
         manager = sched.connector.manager
         req = turn("a", "s", hint("share"))
         sched.add_request(req)
-        final = lambda: [e.outcome for e in events(manager, Outcome)   # noqa: E731
-                         if e.via is Via.TRANSFER]
+
+        def final():
+            return [e.outcome for e in events(manager, Outcome) if e.via is Via.TRANSFER]
+
         drive(sched, True, done=lambda: bool(final()))
         (first,) = [e.outcome for e in events(manager, Outcome) if e.via is Via.REQUEST]
         assert first.status == "deferred" and "once the turn's last" in first.reason, first
@@ -166,8 +190,9 @@ def test_a_share_whose_target_does_not_fit_the_bound_starts_at_once(tmp_path, mo
     try:
         manager = sched.connector.manager
         sched.add_request(turn("a", "s", hint("share")))
-        drive(sched, True, done=lambda: any(
-            e.via is Via.TRANSFER for e in events(manager, Outcome)))
+        drive(
+            sched, True, done=lambda: any(e.via is Via.TRANSFER for e in events(manager, Outcome))
+        )
         (first,) = [e.outcome for e in events(manager, Outcome) if e.via is Via.REQUEST]
         assert first.status == "deferred" and "once" not in first.reason, first
         assert not manager.service.executor.waiting
@@ -192,7 +217,7 @@ def test_a_reset_ends_the_wait_and_says_what_was_not_pinned(tmp_path, monkeypatc
             meta = out.kv_connector_metadata
             jobs = set(meta.load_jobs) | set(meta.store_jobs)
         with manager.lock:
-            assert manager.service.executor.waiting       # the turn's last chunk is on its way
+            assert manager.service.executor.waiting  # the turn's last chunk is on its way
         assert sched.connector.reset_cache() is not False
         with manager.lock:
             assert not manager.service.executor.waiting
@@ -210,39 +235,58 @@ def test_a_pins_g3_side_waits_for_copies_that_end_out_of_order(tmp_path):
     a chunk in G2, idle and not in G3 is not waited for (nothing copies it).
     The parts as ``SessionTierSpec`` builds them, over a disk G3 tier."""
     import uuid
+
+    from replay_router import make_hint
     from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-    from replay_router import make_hint
     from sessionkv.config import Limits, SessionKVConfig, TierPolicy
-    from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier
-    from sessionkv.engine.executor import Turn
     from sessionkv.connectors.manager import SessionTierManager
-    from sessionkv.engine.service import G3Copies
     from sessionkv.devtools.engines import MODELS
     from sessionkv.devtools.g3_spec import standalone_spec
     from sessionkv.devtools.keys import block_key
+    from sessionkv.engine.executor import Turn
+    from sessionkv.engine.service import G3Copies
     from sessionkv.events import EventLog
     from sessionkv.hints import Action
     from sessionkv.index.prefix_index import SessionPrefixIndex
-    from sessionkv.tiers.g3.backends.disk import DiskTier
     from sessionkv.tiers.g2.policy import SessionCachePolicy
+    from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier
+    from sessionkv.tiers.g3.backends.disk import DiskTier
     from sessionkv.tiers.g3.tier import Quarantine
     from sessionkv.types import Tier
 
     init_none_hash(sha256)
-    region = SharedOffloadRegion(engine_id=f"order-{uuid.uuid4().hex[:8]}", num_chunks=8,
-                                 rank=None, kv_bytes_per_chunk=4096, cpu_page_size=4096)
+    region = SharedOffloadRegion(
+        engine_id=f"order-{uuid.uuid4().hex[:8]}",
+        num_chunks=8,
+        rank=None,
+        kv_bytes_per_chunk=4096,
+        cpu_page_size=4096,
+    )
     index, quarantine, copies, log = SessionPrefixIndex(), Quarantine(), G3Copies(), EventLog()
     primary = QuarantinedPrimaryTier(
-        num_chunks=8, mmap_region=region, cache_policy=SessionCachePolicy.__name__,
-        cache_policy_module_path=SessionCachePolicy.__module__, index=index,
-        blocks_per_chunk=1, quarantine=quarantine, event_log=log)
-    g3 = DiskTier(standalone_spec(str(MODELS / "tiny"), 4096), primary.get_kv_memoryview(),
-                  "disk", path=str(tmp_path / "g3"), max_bytes=1 << 24,
-                  quarantine=quarantine, observer=copies.observe)
-    config = SessionKVConfig(policy=TierPolicy(limits=Limits(pin_fraction_session=1.0,
-                                                             pin_fraction_global=1.0)))
+        num_chunks=8,
+        mmap_region=region,
+        cache_policy=SessionCachePolicy.__name__,
+        cache_policy_module_path=SessionCachePolicy.__module__,
+        index=index,
+        blocks_per_chunk=1,
+        quarantine=quarantine,
+        event_log=log,
+    )
+    g3 = DiskTier(
+        standalone_spec(str(MODELS / "tiny"), 4096),
+        primary.get_kv_memoryview(),
+        "disk",
+        path=str(tmp_path / "g3"),
+        max_bytes=1 << 24,
+        quarantine=quarantine,
+        observer=copies.observe,
+    )
+    config = SessionKVConfig(
+        policy=TierPolicy(limits=Limits(pin_fraction_session=1.0, pin_fraction_global=1.0))
+    )
     manager = SessionTierManager(primary, [g3], index, config, copies, log)
     try:
         keys = [block_key(f"order-{i}") for i in range(3)]
@@ -250,7 +294,7 @@ def test_a_pins_g3_side_waits_for_copies_that_end_out_of_order(tmp_path):
         with manager.lock:
             index.admit("s", keys, Tier.G1)
             slots = list(primary.prepare_store(keys, ctx).store_spec.chunk_ids)
-            primary.complete_store(keys, ctx)            # in G2 (no cascade: set below)
+            primary.complete_store(keys, ctx)  # in G2 (no cascade: set below)
         done = []
         g3.move(False, [keys[0], keys[2]], [slots[0], slots[2]], done.append)
         deadline = time.monotonic() + 10
@@ -259,17 +303,19 @@ def test_a_pins_g3_side_waits_for_copies_that_end_out_of_order(tmp_path):
             time.sleep(0.01)
         assert done == [[True, True]]
         with manager.lock:
-            list(copies.drain())                         # the tier reported both: not yet
-            primary.set_copies(Tier.G3, [keys[2]], 1)    # the last one's copy ended ...
-            primary.prepare_read([keys[0]], ctx)         # ... the first one's is running
+            list(copies.drain())  # the tier reported both: not yet
+            primary.set_copies(Tier.G3, [keys[2]], 1)  # the last one's copy ended ...
+            primary.prepare_read([keys[0]], ctx)  # ... the first one's is running
             (first,) = manager.service.execute_request_hints(
-                (make_hint(Action.PIN, "s", ttl_s=300),), "s", Turn("turn", keys))
+                (make_hint(Action.PIN, "s", ttl_s=300),), "s", Turn("turn", keys)
+            )
         assert first.status == "deferred", first
-        assert first.reason.endswith("pinning 2 chunks in G3, the turn's last 1 once they "
-                                     "are there"), first
+        assert first.reason.endswith(
+            "pinning 2 chunks in G3, the turn's last 1 once they are there"
+        ), first
         with manager.lock:
             primary.complete_read([keys[0]], ctx)
-            copies.observe(False, [keys[0]], [True])     # the first one's copy ended
+            copies.observe(False, [keys[0]], [True])  # the first one's copy ended
             manager.service.apply_moves()
         deadline = time.monotonic() + 10
         final = []
@@ -278,11 +324,16 @@ def test_a_pins_g3_side_waits_for_copies_that_end_out_of_order(tmp_path):
             time.sleep(0.01)
             with manager.lock:
                 manager.service.apply_moves()
-            final = [e.outcome for e in log.since(0, 1 << 20)[0]
-                     if isinstance(e, Outcome) and e.via is Via.TRANSFER]
+            final = [
+                e.outcome
+                for e in log.since(0, 1 << 20)[0]
+                if isinstance(e, Outcome) and e.via is Via.TRANSFER
+            ]
         assert [(o.status, o.reason) for o in final] == [("accepted", "")], final
         now = time.time()
-        assert [os.stat(g3._backend.path_of(g3.name(k))).st_mtime > now + 200
-                for k in (keys[0], keys[2])] == [True, True]
+        assert [
+            os.stat(g3._backend.path_of(g3.name(k))).st_mtime > now + 200
+            for k in (keys[0], keys[2])
+        ] == [True, True]
     finally:
         manager.shutdown()

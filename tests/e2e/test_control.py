@@ -12,13 +12,21 @@ import time
 import msgspec
 import pytest
 import zmq
+from test_pin_retain import (  # noqa: F401
+    SECRET,
+    cold,
+    engine,
+    flood_then_serve,
+    in_g2,
+    make_engine,
+    reset_g1,
+    run,
+)
 
 from sessionkv import control as wire
 from sessionkv.client import AsyncHintClient, ControlError, HintClient
-from sessionkv.events import KINDS
 from sessionkv.devtools.server import remove_offload_region
-from test_pin_retain import (SECRET, cold, engine, flood_then_serve,  # noqa: F401
-                             in_g2, make_engine, reset_g1, run)
+from sessionkv.events import KINDS
 
 
 def channel(llm):
@@ -42,7 +50,7 @@ def test_out_of_band_pin_on_an_idle_engine_holds_through_a_flood(engine, client)
     llm = engine
     ref = cold(llm, "S", "T")
     run(llm, "S", session="s")
-    run(llm, "T", session="t")                 # both in G2; the engine is idle now
+    run(llm, "T", session="t")  # both in G2; the engine is idle now
     tid = channel(llm)._thread.native_id
     idle0 = thread_cpu_ticks(tid)
     time.sleep(2.0)
@@ -92,15 +100,21 @@ def test_events_in_order_live_and_for_a_late_subscriber(engine, client):
     assert (mine[store].src, mine[store].dst, mine[store].ok) == ("G1", "G2", True)
     res = next(i for i, e in enumerate(mine) if e.__struct_config__.tag == "residency")
     assert (res < store, mine[res].tier, mine[res].present) == (True, "G2", True)
-    assert set(mine[res].keys) <= set(mine[store].keys)     # stored, then reported copied
+    assert set(mine[res].keys) <= set(mine[store].keys)  # stored, then reported copied
     outs = [e for e in mine if e.__struct_config__.tag == "outcome"]
     assert [(o.outcome.action, o.outcome.status, o.via) for o in outs] == [
-        ("kv.pin", "accepted", "control"), ("kv.retain", "missing", "control"),
-        ("end_session", "accepted", "control")]
+        ("kv.pin", "accepted", "control"),
+        ("kv.retain", "missing", "control"),
+        ("end_session", "accepted", "control"),
+    ]
     assert kinds.index("outcome") > max(i for i, k in enumerate(kinds) if k == "transfer")
-    end = mine[-2]                          # then the end_session outcome
+    end = mine[-2]  # then the end_session outcome
     assert (end.__struct_config__.tag, end.session_id, end.op, end.reason) == (
-        "association", "scen", "end", "hint")
+        "association",
+        "scen",
+        "end",
+        "hint",
+    )
     # A subscriber that joins now catches up on exactly the same events.
     with HintClient(channel(llm).endpoint, SECRET) as late:
         replay = [e for e in late.subscribe(after=first - 1, idle_timeout_s=0.5)]
@@ -134,14 +148,15 @@ def test_bad_frames_get_rejected_outcomes_and_the_engine_keeps_serving(engine, c
         t0 = time.monotonic()
         with pytest.raises(ControlError, match="handshake refused: not authentic"):
             wrong.pin("h")
-        assert time.monotonic() - t0 < 2.5      # at once, not after its 5 s timeout
+        assert time.monotonic() - t0 < 2.5  # at once, not after its 5 s timeout
 
-    async def refused():                        # the router's client, likewise
+    async def refused():  # the router's client, likewise
         wrong = AsyncHintClient(ep, b"not-the-router-secret-at-all")
         try:
             await wrong.pin("h")
         finally:
             wrong.close()
+
     t0 = time.monotonic()
     with pytest.raises(ControlError, match="handshake refused: not authentic"):
         asyncio.run(refused())
@@ -156,8 +171,9 @@ def test_bad_frames_get_rejected_outcomes_and_the_engine_keeps_serving(engine, c
     again = raw_call(ep, frames)
     assert (again.ok, again.error, again.counter) == (False, "replayed frame", counter)
     # Stale: an authentic frame from two minutes ago.
-    payload = wire.request_encoder.encode(wire.ControlRequest(
-        client="old", counter=time.time_ns() - 120 * 10**9, op="hello"))
+    payload = wire.request_encoder.encode(
+        wire.ControlRequest(client="old", counter=time.time_ns() - 120 * 10**9, op="hello")
+    )
     stale = raw_call(ep, [payload, wire.mac(wire.REQUEST_DOMAIN, payload, SECRET)])
     assert not stale.ok and stale.error.startswith("stale frame")
     # Oversized, malformed, wrong shape, unknown op: rejected outcomes.
@@ -169,16 +185,33 @@ def test_bad_frames_get_rejected_outcomes_and_the_engine_keeps_serving(engine, c
     r = client.call("evict_everything")
     assert (r.ok, r.outcomes[0].status) == (False, "rejected") and "unknown op" in r.error
     # Malformed hints inside an authentic frame: one outcome per action.
-    outs = client.hints({"protocol_version": "1.0", "message_id": "m", "actions": [
-        {"action_id": "x", "action_type": "kv.evict", "action_version": "1.0", "payload": {}},
-        {"action_id": "y", "action_type": "kv.pin", "action_version": "1.0",
-         "payload": {"ttl_s": -5}}]}, session_id="h")
+    outs = client.hints(
+        {
+            "protocol_version": "1.0",
+            "message_id": "m",
+            "actions": [
+                {
+                    "action_id": "x",
+                    "action_type": "kv.evict",
+                    "action_version": "1.0",
+                    "payload": {},
+                },
+                {
+                    "action_id": "y",
+                    "action_type": "kv.pin",
+                    "action_version": "1.0",
+                    "payload": {"ttl_s": -5},
+                },
+            ],
+        },
+        session_id="h",
+    )
     assert [(o.hint_id, o.status) for o in outs] == [("x", "rejected"), ("y", "rejected")]
-    assert client.pin("h", ttl_s=10**9).status == "missing"     # not served yet
+    assert client.pin("h", ttl_s=10**9).status == "missing"  # not served yet
     # The engine still serves, exactly.
     tok, lps, _ = run(llm, "H", session="h")
     assert (tok, lps) == ref["H"]
-    assert client.pin("h", ttl_s=10**9).status == "clipped"      # ttl over max_ttl_s
+    assert client.pin("h", ttl_s=10**9).status == "clipped"  # ttl over max_ttl_s
 
 
 def test_peers_without_the_secret_reach_nothing_and_read_no_events(engine, client):
@@ -196,9 +229,11 @@ def test_peers_without_the_secret_reach_nothing_and_read_no_events(engine, clien
         plain = ctx.socket(zmq.DEALER)
         other = ctx.socket(zmq.DEALER)
         other_keys = wire.curve_keys(b"another-cluster-secret")
-        other.curve_serverkey = wire.curve_keys(SECRET).server_public   # knows the engine's key
-        other.curve_publickey, other.curve_secretkey = other_keys.client_public, \
-            other_keys.client_secret
+        other.curve_serverkey = wire.curve_keys(SECRET).server_public  # knows the engine's key
+        other.curve_publickey, other.curve_secretkey = (
+            other_keys.client_public,
+            other_keys.client_secret,
+        )
         plain_sub, good_sub = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB)
         wire.secure_client(good_sub, SECRET)
         for sub in (plain_sub, good_sub):
@@ -206,17 +241,18 @@ def test_peers_without_the_secret_reach_nothing_and_read_no_events(engine, clien
             sub.connect(ch.events_endpoint)
         for s in (plain, other):
             s.connect(ch.endpoint)
-            s.send_multipart(frames)            # a real client's frame, captured
+            s.send_multipart(frames)  # a real client's frame, captured
         import socket
+
         host, port = ch.endpoint.removeprefix("tcp://").rsplit(":", 1)
         with socket.create_connection((host, int(port))) as raw:
             raw.sendall(b"\xff" + b"garbage" * 1000)
             time.sleep(0.5)
-        assert client.pin("nobody", ttl_s=5).status == "missing"   # served throughout
-        assert client.end_session("nobody").status == "missing"    # publishes an event
+        assert client.pin("nobody", ttl_s=5).status == "missing"  # served throughout
+        assert client.end_session("nobody").status == "missing"  # publishes an event
         assert good_sub.poll(3000)
         assert not plain_sub.poll(200) and not plain.poll(200) and not other.poll(200)
-        assert ch.peers["refused"] > refused0                        # the other keys' handshake
+        assert ch.peers["refused"] > refused0  # the other keys' handshake
     finally:
         ctx.destroy(linger=0)
 
@@ -228,11 +264,12 @@ def test_an_unencodable_event_is_dropped_and_the_channel_keeps_serving(engine, c
     within 2000 ms" for the next hello). Now it is dropped and counted, the
     events op steps past it, and the channel keeps answering."""
     from sessionkv.events import Association, Op
+
     ch = channel(engine)
     log = engine.llm_engine.engine_core.engine_core.scheduler.connector.manager.event_log
     seq = log.append(Association(session_id="\ud800", op=Op.EXTEND, blocks=1))
     deadline = time.monotonic() + 5
-    while ch.dropped_events == 0:                    # the publisher met it
+    while ch.dropped_events == 0:  # the publisher met it
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert client.hello()["engine_id"]
@@ -260,7 +297,7 @@ def test_a_flooding_client_is_rate_limited_others_are_served(engine):
 
     flooded, calm_out = asyncio.run(scenario())
     limited = [o for o in flooded if o.status == "rejected" and "rate limit" in o.reason]
-    assert len(limited) >= 250 and len(flooded) == 400   # 100/s: a burst of at most ~100 pass
+    assert len(limited) >= 250 and len(flooded) == 400  # 100/s: a burst of at most ~100 pass
     assert [o.status for o in calm_out] == ["accepted"] * 5
     reset_g1(llm)
     tok, lps, rep = run(llm, "G", session="g")
@@ -282,9 +319,8 @@ def test_status_shows_sessions_pins_outcomes_and_evictions(engine, client):
     assert p["hint_id"] == out.hint_id and p["chunks"] == 6
     assert 100 < p["expires_in_s"][0] <= p["expires_in_s"][1] <= 120
     delta = {k: v - before.get(k, 0) for k, v in st["outcomes"].items()}
-    assert {k: v for k, v in delta.items() if v} == {"kv.pin/accepted": 1,
-                                                   "kv.retain/missing": 1}
-    assert st["evictions"][-1]["reason"] == "reset"     # the reset above
+    assert {k: v for k, v in delta.items() if v} == {"kv.pin/accepted": 1, "kv.retain/missing": 1}
+    assert st["evictions"][-1]["reason"] == "reset"  # the reset above
     assert client.end_session("st").status == "accepted"
 
 
@@ -298,7 +334,7 @@ def test_two_engines_side_by_side_have_their_own_channels(engine, tmp_path_facto
         with HintClient(b.endpoint, SECRET) as cb:
             hello = cb.hello()
             assert hello["engine_id"] == other_id
-            assert (hello["dp_rank"], hello["dp_size"]) == (0, 1)     # what the router checks
+            assert (hello["dp_rank"], hello["dp_size"]) == (0, 1)  # what the router checks
             # A frame for engine a (captured, say) does not replay on engine b.
             client.hello()
             _, frames = client._frames("status")

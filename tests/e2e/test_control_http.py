@@ -6,19 +6,26 @@ import subprocess
 import sys
 
 import pytest
+from test_hints_http import ARGS, PROMPTS, SECRET, complete
 
 from sessionkv.devtools.engines import TINY, kv_transfer_config, new_engine_id
 from sessionkv.devtools.server import ServerProcess, remove_offload_region
-from test_hints_http import ARGS, PROMPTS, SECRET, complete
 
 
 def start(d, name):
     engine_id = new_engine_id()
-    cfg = kv_transfer_config(engine_id, sessionkv={
-        "policy_file": str(d / "tiers.yaml"),
-        "control": {"endpoint_file": str(d / f"{name}.json")}})
-    srv = ServerProcess(TINY, [*ARGS, "--kv-transfer-config", json.dumps(cfg)],
-                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    cfg = kv_transfer_config(
+        engine_id,
+        sessionkv={
+            "policy_file": str(d / "tiers.yaml"),
+            "control": {"endpoint_file": str(d / f"{name}.json")},
+        },
+    )
+    srv = ServerProcess(
+        TINY,
+        [*ARGS, "--kv-transfer-config", json.dumps(cfg)],
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+    )
     return srv, engine_id
 
 
@@ -40,9 +47,12 @@ def servers(tmp_path_factory):
 
 def cli(d, *args):
     """Run the CLI; (exit status, JSON lines printed)."""
-    p = subprocess.run([sys.executable, "-m", "sessionkv.cli", *args,
-                        "--secret-file", str(d / "secret")],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "sessionkv.cli", *args, "--secret-file", str(d / "secret")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return p.returncode, [json.loads(line) for line in p.stdout.splitlines()]
 
 
@@ -57,25 +67,73 @@ def test_two_servers_have_their_own_channels(servers):
 def test_cli_pins_on_one_server_and_reads_its_events(servers):
     d, (a, b) = servers
     complete(a, PROMPTS[2], "cli-session")
-    rc, (out,) = cli(d, "hint", "pin", "--endpoint-file", str(d / "a.json"),
-                     "--session", "cli-session", "--ttl", "60")
+    rc, (out,) = cli(
+        d,
+        "hint",
+        "pin",
+        "--endpoint-file",
+        str(d / "a.json"),
+        "--session",
+        "cli-session",
+        "--ttl",
+        "60",
+    )
     assert (rc, out["status"], out["blocks_affected"]) == (0, "accepted", 3)
-    rc, (out,) = cli(d, "hint", "pin", "--endpoint-file", str(d / "b.json"),
-                     "--session", "cli-session", "--ttl", "60")
+    rc, (out,) = cli(
+        d,
+        "hint",
+        "pin",
+        "--endpoint-file",
+        str(d / "b.json"),
+        "--session",
+        "cli-session",
+        "--ttl",
+        "60",
+    )
     assert (rc, out["status"], out["reason"]) == (1, "missing", "unknown session")
-    rc, (out,) = cli(d, "hint", "end-session", "--endpoint-file", str(d / "a.json"),
-                     "--session", "cli-session")
+    rc, (out,) = cli(
+        d, "hint", "end-session", "--endpoint-file", str(d / "a.json"), "--session", "cli-session"
+    )
     assert (rc, out["status"]) == (0, "accepted")
-    rc, events = cli(d, "events", "--endpoint-file", str(d / "a.json"), "--after", "0",
-                     "--idle-timeout", "1", "--kinds", "association", "outcome")
+    rc, events = cli(
+        d,
+        "events",
+        "--endpoint-file",
+        str(d / "a.json"),
+        "--after",
+        "0",
+        "--idle-timeout",
+        "1",
+        "--kinds",
+        "association",
+        "outcome",
+    )
     assert rc == 0 and [e["seq"] for e in events] == sorted(e["seq"] for e in events)
-    mine = [(e["kind"], e.get("op") or e["outcome"]["status"]) for e in events
-            if e.get("session_id") == "cli-session"]
+    mine = [
+        (e["kind"], e.get("op") or e["outcome"]["status"])
+        for e in events
+        if e.get("session_id") == "cli-session"
+    ]
     assert mine[-3:] == [("outcome", "accepted"), ("association", "end"), ("outcome", "accepted")]
     assert ("association", "extend") in mine
     # Another secret: exit status 2, nothing printed.
     (d / "wrong").write_bytes(b"x" * 32)
-    p = subprocess.run([sys.executable, "-m", "sessionkv.cli", "hint", "pin", "--endpoint-file",
-                        str(d / "a.json"), "--session", "s", "--secret-file", str(d / "wrong")],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sessionkv.cli",
+            "hint",
+            "pin",
+            "--endpoint-file",
+            str(d / "a.json"),
+            "--session",
+            "s",
+            "--secret-file",
+            str(d / "wrong"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert (p.returncode, p.stdout) == (2, "") and "not authentic" in p.stderr

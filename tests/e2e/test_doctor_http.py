@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from test_hints_http import ARGS, SECRET
 
 from sessionkv.devtools.engines import TINY, kv_transfer_config, new_engine_id
 from sessionkv.devtools.server import ServerProcess, free_port, remove_offload_region
-from test_hints_http import ARGS, SECRET
 
 
 @pytest.fixture(scope="module")
@@ -19,22 +19,38 @@ def servers(tmp_path_factory, redis_url):
     d = tmp_path_factory.mktemp("doctor")
     (d / "secret").write_bytes(SECRET)
     (d / "tiers.yaml").write_text(f"version: 1\ntrust:\n  secret_file: {d / 'secret'}\n")
-    dead = f"redis://127.0.0.1:{free_port()}/0"         # nothing listens there
-    specs = {"a": ("0", [], redis_url), "b": ("0", [], redis_url), "seed": ("1", [], redis_url),
-             "algo": ("0", ["--prefix-caching-hash-algo", "xxhash"], redis_url),
-             "g3down": ("0", [], dead)}
+    dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    specs = {
+        "a": ("0", [], redis_url),
+        "b": ("0", [], redis_url),
+        "seed": ("1", [], redis_url),
+        "algo": ("0", ["--prefix-caching-hash-algo", "xxhash"], redis_url),
+        "g3down": ("0", [], dead),
+    }
     started = {}
     try:
         for name, (seed, args, url) in specs.items():
             engine_id = new_engine_id()
-            tier = {"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis", "url": url,
-                    "namespace": "doctor", "timeout_s": 2.0}
-            cfg = kv_transfer_config(engine_id, secondary_tiers=[tier], sessionkv={
-                "policy_file": str(d / "tiers.yaml"),
-                "control": {"endpoint_file": str(d / f"{name}.json")}})
-            srv = ServerProcess(TINY, [*ARGS, *args, "--kv-transfer-config", json.dumps(cfg)],
-                                env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                                     "PYTHONHASHSEED": seed})
+            tier = {
+                "type": "RedisTier",
+                "module_path": "sessionkv.tiers.g3.backends.redis",
+                "url": url,
+                "namespace": "doctor",
+                "timeout_s": 2.0,
+            }
+            cfg = kv_transfer_config(
+                engine_id,
+                secondary_tiers=[tier],
+                sessionkv={
+                    "policy_file": str(d / "tiers.yaml"),
+                    "control": {"endpoint_file": str(d / f"{name}.json")},
+                },
+            )
+            srv = ServerProcess(
+                TINY,
+                [*ARGS, *args, "--kv-transfer-config", json.dumps(cfg)],
+                env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONHASHSEED": seed},
+            )
             started[name] = (srv, engine_id)
         yield d, {n: json.loads((d / f"{n}.json").read_text())["control"] for n in specs}
     finally:
@@ -46,9 +62,21 @@ def servers(tmp_path_factory, redis_url):
 def doctor(d, *engines):
     """(exit status, findings) of ``sessionkv doctor`` on those endpoints."""
     args = [a for e in engines for a in ("--engine", e)]
-    p = subprocess.run([sys.executable, "-m", "sessionkv.cli", "doctor", *args,
-                        "--secret-file", str(d / "secret"), "--json"],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sessionkv.cli",
+            "doctor",
+            *args,
+            "--secret-file",
+            str(d / "secret"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return p.returncode, [json.loads(line) for line in p.stdout.splitlines()]
 
 

@@ -15,9 +15,16 @@ import pytest
 from vllm import LLM, SamplingParams
 from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 
-from sessionkv.devtools.engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id, poison_g2, serve
-from sessionkv.hints import sign
+from sessionkv.devtools.engines import (
+    POISON_EXT,
+    TINY,
+    kv_transfer_config,
+    new_engine_id,
+    poison_g2,
+    serve,
+)
 from sessionkv.devtools.server import remove_offload_region
+from sessionkv.hints import sign
 from sessionkv.tiers.g2.policy import SessionCachePolicy
 
 BLOCK = 32
@@ -25,9 +32,9 @@ PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=3)
 RNG = np.random.default_rng(7)
 # Prompt lengths leave the last block partial for all 6 generated tokens, so
 # every full block is offloaded while the request runs.
-A = RNG.integers(10, 4000, 200).tolist()                 # 6 full blocks
-B = A[:160] + RNG.integers(10, 4000, 90).tolist()        # shares A's first 5 blocks
-P = A[:100] + RNG.integers(10, 4000, 60).tolist()        # shares A's first 3 blocks
+A = RNG.integers(10, 4000, 200).tolist()  # 6 full blocks
+B = A[:160] + RNG.integers(10, 4000, 90).tolist()  # shares A's first 5 blocks
+P = A[:100] + RNG.integers(10, 4000, 60).tolist()  # shares A's first 3 blocks
 RNG_TURN = np.random.default_rng(8)
 
 
@@ -41,14 +48,22 @@ def engine(request, tmp_path_factory):
     d = tmp_path_factory.mktemp("policy")
     (d / "secret").write_bytes(SECRET)
     # The session-aware G2 policy: un-hinted, it must serve exactly as vLLM's LRU.
-    (d / "tiers.yaml").write_text(f"g2: {{eviction: session}}\n"
-                                  "report: {per_tier: all}\n"   # the test reads the tiers
-                                  f"trust: {{secret_file: {d / 'secret'}}}\n")
+    (d / "tiers.yaml").write_text(
+        f"g2: {{eviction: session}}\n"
+        "report: {per_tier: all}\n"  # the test reads the tiers
+        f"trust: {{secret_file: {d / 'secret'}}}\n"
+    )
     llm = LLM(
-        model=TINY, enforce_eager=True, block_size=BLOCK, max_model_len=1024, seed=0,
-        dtype="float32", worker_extension_cls=POISON_EXT,
+        model=TINY,
+        enforce_eager=True,
+        block_size=BLOCK,
+        max_model_len=1024,
+        seed=0,
+        dtype="float32",
+        worker_extension_cls=POISON_EXT,
         kv_transfer_config=kv_transfer_config(
-            engine_id, block_size=BLOCK * bpc, sessionkv={"policy_file": str(d / "tiers.yaml")}),
+            engine_id, block_size=BLOCK * bpc, sessionkv={"policy_file": str(d / "tiers.yaml")}
+        ),
     )
     yield llm, engine_id, bpc
     llm.llm_engine.engine_core.shutdown()
@@ -88,7 +103,7 @@ def cold(llm, *prompts):
 
 def test_prefix_served_from_g2_is_exact(engine):
     llm, _, bpc = engine
-    (ref_b, ref_a) = cold(llm, B, A)    # A is stored in G2 last; B is not in G2
+    (ref_b, ref_a) = cold(llm, B, A)  # A is stored in G2 last; B is not in G2
     reset_g1(llm)
     tok, lps, rep = run(llm, A)
     assert (tok, lps) == ref_a[:2]
@@ -97,7 +112,7 @@ def test_prefix_served_from_g2_is_exact(engine):
     reset_g1(llm)
     tok, lps, rep = run(llm, B)
     assert (tok, lps) == ref_b[:2]
-    shared = 5 - 5 % bpc                 # whole chunks of A's blocks that B shares
+    shared = 5 - 5 % bpc  # whole chunks of A's blocks that B shares
     assert (rep.blocks.g1, rep.blocks.g2) == (0, shared)
     assert rep.tokens.recomputed == len(B) - shared * BLOCK
 
@@ -106,8 +121,8 @@ def test_load_starting_mid_chunk_is_exact(engine):
     llm, _, bpc = engine
     (ref_a,) = cold(llm, A)
     reset_g1(llm)
-    run(llm, P)                         # G1 now holds A's first 3 blocks (via P)
-    poison(llm, keep_cached=True)       # everything but those cached blocks
+    run(llm, P)  # G1 now holds A's first 3 blocks (via P)
+    poison(llm, keep_cached=True)  # everything but those cached blocks
     tok, lps, rep = run(llm, A)
     assert (tok, lps) == ref_a[:2]
     assert (rep.blocks.g1, rep.blocks.g2) == (3, 3)
@@ -154,9 +169,14 @@ def test_python_api_hints_reach_the_executor(engine):
     llm, _, _ = engine
     env = KvHintsEnvelope("1.0", "m1", [KvHintAction("p1", "kv.pin", "1.0", {"ttl_s": 9})])
     _, _, rep = run(llm, A, session="sess-api", kv_hints=env)
-    assert [(o.hint_id, o.status, o.reason[:8]) for o in rep.hints] == [("p1", "rejected", "unsigned")]
-    signed = SamplingParams(temperature=0, max_tokens=6, extra_args={
-        "kv_transfer_params": {"kv_hints_sig": sign(env, "sess-api", SECRET)}})
+    assert [(o.hint_id, o.status, o.reason[:8]) for o in rep.hints] == [
+        ("p1", "rejected", "unsigned")
+    ]
+    signed = SamplingParams(
+        temperature=0,
+        max_tokens=6,
+        extra_args={"kv_transfer_params": {"kv_hints_sig": sign(env, "sess-api", SECRET)}},
+    )
     _, _, rep = run(llm, A, session="sess-api", params=signed, kv_hints=env)
     (o,) = rep.hints
     assert (o.status, o.blocks_asked, o.blocks_affected) == ("accepted", 6, 6)
@@ -168,5 +188,5 @@ def test_negative_control_poisoned_g2_changes_output(engine):
     reset_g1(llm)
     poison_g2(engine_id)
     tok, lps, rep = run(llm, A)
-    assert rep.blocks.g2 == 6           # the load happened, from poisoned bytes...
-    assert (tok, lps) != ref_a[:2]      # ...so the output must differ
+    assert rep.blocks.g2 == 6  # the load happened, from poisoned bytes...
+    assert (tok, lps) != ref_a[:2]  # ...so the output must differ

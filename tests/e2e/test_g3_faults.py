@@ -14,13 +14,13 @@ def test_faults_cost_misses_never_wrong_kv_nor_blocked_steps(backend, tmp_path):
     out = scenario_process(tmp_path, backend)
     ph = out["phases"]
     assert out["wrong"] == []
-    assert ph["normal"]["blocks"]["g3"] >= 24, ph          # sharing through G3 happened
+    assert ph["normal"]["blocks"]["g3"] >= 24, ph  # sharing through G3 happened
     for label, p in ph.items():
         if label.endswith("_restarted"):
-            assert p["blocks"]["g3"] == 6, (label, p)      # recovered without a restart
+            assert p["blocks"]["g3"] == 6, (label, p)  # recovered without a restart
         if label.endswith(("_stopped", "_killed")):
             # A blocking call would hold a step for 30 s (stopped Mooncake
             # master) or seconds (killed one); with deadlines none waits.
             assert p["max_step_s"] < 1.0, (label, p)
         if label.endswith("_stopped"):
-            assert p["reset_s"] < 5.0, (label, p)          # drain_jobs is bounded
+            assert p["reset_s"] < 5.0, (label, p)  # drain_jobs is bounded

@@ -21,24 +21,30 @@ from sessionkv.tiers.g3.backend import SUM, checksum
 RNG = np.random.default_rng(11)
 # 200 tokens: 6 full blocks and a partial one (see test_pin_retain).
 P = RNG.integers(10, 4000, 200).tolist()
-Q = RNG.integers(10, 4000, 200).tolist()       # served only after its objects were pre-seeded
+Q = RNG.integers(10, 4000, 200).tolist()  # served only after its objects were pre-seeded
 SECRET = "g3-e2e-cluster-secret-0123456789abcdef"
 
 
 class Mooncake:
     service = "mooncake"
-    suffixes = ("",)                # the checksum travels in the chunk's object
+    suffixes = ("",)  # the checksum travels in the chunk's object
 
     @staticmethod
     def tier(ports, namespace):
-        return {"type": "MooncakeTier", "module_path": "sessionkv.tiers.g3.backends.mooncake",
-                "master": ports.master, "metadata_server": ports.metadata_url,
-                "local_hostname": lan_address(), "namespace": namespace}
+        return {
+            "type": "MooncakeTier",
+            "module_path": "sessionkv.tiers.g3.backends.mooncake",
+            "master": ports.master,
+            "metadata_server": ports.metadata_url,
+            "local_hostname": lan_address(),
+            "namespace": namespace,
+        }
 
     @staticmethod
     def names(ports, prefix, expected):
         """Every object under a prefix (the master's key list)."""
         import urllib.request
+
         url = f"http://127.0.0.1:{ports.metrics}/get_all_keys"
         keys = urllib.request.urlopen(url, timeout=5).read().decode().split()
         return [k for k in keys if k.startswith(prefix)]
@@ -47,9 +53,12 @@ class Mooncake:
     def overwrite(ports, names, rng):
         """Replace objects by random bytes of the same size, with Mooncake's own client."""
         from mooncake.store import MooncakeDistributedStore
+
         store = MooncakeDistributedStore()
-        assert store.setup(lan_address(), ports.metadata_url, 0, 16 << 20, "tcp", "",
-                           ports.master) == 0
+        assert (
+            store.setup(lan_address(), ports.metadata_url, 0, 16 << 20, "tcp", "", ports.master)
+            == 0
+        )
         try:
             assert store.batch_is_exist(names) == [1] * len(names)
             for name in names:
@@ -65,9 +74,12 @@ class Mooncake:
         with their right (unkeyed) checksum inline: what a writer with store
         access makes."""
         from mooncake.store import MooncakeDistributedStore
+
         store = MooncakeDistributedStore()
-        assert store.setup(lan_address(), ports.metadata_url, 0, 16 << 20, "tcp", "",
-                           ports.master) == 0
+        assert (
+            store.setup(lan_address(), ports.metadata_url, 0, 16 << 20, "tcp", "", ports.master)
+            == 0
+        )
         try:
             for name in names:
                 size = store.get_size(like or name)
@@ -81,21 +93,27 @@ class Mooncake:
 
 class Redis:
     service = "redis_url"
-    suffixes = ("", ".sum")         # the chunk's object and its checksum object
+    suffixes = ("", ".sum")  # the chunk's object and its checksum object
 
     @staticmethod
     def tier(url, namespace):
-        return {"type": "RedisTier", "module_path": "sessionkv.tiers.g3.backends.redis", "url": url,
-                "namespace": namespace}
+        return {
+            "type": "RedisTier",
+            "module_path": "sessionkv.tiers.g3.backends.redis",
+            "url": url,
+            "namespace": namespace,
+        }
 
     @staticmethod
     def names(url, prefix, expected):
         import redis
+
         return [k.decode() for k in redis.Redis.from_url(url).scan_iter(match=prefix + "*")]
 
     @staticmethod
     def overwrite(url, names, rng):
         import redis
+
         r = redis.Redis.from_url(url)
         for name in names:
             size = r.strlen(name)
@@ -105,6 +123,7 @@ class Redis:
     @staticmethod
     def plant(url, names, rng, like=None):
         import redis
+
         r = redis.Redis.from_url(url)
         for name in names:
             data = rng.integers(0, 256, r.strlen(like or name), dtype=np.uint8).tobytes()
@@ -117,13 +136,18 @@ class LMCache:
 
     @staticmethod
     def tier(url, namespace):
-        return {"type": "LMCacheTier", "module_path": "sessionkv.tiers.g3.backends.lmcache", "url": url,
-                "namespace": namespace}
+        return {
+            "type": "LMCacheTier",
+            "module_path": "sessionkv.tiers.g3.backends.lmcache",
+            "url": url,
+            "namespace": namespace,
+        }
 
     @staticmethod
     def names(url, prefix, expected):
         """The server cannot list its objects: those of ``expected`` it holds."""
         from sessionkv.tiers.g3.backends.lmcache import LMCacheBackend
+
         b = LMCacheBackend(url)
         try:
             return [n for n, e in zip(expected, b.exists(expected)) if e]
@@ -133,6 +157,7 @@ class LMCache:
     @staticmethod
     def overwrite(url, names, rng):
         from sessionkv.tiers.g3.backends.lmcache import LMCacheBackend
+
         b = LMCacheBackend(url)
         try:
             for name, old in zip(names, b.get_small(names)):
@@ -144,6 +169,7 @@ class LMCache:
     @staticmethod
     def plant(url, names, rng, like=None):
         from sessionkv.tiers.g3.backends.lmcache import LMCacheBackend
+
         b = LMCacheBackend(url)
         try:
             for name, old in zip(names, b.get_small([like] * len(names) if like else names)):
@@ -155,18 +181,23 @@ class LMCache:
 
 class Disk:
     service = "g3_disk"
-    suffixes = ("",)                # the checksum travels in the chunk's object
+    suffixes = ("",)  # the checksum travels in the chunk's object
 
     @staticmethod
     def tier(path, namespace):
-        return {"type": "DiskTier", "module_path": "sessionkv.tiers.g3.backends.disk", "path": path,
-                "max_bytes": 1 << 30,
-                "namespace": namespace}
+        return {
+            "type": "DiskTier",
+            "module_path": "sessionkv.tiers.g3.backends.disk",
+            "path": path,
+            "max_bytes": 1 << 30,
+            "namespace": namespace,
+        }
 
     @staticmethod
     def names(path, prefix, expected):
         """The directory names objects by a hash: those of ``expected`` it holds."""
         from sessionkv.tiers.g3.backends.disk import DiskBackend
+
         b = DiskBackend(path, 1 << 30)
         try:
             return [n for n, e in zip(expected, b.exists(expected)) if e]
@@ -176,7 +207,9 @@ class Disk:
     @staticmethod
     def overwrite(path, names, rng):
         import os
+
         from sessionkv.tiers.g3.backends.disk import DiskBackend
+
         b = DiskBackend(path, 1 << 30)
         try:
             for name in names:
@@ -188,7 +221,9 @@ class Disk:
     @staticmethod
     def plant(path, names, rng, like=None):
         import os
+
         from sessionkv.tiers.g3.backends.disk import DiskBackend
+
         b = DiskBackend(path, 1 << 30)
         try:
             for name in names:
@@ -211,6 +246,7 @@ def backend(request):
 @pytest.fixture(scope="module")
 def tiers(backend):
     from uuid import uuid4
+
     kind, where = backend
     # A deadline of 10 s, not the default 2 s: on a busy 2-core CI machine a
     # healthy backend's answer was late once (a miss, then recompute: exact,
@@ -218,8 +254,17 @@ def tiers(backend):
     return [{**kind.tier(where, f"e2e-{uuid4().hex[:8]}"), "timeout_s": 10.0}]
 
 
-def engine(tmp_path, tiers, prompts, model=TINY, poison=False, block_size=32, policy=None,
-           await_stored=False, names_of=()):
+def engine(
+    tmp_path,
+    tiers,
+    prompts,
+    model=TINY,
+    poison=False,
+    block_size=32,
+    policy=None,
+    await_stored=False,
+    names_of=(),
+):
     """The engine's runs, each with ``why``: its G3 trips and log tail, for
     failure messages. Every engine has the cluster secret: its G3 objects
     are sealed with the MAC key derived from it."""
@@ -228,12 +273,23 @@ def engine(tmp_path, tiers, prompts, model=TINY, poison=False, block_size=32, po
     secret.write_text(SECRET)
     # report.per_tier all: the test client reads which tier served each run.
     policy = (policy or "") + f"report: {{per_tier: all}}\ntrust: {{secret_file: {secret}}}\n"
-    out = engine_process(tmp_path, {"model": model, "block_size": block_size, "tiers": tiers,
-                                    "prompts": prompts, "poison": poison, "policy": policy,
-                                    "await_stored": await_stored, "names_of": names_of})
+    out = engine_process(
+        tmp_path,
+        {
+            "model": model,
+            "block_size": block_size,
+            "tiers": tiers,
+            "prompts": prompts,
+            "poison": poison,
+            "policy": policy,
+            "await_stored": await_stored,
+            "names_of": names_of,
+        },
+    )
     for run in out["runs"]:
-        run["why"] = (f"G3 trips {run['g3_trips']}, stored at exit {out['stored_at_exit']}\n"
-                      + out["log"])
+        run["why"] = (
+            f"G3 trips {run['g3_trips']}, stored at exit {out['stored_at_exit']}\n" + out["log"]
+        )
         run["future"] = out["names"]
     return out["runs"]
 
@@ -259,8 +315,9 @@ def test_engine_2_loads_engine_1s_prefix_from_g3(first, tiers, tmp_path):
     assert same(run, first)
 
 
-def test_objects_planted_without_the_key_are_recomputed_then_replaced(first, tiers, backend,
-                                                                     tmp_path):
+def test_objects_planted_without_the_key_are_recomputed_then_replaced(
+    first, tiers, backend, tmp_path
+):
     """A writer with store access but not the cluster key replaces live
     objects by valid-shaped ones with the right checksum (what the unkeyed
     checksum let an engine load), and pre-seeds objects under the keys of a
@@ -279,7 +336,7 @@ def test_objects_planted_without_the_key_are_recomputed_then_replaced(first, tie
     assert again["report"]["blocks"]["g3"] == 6, again["why"]
     assert same(again, first)
     assert q_again["report"]["blocks"]["g3"] == 6, q_again["why"]
-    assert same(q_again, q)                     # q: Q recomputed cold, the planted bytes missed
+    assert same(q_again, q)  # q: Q recomputed cold, the planted bytes missed
 
 
 def test_corrupted_objects_are_recomputed_exactly(first, tiers, backend, tmp_path):
@@ -295,6 +352,7 @@ def test_corrupted_objects_are_recomputed_exactly(first, tiers, backend, tmp_pat
 def test_another_model_with_the_same_tokenizer_misses(first, tiers, tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
+
     other = tmp_path / "tiny-other"
     shutil.copytree(MODELS / "tiny", other)
     (weights,) = other.glob("*.safetensors")
@@ -303,23 +361,28 @@ def test_another_model_with_the_same_tokenizer_misses(first, tiers, tmp_path):
     state[name] = state[name] + 0.05 * torch.randn_like(state[name])
     save_file(state, weights, metadata={"format": "pt"})
     (cold, warm) = engine(tmp_path, tiers, [P, P], model=str(other), poison=True)
-    assert cold["report"]["blocks"]["g3"] == 0                 # engine 1's KV is not this model's
+    assert cold["report"]["blocks"]["g3"] == 0  # engine 1's KV is not this model's
     assert cold["tokens"] != first["tokens"] or cold["logprobs"] != first["logprobs"]
     assert warm["report"]["blocks"]["g1"] == 6 and same(warm, cold)
 
 
 def test_without_write_through_nothing_goes_down(first, tiers, backend, tmp_path):
     kind, where = backend
-    mine = first["objects"][0].rsplit("/", 1)[0] + "/"      # namespace/fingerprint/
+    mine = first["objects"][0].rsplit("/", 1)[0] + "/"  # namespace/fingerprint/
     objects = [n + sfx for n in first["objects"] for sfx in kind.suffixes]
     # P's objects are there (the planted test also stored Q's under this prefix).
-    assert set(objects) <= set(kind.names(where, mine, objects)) and len(objects) == \
-        6 * len(kind.suffixes)
+    assert set(objects) <= set(kind.names(where, mine, objects)) and len(objects) == 6 * len(
+        kind.suffixes
+    )
     ns = tiers[0]["namespace"]
     quiet = [{**tiers[0], "namespace": ns + "-quiet"}]
     # No drain at exit either (it Demotes the live session: tests/e2e/test_drain.py).
-    (run,) = engine(tmp_path, quiet, [P, P], policy="g3: {write_through: false}\n"
-                    "sessions: {drain_timeout_s: 0}\n")[:1]
+    (run,) = engine(
+        tmp_path,
+        quiet,
+        [P, P],
+        policy="g3: {write_through: false}\nsessions: {drain_timeout_s: 0}\n",
+    )[:1]
     assert same(run, first)
     unwanted = [n.replace(ns + "/", ns + "-quiet/", 1) for n in objects]
     assert kind.names(where, ns + "-quiet/", unwanted) == []

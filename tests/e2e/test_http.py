@@ -11,13 +11,24 @@ from sessionkv.devtools.server import ServerProcess, remove_offload_region
 from sessionkv.report import RequestReport
 
 BLOCK = 32
-SERVER_ARGS = ["--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", "1024",
-               "--dtype", "float32", "--seed", "0", "--worker-extension-cls", POISON_EXT,
-               "--enable-prompt-tokens-details"]
+SERVER_ARGS = [
+    "--enforce-eager",
+    "--block-size",
+    str(BLOCK),
+    "--max-model-len",
+    "1024",
+    "--dtype",
+    "float32",
+    "--seed",
+    "0",
+    "--worker-extension-cls",
+    POISON_EXT,
+    "--enable-prompt-tokens-details",
+]
 # The server runs its engine core in a child process, as in production.
 SERVER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_SERVER_DEV_MODE": "1"}
-PROMPT = np.random.default_rng(11).integers(10, 4000, 200).tolist()    # 6 full blocks
-LAST_USAGE: dict[str, dict] = {}        # server URL -> the last completion's usage
+PROMPT = np.random.default_rng(11).integers(10, 4000, 200).tolist()  # 6 full blocks
+LAST_USAGE: dict[str, dict] = {}  # server URL -> the last completion's usage
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +42,26 @@ def server():
 
 
 def complete(srv, prompt, session):
-    body = {"model": TINY, "prompt": prompt, "max_tokens": 6, "temperature": 0,
-            "logprobs": 2, "session_id": session}
+    body = {
+        "model": TINY,
+        "prompt": prompt,
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": 2,
+        "session_id": session,
+    }
     r = requests.post(srv.url + "/v1/completions", json=body, timeout=120)
     r.raise_for_status()
     out = r.json()
     LAST_USAGE[srv.url] = out["usage"]
     choice = out["choices"][0]
     lp = choice["logprobs"]
-    return (choice["text"], lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]), \
-        RequestReport.from_params(out.get("kv_transfer_params"))
+    return (
+        choice["text"],
+        lp["tokens"],
+        lp["token_logprobs"],
+        lp["top_logprobs"],
+    ), RequestReport.from_params(out.get("kv_transfer_params"))
 
 
 def usage_cached(srv) -> int:
@@ -63,7 +84,7 @@ def test_session_report_withholds_cache_counts_and_output_is_exact(server):
     assert int(poisoned["results"][0]) > 0
 
     warm, rep = complete(server, PROMPT, "sess-http-1")
-    assert warm == cold                          # tokens and logprobs, exactly
+    assert warm == cold  # tokens and logprobs, exactly
     assert rep.session_id == "sess-http-1"
     # G1 was reset and poisoned: the 6 cached blocks were loaded from G2.
     assert (rep.tokens, rep.cached_tokens) == (None, None) and usage_cached(server) == 6 * BLOCK

@@ -12,30 +12,36 @@ import pytest
 from vllm import LLM, SamplingParams
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
-from sessionkv.devtools.keys import keys_of
 from sessionkv.devtools.engines import TINY, kv_transfer_config, new_engine_id
+from sessionkv.devtools.keys import keys_of
 from sessionkv.devtools.server import remove_offload_region
 from sessionkv.types import Tier
 
 BLOCK = 32
-BLOCK_BYTES = 2 * 2 * 2 * 64 * BLOCK * 4     # layers * K,V * heads * head_dim * tokens * fp32
+BLOCK_BYTES = 2 * 2 * 2 * 64 * BLOCK * 4  # layers * K,V * heads * head_dim * tokens * fp32
 G2_CHUNKS = 16
 PARAMS = SamplingParams(temperature=0, max_tokens=4)
 RNG = np.random.default_rng(5)
-SYS = RNG.integers(10, 4000, 96).tolist()            # 3 blocks, shared by every session
+SYS = RNG.integers(10, 4000, 96).tolist()  # 3 blocks, shared by every session
 U1, U2, U3 = (RNG.integers(10, 4000, 70).tolist() for _ in range(3))
-P1 = SYS + U1                                        # s1: 5 full blocks
-P2 = SYS + U2                                        # s2, branch a: 5 full blocks
-P2B = SYS + U2[:40] + U3                             # s2, branch b: forks after block 3
-FLOOD = [RNG.integers(10, 4000, 330).tolist() for _ in range(2)]   # 10 blocks each
+P1 = SYS + U1  # s1: 5 full blocks
+P2 = SYS + U2  # s2, branch a: 5 full blocks
+P2B = SYS + U2[:40] + U3  # s2, branch b: forks after block 3
+FLOOD = [RNG.integers(10, 4000, 330).tolist() for _ in range(2)]  # 10 blocks each
 
 
 @pytest.fixture(scope="module")
 def engine():
     engine_id = new_engine_id()
-    llm = LLM(model=TINY, enforce_eager=True, block_size=BLOCK, max_model_len=1024, seed=0,
-              dtype="float32",
-              kv_transfer_config=kv_transfer_config(engine_id, cpu_bytes=G2_CHUNKS * BLOCK_BYTES))
+    llm = LLM(
+        model=TINY,
+        enforce_eager=True,
+        block_size=BLOCK,
+        max_model_len=1024,
+        seed=0,
+        dtype="float32",
+        kv_transfer_config=kv_transfer_config(engine_id, cpu_bytes=G2_CHUNKS * BLOCK_BYTES),
+    )
     yield llm
     llm.llm_engine.engine_core.shutdown()
     del llm
@@ -50,8 +56,12 @@ def parts(llm):
 
 def run(llm, session, prompt):
     eng = llm.llm_engine
-    eng.add_request(f"{session}-{len(prompt)}-{RNG.integers(1 << 30)}",
-                    {"prompt_token_ids": prompt}, PARAMS, session_id=session)
+    eng.add_request(
+        f"{session}-{len(prompt)}-{RNG.integers(1 << 30)}",
+        {"prompt_token_ids": prompt},
+        PARAMS,
+        session_id=session,
+    )
     while eng.has_unfinished_requests():
         eng.step()
 
@@ -85,13 +95,16 @@ def check(llm, sessions):
     assert set(got.per_tier[Tier.G1]) == {k for k in every if g1[k]}
     assert set(got.per_tier[Tier.G2]) == {k for k in every if g2[k]}
     for k in every:
-        assert (k in index) == (k in resident)       # pruned exactly when nothing holds it
+        assert (k in index) == (k in resident)  # pruned exactly when nothing holds it
     for name, branches in sessions.items():
         fronts = expected_frontiers(branches, resident)
         assert index.frontiers(name) == fronts, name
         members = {k for c in branches for k in c if k in resident}
-        members = {k for k in members if any(k in c[: c.index(f) + 1]
-                                             for c in branches for f in fronts if f in c)}
+        members = {
+            k
+            for k in members
+            if any(k in c[: c.index(f) + 1] for c in branches for f in fronts if f in c)
+        }
         assert set(index.resolve_session(name).keys) == members, name
     return resident
 
@@ -103,7 +116,7 @@ def test_index_follows_vllm_and_the_tiers(engine):
     run(llm, "s1", P1)
     run(llm, "s2", P2)
     run(llm, "s2", P2B)
-    run(llm, "s3", P1)                     # pure cache hits: s3 stores nothing
+    run(llm, "s3", P1)  # pure cache hits: s3 stores nothing
     sessions = {"s1": [k1], "s2": [k2, k2b], "s3": [k1]}
     index, _, _ = parts(llm)
     assert index.frontiers("s2") == sorted([k2[-1], k2b[-1]])
@@ -112,12 +125,12 @@ def test_index_follows_vllm_and_the_tiers(engine):
     resident = check(llm, sessions)
     assert set(k1 + k2 + k2b) <= resident
 
-    assert llm.reset_prefix_cache()        # G1 dropped: G2 still holds every block
+    assert llm.reset_prefix_cache()  # G1 dropped: G2 still holds every block
     resident = check(llm, sessions)
     g1, g2 = truth(llm, sorted(resident))
     assert not any(g1.values()) and all(g2.values())
 
-    for prompt in FLOOD:                   # 20 new blocks through a 16-chunk G2
+    for prompt in FLOOD:  # 20 new blocks through a 16-chunk G2
         run(llm, None, prompt)
     resident = check(llm, sessions)
-    assert not set(k1 + k2 + k2b) <= resident     # the flood evicted session blocks
+    assert not set(k1 + k2 + k2b) <= resident  # the flood evicted session blocks

@@ -25,9 +25,9 @@ from sessionkv.devtools.engines import TINY, kv_transfer_config, new_engine_id, 
 from sessionkv.devtools.server import free_port, remove_offload_region
 
 RNG = np.random.default_rng(41)
-P, Q, R = (RNG.integers(10, 4000, 200).tolist() for _ in range(3))    # 6 full blocks each
+P, Q, R = (RNG.integers(10, 4000, 200).tolist() for _ in range(3))  # 6 full blocks each
 PARAMS = SamplingParams(temperature=0, max_tokens=4)
-G2, G3 = "CPU", "STORAGE"           # BlockStored.medium of vLLM's CPU tier and of ours
+G2, G3 = "CPU", "STORAGE"  # BlockStored.medium of vLLM's CPU tier and of ours
 
 
 class Subscriber:
@@ -55,7 +55,7 @@ class Subscriber:
                 try:
                     _, _, payload = self.sock.recv_multipart()
                     self.events.extend(self.decoder.decode(payload).events)
-                except Exception as e:      # kept for the failure message
+                except Exception as e:  # kept for the failure message
                     self.errors.append(repr(e))
 
     def close(self):
@@ -70,18 +70,33 @@ def engine(tmp_path_factory):
     d = tmp_path_factory.mktemp("events")
     (d / "tiers.yaml").write_text("report: {per_tier: all}\n")
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    tier = {"type": "DiskTier", "module_path": "sessionkv.tiers.g3.backends.disk", "path": str(d / "g3"),
-            "max_bytes": 1 << 30, "namespace": f"ev-{uuid.uuid4().hex[:8]}", "timeout_s": 10.0}
+    tier = {
+        "type": "DiskTier",
+        "module_path": "sessionkv.tiers.g3.backends.disk",
+        "path": str(d / "g3"),
+        "max_bytes": 1 << 30,
+        "namespace": f"ev-{uuid.uuid4().hex[:8]}",
+        "timeout_s": 10.0,
+    }
     engine_id = new_engine_id()
-    sub = Subscriber(endpoint)              # bound before the engine's publisher connects
-    llm = LLM(model=TINY, enforce_eager=True, block_size=32, max_model_len=1024, seed=0,
-              dtype="float32",
-              kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                                              endpoint=endpoint, topic="kv"),
-              kv_transfer_config=kv_transfer_config(
-                  engine_id, secondary_tiers=[tier],
-                  self_describing_kv_events=True,
-                  sessionkv={"policy_file": str(d / "tiers.yaml")}))
+    sub = Subscriber(endpoint)  # bound before the engine's publisher connects
+    llm = LLM(
+        model=TINY,
+        enforce_eager=True,
+        block_size=32,
+        max_model_len=1024,
+        seed=0,
+        dtype="float32",
+        kv_events_config=KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv"
+        ),
+        kv_transfer_config=kv_transfer_config(
+            engine_id,
+            secondary_tiers=[tier],
+            self_describing_kv_events=True,
+            sessionkv={"policy_file": str(d / "tiers.yaml")},
+        ),
+    )
     yield llm, sub
     sub.close()
     llm.llm_engine.engine_core.shutdown()
@@ -90,68 +105,91 @@ def engine(tmp_path_factory):
 
 def chunks(prompt):
     """The prompt's full 32-token chunks (one block per chunk here)."""
-    return {tuple(prompt[i:i + 32]) for i in range(0, len(prompt) - 31, 32)}
+    return {tuple(prompt[i : i + 32]) for i in range(0, len(prompt) - 31, 32)}
 
 
 def sessions(events, medium, prompt):
     """The session_ids of ``medium``'s BlockStored events of ``prompt``'s chunks."""
-    return [e.session_id for e in events if isinstance(e, BlockStored) and e.medium == medium
-            and tuple(e.token_ids) in chunks(prompt)]
+    return [
+        e.session_id
+        for e in events
+        if isinstance(e, BlockStored)
+        and e.medium == medium
+        and tuple(e.token_ids) in chunks(prompt)
+    ]
 
 
 def test_g2_and_g3_stores_carry_the_storing_session(engine):
     import time
+
     llm, sub = engine
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     assert isinstance(scheduler.connector.scheduler._events_tracker, SessionEventsTracker)
-    time.sleep(0.5)                              # the subscription reaches the publisher
+    time.sleep(0.5)  # the subscription reaches the publisher
     serve(llm, P, PARAMS, session="agent-7")
-    serve(llm, Q, PARAMS)                        # no session
+    serve(llm, Q, PARAMS)  # no session
     deadline = time.monotonic() + 60
     while not all(len(sessions(sub.events, m, x)) >= 6 for m in (G2, G3) for x in (P, Q)):
-        assert time.monotonic() < deadline, (sub.messages, sub.errors[:3], sorted(
-            {(e.medium, e.session_id) for e in sub.events}, key=str))
-        serve(llm, [5, 6, 7], SamplingParams(max_tokens=1))    # steps publish the events
+        assert time.monotonic() < deadline, (
+            sub.messages,
+            sub.errors[:3],
+            sorted({(e.medium, e.session_id) for e in sub.events}, key=str),
+        )
+        serve(llm, [5, 6, 7], SamplingParams(max_tokens=1))  # steps publish the events
         time.sleep(0.2)
     for medium in (G2, G3):
         assert set(sessions(sub.events, medium, P)) == {"agent-7"}, medium
         assert set(sessions(sub.events, medium, Q)) == {None}, medium
     # vLLM's own device events (several blocks per event) tag P the same way
-    device = {e.session_id for e in sub.events if isinstance(e, BlockStored)
-              and e.medium == "GPU" and list(e.token_ids[:32]) == P[:32]}
+    device = {
+        e.session_id
+        for e in sub.events
+        if isinstance(e, BlockStored) and e.medium == "GPU" and list(e.token_ids[:32]) == P[:32]
+    }
     assert device == {"agent-7"}, device
 
 
-
 def stored_hashes(events, medium, prompt=None):
-    return {h for e in events if isinstance(e, BlockStored) and e.medium == medium
-            and (prompt is None or tuple(e.token_ids) in chunks(prompt)) for h in e.block_hashes}
+    return {
+        h
+        for e in events
+        if isinstance(e, BlockStored)
+        and e.medium == medium
+        and (prompt is None or tuple(e.token_ids) in chunks(prompt))
+        for h in e.block_hashes
+    }
 
 
 def removed_hashes(events, medium):
-    return {h for e in events if isinstance(e, BlockRemoved) and e.medium == medium
-            for h in e.block_hashes}
+    return {
+        h
+        for e in events
+        if isinstance(e, BlockRemoved) and e.medium == medium
+        for h in e.block_hashes
+    }
 
 
 def test_g3_blocks_the_disk_tier_evicts_are_reported_removed(engine):
     # Issue 52: G3's BlockStored was never followed by a BlockRemoved, so an
     # indexer kept every block ever cascaded as resident in G3 for ever.
     import time
+
     llm, sub = engine
     tier = llm.llm_engine.engine_core.engine_core.scheduler.connector.manager.secondary_tiers[0]
     serve(llm, R, PARAMS, session="agent-9")
     deadline = time.monotonic() + 60
     while len(stored_hashes(sub.events, G3, R)) < 6:
-        assert time.monotonic() < deadline, sorted({(type(e).__name__, e.medium)
-                                                    for e in sub.events}, key=str)
+        assert time.monotonic() < deadline, sorted(
+            {(type(e).__name__, e.medium) for e in sub.events}, key=str
+        )
         serve(llm, [5, 6, 7], SamplingParams(max_tokens=1))
         time.sleep(0.2)
     cascaded = stored_hashes(sub.events, G3, R)
     assert not cascaded & removed_hashes(sub.events, G3)
-    assert tier._backend.evict(target=0.0, start=0.0) > 0      # its evictor, down to nothing
+    assert tier._backend.evict(target=0.0, start=0.0) > 0  # its evictor, down to nothing
     while not cascaded <= removed_hashes(sub.events, G3):
         assert time.monotonic() < deadline, (cascaded, removed_hashes(sub.events, G3))
-        serve(llm, [5, 6, 7], SamplingParams(max_tokens=1))    # steps publish the events
+        serve(llm, [5, 6, 7], SamplingParams(max_tokens=1))  # steps publish the events
         time.sleep(0.2)
     # Only what was announced stored is announced removed.
     assert removed_hashes(sub.events, G3) <= stored_hashes(sub.events, G3)

@@ -34,14 +34,24 @@ def make_engine(tmp_path_factory, eviction):
     (d / "tiers.yaml").write_text(
         f"g2: {{eviction: {eviction}}}\n"
         "limits: {pin_fraction_session: 1.0, pin_fraction_global: 1.0}\n"
-        "report: {per_tier: all}\n"       # the test client reads where KV came from
-        f"trust: {{secret_file: {d / 'secret'}}}\n")
+        "report: {per_tier: all}\n"  # the test client reads where KV came from
+        f"trust: {{secret_file: {d / 'secret'}}}\n"
+    )
     engine_id = new_engine_id()
-    llm = LLM(model=TINY, enforce_eager=True, block_size=BLOCK, max_model_len=1024, seed=0,
-              dtype="float32", worker_extension_cls=POISON_EXT,
-              kv_transfer_config=kv_transfer_config(
-                  engine_id, cpu_bytes=G2_CHUNKS * CHUNK_BYTES,
-                  sessionkv={"policy_file": str(d / "tiers.yaml")}))
+    llm = LLM(
+        model=TINY,
+        enforce_eager=True,
+        block_size=BLOCK,
+        max_model_len=1024,
+        seed=0,
+        dtype="float32",
+        worker_extension_cls=POISON_EXT,
+        kv_transfer_config=kv_transfer_config(
+            engine_id,
+            cpu_bytes=G2_CHUNKS * CHUNK_BYTES,
+            sessionkv={"policy_file": str(d / "tiers.yaml")},
+        ),
+    )
     return llm, engine_id
 
 
@@ -59,19 +69,28 @@ def run(llm, name, session=None, hint=None, params=PARAMS):
     if hint is not None:
         env = {"protocol_version": "1.0", "message_id": hint["action_id"], "actions": [hint]}
         params = params.clone()
-        params.extra_args = {"kv_transfer_params": {"kv_hints": env,
-                                                    "kv_hints_sig": sign(env, session, SECRET)}}
+        params.extra_args = {
+            "kv_transfer_params": {"kv_hints": env, "kv_hints_sig": sign(env, session, SECRET)}
+        }
     return serve(llm, P[name], params, session)
 
 
 def pin(ttl=300):
-    return {"action_id": "pin", "action_type": "kv.pin", "action_version": "1.0",
-            "payload": {"ttl_s": ttl}}
+    return {
+        "action_id": "pin",
+        "action_type": "kv.pin",
+        "action_version": "1.0",
+        "payload": {"ttl_s": ttl},
+    }
 
 
 def retain(priority):
-    return {"action_id": "ret", "action_type": "kv.retain", "action_version": "1.0",
-            "payload": {"priority": priority}}
+    return {
+        "action_id": "ret",
+        "action_type": "kv.retain",
+        "action_version": "1.0",
+        "payload": {"priority": priority},
+    }
 
 
 def cold(llm, *names):
@@ -96,6 +115,7 @@ def manager(llm):
 def in_g2(llm, name):
     """How many of a prompt's full blocks the primary tier holds."""
     from sessionkv.devtools.keys import keys_of
+
     ctx = ReqContext(req_id="probe")
     tier = manager(llm).primary_tier
     return sum(tier.lookup(k, ctx) is LookupResult.HIT for k in keys_of(llm, P[name]))
@@ -114,7 +134,7 @@ def flood_then_serve(llm, ref):
     """S pinned, T not, both in G2: a 12-chunk flood keeps S and takes T; S is
     then served from G2 exactly (G1 poisoned), T recomputed."""
     run(llm, "F")
-    run(llm, "G")                                # 12 new chunks through a 12-chunk G2
+    run(llm, "G")  # 12 new chunks through a 12-chunk G2
     assert (in_g2(llm, "S"), in_g2(llm, "T")) == (6, 0)
     reset_g1(llm)
     tok, lps, rep = run(llm, "S", session="s")
@@ -128,7 +148,7 @@ def test_retain_the_lower_priority_goes_first(engine):
     ref = cold(llm, "H")
     assert run(llm, "L", session="lo", hint=retain(1))[2].hints[0].status == "accepted"
     assert run(llm, "H", session="hi", hint=retain(9))[2].hints[0].status == "accepted"
-    run(llm, "F")                                # G2 was full of L and H: 6 must go
+    run(llm, "F")  # G2 was full of L and H: 6 must go
     assert (in_g2(llm, "L"), in_g2(llm, "H")) == (0, 6)
     reset_g1(llm)
     tok, lps, rep = run(llm, "H", session="hi")
@@ -142,11 +162,14 @@ def test_pin_everything_then_keep_serving_pins_are_clipped(engine):
     _, _, start = events.since(0, 0)
     for name in "SL":
         assert run(llm, name, session=name, hint=pin())[2].hints[0].blocks_affected == 6
-    for name in "XYF":                           # G2 is all pins: no stall, pins clipped
+    for name in "XYF":  # G2 is all pins: no stall, pins clipped
         tok, lps, _ = run(llm, name)
         assert (tok, lps) == refs[name]
-    late = [e.outcome for e in events.since(start - 1, 1 << 20)[0]
-            if isinstance(e, Outcome) and e.via is Via.POLICY]
+    late = [
+        e.outcome
+        for e in events.since(start - 1, 1 << 20)[0]
+        if isinstance(e, Outcome) and e.via is Via.POLICY
+    ]
     assert late and all(o.status == "clipped" and o.action == "kv.pin" for o in late)
     assert sum(o.blocks_affected for o in late) >= 6
 
@@ -162,20 +185,25 @@ def test_hints_racing_the_scheduler(engine):
 
     def hammer(seed):
         from sessionkv.hints import Action, Bounds, KvHint, SessionTarget
+
         rng = np.random.default_rng(seed)
         try:
             while not stop.is_set():
                 s = str(rng.choice(list("SLHTFG")))
                 action = Action.PIN if rng.random() < 0.5 else Action.RETAIN
-                hint = KvHint("race", action, SessionTarget(s),
-                              Bounds(ttl_s=float(rng.integers(1, 5)),
-                                     priority=int(rng.integers(0, 9))), signed=True)
+                hint = KvHint(
+                    "race",
+                    action,
+                    SessionTarget(s),
+                    Bounds(ttl_s=float(rng.integers(1, 5)), priority=int(rng.integers(0, 9))),
+                    signed=True,
+                )
                 with mgr.lock:
                     mgr.service.executor.execute(hint, s)
                     mgr.service.collect_clipped()
                     if rng.random() < 0.05:
                         mgr.index.end_session(s)
-        except Exception as e:       # noqa: BLE001 - reported below
+        except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
     threads = [threading.Thread(target=hammer, args=(i,)) for i in range(4)]

@@ -40,10 +40,15 @@ def cluster(tmp_path_factory, mooncake, redis_url):
 
 
 def router_config(workers, redis_url, namespace, **policy):
-    return {"version": 1, "listen": {"host": "127.0.0.1", "port": free_port()},
-            "secret_file": None, "redis": {"url": redis_url, "namespace": namespace},
-            "workers": workers, "routing": {"max_load": MAX_LOAD, "load_poll_s": 0.2},
-            "policy": {"move_wait_s": 30, **policy}}
+    return {
+        "version": 1,
+        "listen": {"host": "127.0.0.1", "port": free_port()},
+        "secret_file": None,
+        "redis": {"url": redis_url, "namespace": namespace},
+        "workers": workers,
+        "routing": {"max_load": MAX_LOAD, "load_poll_s": 0.2},
+        "policy": {"move_wait_s": 30, **policy},
+    }
 
 
 def start_router(cluster, namespace, **policy):
@@ -54,8 +59,15 @@ def start_router(cluster, namespace, **policy):
 
 
 def body(prompt, **kw):
-    return {"model": TINY, "prompt": prompt, "max_tokens": 6, "temperature": 0,
-            "logprobs": 2, "return_tokens_as_token_ids": True, **kw}
+    return {
+        "model": TINY,
+        "prompt": prompt,
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": 2,
+        "return_tokens_as_token_ids": True,
+        **kw,
+    }
 
 
 def tokens(resp):
@@ -69,8 +81,7 @@ def outputs(resp):
 
 def turn(router, session, prompt, headers=None):
     """One turn through the router: (worker, response JSON, report blocks)."""
-    r = router.post("/v1/completions", body(prompt),
-                    {"X-Session-ID": session, **(headers or {})})
+    r = router.post("/v1/completions", body(prompt), {"X-Session-ID": session, **(headers or {})})
     out = r.json()
     return r.headers["X-SessionKV-Worker"], out, out["kv_transfer_params"]["sessionkv"]
 
@@ -84,26 +95,44 @@ def cold(server, prompts):
     way, so tokens and logprobs must be equal."""
     salt, out = uuid.uuid4().hex, []
     for prompt in prompts:
-        r = requests.post(server.url + "/v1/completions", json=body(prompt, cache_salt=salt),
-                          timeout=300)
+        r = requests.post(
+            server.url + "/v1/completions", json=body(prompt, cache_salt=salt), timeout=300
+        )
         r.raise_for_status()
         rep = r.json()["kv_transfer_params"]["sessionkv"]
         # Unsigned: no cache counts (report.per_tier: signed, the default);
         # vLLM's usage has them (--enable-prompt-tokens-details).
         assert rep["tokens"] is None and rep["cached_tokens"] is None, rep
         usage = r.json()["usage"]
-        out.append((outputs(r.json()), {"recomputed": usage["prompt_tokens"] -
-                                        usage["prompt_tokens_details"]["cached_tokens"]}))
+        out.append(
+            (
+                outputs(r.json()),
+                {
+                    "recomputed": usage["prompt_tokens"]
+                    - usage["prompt_tokens_details"]["cached_tokens"]
+                },
+            )
+        )
     return out
 
 
 def busy(server, n=24, max_tokens=900):
     """Start ``n`` long requests on ``server`` directly; the threads."""
+
     def one(i):
         prompt = np.random.default_rng(100 + i).integers(10, 4000, 60).tolist()
-        requests.post(server.url + "/v1/completions", json={
-            "model": TINY, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0}, timeout=600)
+        requests.post(
+            server.url + "/v1/completions",
+            json={
+                "model": TINY,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+            },
+            timeout=600,
+        )
+
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
@@ -125,12 +154,16 @@ def moved(cluster):
     turns, prompt = [], NEW[0]
     try:
         for i, extra in enumerate(NEW[1:4]):
-            if i == 2:       # before the third turn, make the session's worker busy
+            if i == 2:  # before the third turn, make the session's worker busy
                 old = turns[-1][0]
                 threads = busy(servers[old])
-                wait_for(lambda: next(w for w in router.status()["workers"]
-                                      if w["name"] == old)["load"] >= MAX_LOAD,
-                         "the router to see the worker busy")
+                wait_for(
+                    lambda: (
+                        next(w for w in router.status()["workers"] if w["name"] == old)["load"]
+                        >= MAX_LOAD
+                    ),
+                    "the router to see the worker busy",
+                )
             # a gap long enough that the Pin outlives the flood on a slow machine
             headers = {"X-Session-Tool-Gap": "120"} if i == 1 else None
             worker, out, report = turn(router, "agent", prompt, headers)
@@ -140,10 +173,9 @@ def moved(cluster):
         status["log"] = router.read_log()[-6000:]
         for t in threads:
             t.join()
-        worker, out, report = turn(router, "agent", prompt)   # after the load is gone
+        worker, out, report = turn(router, "agent", prompt)  # after the load is gone
         turns.append((worker, prompt, out, report))
-        status["after"] = {"workers": router.status()["workers"],
-                           "log": router.read_log()[-8000:]}
+        status["after"] = {"workers": router.status()["workers"], "log": router.read_log()[-8000:]}
         yield router, turns, status
     finally:
         router.stop()
@@ -153,12 +185,14 @@ def test_session_sticks_then_moves_and_reads_its_prefix_from_g3(moved):
     router, turns, status = moved
     (w1, _, _, r1), (w2, _, _, r2), (w3, p3, _, r3), (w4, _, _, r4) = turns
     # a string, not a tuple: pytest prints it whole (the router's log)
-    assert w1 == w2 and w3 != w1 and w4 == w3, \
+    assert w1 == w2 and w3 != w1 and w4 == w3, (
         f"{[t[0] for t in turns]}\n{status['after']['workers']}\n{status['after']['log']}"
-    assert r2["blocks"]["g1"] >= 4                    # affinity: turn 1's blocks in G1
+    )
+    assert r2["blocks"]["g1"] >= 4  # affinity: turn 1's blocks in G1
     # The tool-gap turn carried a signed Pin; the engine took it.
-    assert [(h["action"], h["status"] in ("accepted", "deferred")) for h in r2["hints"]] == \
-        [("kv.pin", True)], r2["hints"]
+    assert [(h["action"], h["status"] in ("accepted", "deferred")) for h in r2["hints"]] == [
+        ("kv.pin", True)
+    ], r2["hints"]
     # The move's Share, first: when it failed, the moved turn's miss below is why.
     outcomes = status["outcomes"]
     assert "hint_errors" not in status["events"], status["log"]
@@ -166,13 +200,18 @@ def test_session_sticks_then_moves_and_reads_its_prefix_from_g3(moved):
     assert outcomes["share"]["final"] == {"accepted": 1}, (outcomes, status["log"])
     # The moved turn: the prefix up to turn 2's last full block came from G3.
     full = (len(turns[1][1]) + 5) // 32
-    assert r3["blocks"]["g3"] == full and r3["blocks"]["g1"] == r3["blocks"]["g2"] == 0, \
-        (r3, outcomes, status["events"], status["log"])
+    assert r3["blocks"]["g3"] == full and r3["blocks"]["g1"] == r3["blocks"]["g2"] == 0, (
+        r3,
+        outcomes,
+        status["events"],
+        status["log"],
+    )
     assert r3["tokens"]["recomputed"] == len(p3) - 32 * full
-    assert outcomes["pin"]["request"] == {"accepted": 1} or outcomes["pin"]["request"] == \
-        {"deferred": 1}, outcomes
+    assert outcomes["pin"]["request"] == {"accepted": 1} or outcomes["pin"]["request"] == {
+        "deferred": 1
+    }, outcomes
     assert status["events"]["moves"] == 1 and status["events"]["sessions_new"] == 1
-    assert r4["blocks"]["g1"] + r4["blocks"]["g2"] >= full      # back at home on the new worker
+    assert r4["blocks"]["g1"] + r4["blocks"]["g2"] >= full  # back at home on the new worker
 
 
 def test_every_turn_equals_a_cold_recompute(moved, cluster):
@@ -180,7 +219,7 @@ def test_every_turn_equals_a_cold_recompute(moved, cluster):
     _, turns, _ = moved
     ref = cold(servers[turns[-1][0]], [prompt for _, prompt, _, _ in turns])
     assert ref[0][1]["recomputed"] == len(turns[0][1])
-    for i, ((_, prompt, out, report), (want, served)) in enumerate(zip(turns, ref)):
+    for i, ((_, _prompt, out, report), (want, served)) in enumerate(zip(turns, ref)):
         # the same prefix came from a cache (G1 here, G1/G3 in the router's run)
         assert served["recomputed"] == report["tokens"]["recomputed"], (i, served, report)
         assert outputs(out) == want, f"turn {i + 1}: {report}"
@@ -191,16 +230,20 @@ def test_router_metrics_count_what_status_counts(moved):
     parser) after the moved session's four turns: the counts of
     ``/router/status``, per-worker turns and a TTFT per turn."""
     from prometheus_client.parser import text_string_to_metric_families
+
     router, turns, _ = moved
 
     def scrape():
         r = requests.get(router.url + "/metrics", timeout=10)
         r.raise_for_status()
         assert r.headers["Content-Type"].startswith("text/plain")
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for f in text_string_to_metric_families(r.text) for s in f.samples}
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(r.text)
+            for s in f.samples
+        }
 
-    for _ in range(20):      # the policy's hints may land between the two reads
+    for _ in range(20):  # the policy's hints may land between the two reads
         before, got, after = router.status(), scrape(), router.status()
         if before == after:
             break
@@ -209,6 +252,7 @@ def test_router_metrics_count_what_status_counts(moved):
 
     def value(name, **labels):
         return got.get((name, tuple(sorted(labels.items()))), 0)
+
     per_worker = {}
     for worker, *_ in turns:
         per_worker[worker] = per_worker.get(worker, 0) + 1
@@ -220,8 +264,10 @@ def test_router_metrics_count_what_status_counts(moved):
     for action, vias in status["outcomes"].items():
         for via, statuses in vias.items():
             for st, n in statuses.items():
-                assert value("sessionkv_router_hint_outcomes_total", action=action, via=via,
-                             status=st) == n, (action, via, st)
+                assert (
+                    value("sessionkv_router_hint_outcomes_total", action=action, via=via, status=st)
+                    == n
+                ), (action, via, st)
     for event, n in status["events"].items():
         assert value("sessionkv_router_events_total", event=event) == n, event
     assert value("sessionkv_router_events_total", event="moves") == 1
@@ -243,11 +289,11 @@ def test_router_restart_keeps_sessions_workers(cluster):
             prompts[s] = np.random.default_rng(50 + i).integers(10, 4000, 40 + 30 * i).tolist()
             placed[s] = turn(router, s, prompts[s])[0]
     finally:
-        router.kill()                                  # a crash: nothing saved on the way out
+        router.kill()  # a crash: nothing saved on the way out
     assert set(placed.values()) == {"a", "b"}, placed  # new sessions spread
     router = start_router(cluster, namespace, on_end="demote")
     try:
-        for s in ("z", "y", "x"):                      # another order than the placement's
+        for s in ("z", "y", "x"):  # another order than the placement's
             worker, _, report = turn(router, s, prompts[s] + NEW[5])
             assert worker == placed[s]
             assert report["blocks"]["g1"] + report["blocks"]["g2"] >= len(prompts[s]) // 32
@@ -262,19 +308,28 @@ def test_router_restart_keeps_sessions_workers(cluster):
 
 
 def test_idle_sessions_end_and_tool_gaps_warm_up(cluster):
-    router = start_router(cluster, f"r-{uuid.uuid4().hex[:6]}", idle_timeout_s=1.0,
-                          on_end="free", warmup={"enabled": True, "lead_s": 0.5})
+    router = start_router(
+        cluster,
+        f"r-{uuid.uuid4().hex[:6]}",
+        idle_timeout_s=1.0,
+        on_end="free",
+        warmup={"enabled": True, "lead_s": 0.5},
+    )
     try:
         worker, _, report = turn(router, "quiet", NEW[4][:70], {"X-Session-Tool-Gap": "1"})
         wait_for(lambda: router.status()["events"].get("warmups") == 1, "the warm-up", 30)
-        wait_for(lambda: requests.get(router.url + "/v1/sessions/quiet", timeout=10)
-                 .status_code == 404, "the idle end", 30)
+        wait_for(
+            lambda: requests.get(router.url + "/v1/sessions/quiet", timeout=10).status_code == 404,
+            "the idle end",
+            30,
+        )
         # The record goes first, then the engine is told (its outcome follows).
         wait_for(lambda: "end_session" in router.status()["outcomes"], "the end's outcome", 30)
         st = router.status()
         assert st["events"]["ended_idle"] == 1 and st["events"].get("hint_errors", 0) == 0
-        assert "demote" not in st["outcomes"] and st["outcomes"]["end_session"]["control"] == \
-            {"accepted": 1}, st["outcomes"]
+        assert "demote" not in st["outcomes"] and st["outcomes"]["end_session"]["control"] == {
+            "accepted": 1
+        }, st["outcomes"]
     finally:
         router.stop()
 
@@ -286,13 +341,17 @@ def test_the_policy_retains_an_idle_session_and_reranks_it(cluster):
     prior gap make that quick), and its next turn reads its prefix from
     cache with outputs equal to a cold recompute."""
     _, _, servers, _ = cluster
-    router = start_router(cluster, f"r-{uuid.uuid4().hex[:6]}", strategy="recency",
-                          tick_s=1, prior_gap_s=1)
+    router = start_router(
+        cluster, f"r-{uuid.uuid4().hex[:6]}", strategy="recency", tick_s=1, prior_gap_s=1
+    )
     try:
         first = np.random.default_rng(77).integers(10, 4000, 100).tolist()
         worker, out1, _ = turn(router, "keep", first)
-        wait_for(lambda: router.status()["policy"]["engines"][worker]["reranked"] >= 2,
-                 "two re-ranks of the idle session", 30)
+        wait_for(
+            lambda: router.status()["policy"]["engines"][worker]["reranked"] >= 2,
+            "two re-ranks of the idle session",
+            30,
+        )
         st = router.status()
         retains = st["outcomes"]["retain"]["policy"]
         assert retains.get("accepted", 0) >= 2 and "rejected" not in retains, st["outcomes"]
@@ -311,15 +370,31 @@ def test_the_policy_retains_an_idle_session_and_reranks_it(cluster):
 
 
 def chat(url, messages, headers=None, **kw):
-    r = requests.post(url + "/v1/chat/completions", headers=headers or {}, timeout=300, json={
-        "model": TINY, "messages": messages, "max_tokens": 6, "temperature": 0,
-        "logprobs": True, "top_logprobs": 2, **kw})
+    r = requests.post(
+        url + "/v1/chat/completions",
+        headers=headers or {},
+        timeout=300,
+        json={
+            "model": TINY,
+            "messages": messages,
+            "max_tokens": 6,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+            **kw,
+        },
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     lp = out["choices"][0]["logprobs"]["content"]
-    return r.headers.get("X-SessionKV-Worker"), out, [
-        (t["token"], t["logprob"], [(x["token"], x["logprob"]) for x in t["top_logprobs"]])
-        for t in lp]
+    return (
+        r.headers.get("X-SessionKV-Worker"),
+        out,
+        [
+            (t["token"], t["logprob"], [(x["token"], x["logprob"]) for x in t["top_logprobs"]])
+            for t in lp
+        ],
+    )
 
 
 def chat_turns_are_tokenized_and_retained(router, servers):
@@ -327,25 +402,33 @@ def chat_turns_are_tokenized_and_retained(router, servers):
     with the model's chat template) gets Retains the engine resolves
     (accepted; none missing or clipped), and its turns equal a cold
     recompute."""
+
     def retains():
         return router.status()["outcomes"]["retain"]["policy"]
+
     before = retains()
-    words = np.random.default_rng(78).integers(0, 10_000, 60)     # about 300 tokens
+    words = np.random.default_rng(78).integers(0, 10_000, 60)  # about 300 tokens
     text = " ".join(f"w{w}" for w in words)
     msgs = [{"role": "user", "content": text}]
     worker, out1, lp1 = chat(router.url, msgs, {"X-Session-ID": "chat"})
-    wait_for(lambda: retains().get("accepted", 0) > before.get("accepted", 0),
-             "the chat session's Retain", 30)
+    wait_for(
+        lambda: retains().get("accepted", 0) > before.get("accepted", 0),
+        "the chat session's Retain",
+        30,
+    )
     st = router.status()
     assert st["events"].get("prompts_tokenized", 0) >= 1, st["events"]
     assert "tokenize_failures" not in st["events"], st["events"]
     # the router's keys are the engine's: its Retain names a boundary the
     # engine holds (a wrong key would come back missing or clipped)
     after = retains()
-    assert [after.get(k, 0) for k in ("missing", "clipped")] == \
-        [before.get(k, 0) for k in ("missing", "clipped")], after
-    msgs2 = msgs + [{"role": "assistant", "content": out1["choices"][0]["message"]["content"]},
-                    {"role": "user", "content": "and then?"}]
+    assert [after.get(k, 0) for k in ("missing", "clipped")] == [
+        before.get(k, 0) for k in ("missing", "clipped")
+    ], after
+    msgs2 = msgs + [
+        {"role": "assistant", "content": out1["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "and then?"},
+    ]
     w2, _, lp2 = chat(router.url, msgs2, {"X-Session-ID": "chat"})
     salt = uuid.uuid4().hex
     refs = [chat(servers[worker].url, m, cache_salt=salt)[2] for m in (msgs, msgs2)]
@@ -370,7 +453,11 @@ def test_a_drained_worker_demotes_its_sessions_and_they_move_to_g3_reads(cluster
         assert not next(w for w in router.status()["workers"] if w["name"] == w1)["draining"]
         r = requests.post(f"{router.url}/router/workers/{w1}/drain", headers=ADMIN, timeout=90)
         assert r.status_code == 200 and r.json() == {
-            "worker": w1, "draining": True, "sessions": 1, "demoted": {"accepted": 1}}, r.text
+            "worker": w1,
+            "draining": True,
+            "sessions": 1,
+            "demoted": {"accepted": 1},
+        }, r.text
         assert next(w for w in router.status()["workers"] if w["name"] == w1)["draining"]
         second = first + tokens(out1) + NEW[5]
         w2, out2, rep2 = turn(router, "leaving", second)
@@ -380,8 +467,12 @@ def test_a_drained_worker_demotes_its_sessions_and_they_move_to_g3_reads(cluster
         assert [outputs(out1), outputs(out2)] == [x[0] for x in ref]
         r = requests.delete(f"{router.url}/router/workers/{w1}/drain", headers=ADMIN, timeout=10)
         assert r.json() == {"worker": w1, "draining": False}
-        assert requests.post(f"{router.url}/router/workers/nope/drain", headers=ADMIN,
-                             timeout=10).status_code == 404
+        assert (
+            requests.post(
+                f"{router.url}/router/workers/nope/drain", headers=ADMIN, timeout=10
+            ).status_code
+            == 404
+        )
     finally:
         router.stop()
 
@@ -394,15 +485,24 @@ def test_odd_session_ids_and_bodies_get_a_clear_400(cluster):
     router = start_router(cluster, f"r-{uuid.uuid4().hex[:6]}")
     try:
         for sid, why in [("a\x00b", "control characters"), ("x" * 300, "1..128")]:
-            r = requests.post(router.url + "/v1/completions",
-                              json={**body(NEW[0][:40]), "session_id": sid}, timeout=60)
+            r = requests.post(
+                router.url + "/v1/completions",
+                json={**body(NEW[0][:40]), "session_id": sid},
+                timeout=60,
+            )
             assert r.status_code == 400, r.text
             assert "session_id" in r.json()["error"]["message"] and why in r.text
         deep = "[" * 100_000 + "]" * 100_000
-        for data, why in [(deep, "nested too deep"),
-                          ('{"prompt": [1], "kv_transfer_params": [1]}', "kv_transfer_params")]:
-            r = requests.post(router.url + "/v1/completions", data=data, timeout=60,
-                              headers={"Content-Type": "application/json"})
+        for data, why in [
+            (deep, "nested too deep"),
+            ('{"prompt": [1], "kv_transfer_params": [1]}', "kv_transfer_params"),
+        ]:
+            r = requests.post(
+                router.url + "/v1/completions",
+                data=data,
+                timeout=60,
+                headers={"Content-Type": "application/json"},
+            )
             assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
     finally:
         router.stop()
@@ -415,6 +515,7 @@ def test_redis_down_keeps_routing_and_a_restart_without_it_starts(cluster, tmp_p
     router restarted while Redis is down starts and serves. Outputs equal a
     cold recompute."""
     from sessionkv.devtools.services import start_redis
+
     d, workers, servers, _ = cluster
     url, redis_server = start_redis(tmp_path)
     cfg = router_config(workers, url, f"r-{uuid.uuid4().hex[:6]}")
@@ -433,7 +534,7 @@ def test_redis_down_keeps_routing_and_a_restart_without_it_starts(cluster, tmp_p
             router.stop()
         assert len({w for _, w, _, _ in turns}) == 1, [w for _, w, _, _ in turns]
         assert state["errors"] > 0 and state["local_sessions"] == 1, state
-        router = RouterProcess(cfg, d / f"router-{uuid.uuid4().hex[:6]}.yaml")   # Redis still down
+        router = RouterProcess(cfg, d / f"router-{uuid.uuid4().hex[:6]}.yaml")  # Redis still down
         prompt = prompt + tokens(turns[-1][2]) + NEW[5][:20]
         turns.append((prompt, *turn(router, "down", prompt)))
     finally:
@@ -463,9 +564,12 @@ def test_the_router_keeps_request_bodies_only_for_warmups_and_bounded(cluster, w
         before = rss_mib(router.proc.pid)
         big = "x" * (16 << 20)
         for i in range(20):
-            r = requests.post(f"{router.url}/v1/completions", timeout=120,
-                              json={**body(NEW[2][:20], max_tokens=1), "user": big},
-                              headers={"X-Session-ID": f"big-{i}"})
+            r = requests.post(
+                f"{router.url}/v1/completions",
+                timeout=120,
+                json={**body(NEW[2][:20], max_tokens=1), "user": big},
+                headers={"X-Session-ID": f"big-{i}"},
+            )
             assert r.status_code in (200, 400), r.text[:200]
         grown = rss_mib(router.proc.pid) - before
         assert grown < 120, f"the router grew {grown:.0f} MiB for 20 bodies of 16 MiB"
@@ -478,14 +582,19 @@ def running(server) -> float:
 
 
 def finished_by_length(servers) -> float:
-    return sum(engine_metric(s, ("vllm:request_success_total",), 'finished_reason="length"')
-               for s in servers.values())
+    return sum(
+        engine_metric(s, ("vllm:request_success_total",), 'finished_reason="length"')
+        for s in servers.values()
+    )
 
 
 def engine_metric(server, names: tuple, label: str = "") -> float:
     text = requests.get(server.url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(names) and label in line)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(names) and label in line
+    )
 
 
 def test_a_client_that_hangs_up_aborts_its_turn_on_the_engine(cluster):
@@ -496,28 +605,45 @@ def test_a_client_that_hangs_up_aborts_its_turn_on_the_engine(cluster):
     before = finished_by_length(servers)
     prompted = sum(engine_metric(s, ("vllm:prompt_tokens_total",)) for s in servers.values())
     try:
+
         def abandon(i):
             with contextlib.suppress(requests.exceptions.ReadTimeout):
-                requests.post(f"{router.url}/v1/completions", timeout=(5, 6), json={
-                    "model": TINY, "prompt": NEW[1][:20], "max_tokens": 990,
-                    "ignore_eos": True, "temperature": 0},
-                    headers={"X-Session-ID": f"gone-{i}"})
+                requests.post(
+                    f"{router.url}/v1/completions",
+                    timeout=(5, 6),
+                    json={
+                        "model": TINY,
+                        "prompt": NEW[1][:20],
+                        "max_tokens": 990,
+                        "ignore_eos": True,
+                        "temperature": 0,
+                    },
+                    headers={"X-Session-ID": f"gone-{i}"},
+                )
+
         threads = [threading.Thread(target=abandon, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
         # All four reached the engines: their prompts were prefilled (a count
         # that only grows; the number running can be missed between polls).
         try:
-            wait_for(lambda: sum(engine_metric(s, ("vllm:prompt_tokens_total",))
-                                 for s in servers.values()) >= prompted + 4 * 20,
-                     "the turns to start")
+            wait_for(
+                lambda: (
+                    sum(engine_metric(s, ("vllm:prompt_tokens_total",)) for s in servers.values())
+                    >= prompted + 4 * 20
+                ),
+                "the turns to start",
+            )
         except AssertionError as e:
             raise AssertionError(f"{e}; router log:\n{router.read_log()[-3000:]}") from None
         for t in threads:
-            t.join()                        # each client hung up after 6 s
+            t.join()  # each client hung up after 6 s
         t0 = time.monotonic()
-        wait_for(lambda: sum(running(s) for s in servers.values()) == 0,
-                 "the abandoned turns to leave the engines", timeout_s=120)
+        wait_for(
+            lambda: sum(running(s) for s in servers.values()) == 0,
+            "the abandoned turns to leave the engines",
+            timeout_s=120,
+        )
         # Aborted (vLLM counts no success for them), not run to their length.
         assert finished_by_length(servers) == before, time.monotonic() - t0
     finally:
@@ -530,22 +656,32 @@ def test_engines_behind_the_router_can_run_vllms_api_key(cluster, redis_url):
     clients holding the key and refuses the others (it refused everyone)."""
     from sessionkv.devtools.router_process import ENGINE_ARGS
     from sessionkv.devtools.server import ServerProcess
+
     d = cluster[0]
     engine = ServerProcess(TINY, [*ENGINE_ARGS, "--api-key", "key-a"])
     try:
-        cfg = router_config([{"name": "k", "url": engine.url, "plain": True}], redis_url,
-                            f"r-{uuid.uuid4().hex[:6]}")
+        cfg = router_config(
+            [{"name": "k", "url": engine.url, "plain": True}],
+            redis_url,
+            f"r-{uuid.uuid4().hex[:6]}",
+        )
         cfg["secret_file"] = str(d / "secret")
         router = RouterProcess(cfg, d / f"router-{uuid.uuid4().hex[:6]}.yaml")
         try:
             url = router.url + "/v1/completions"
             for key, status in (("key-a", 200), ("key-b", 401)):
-                r = requests.post(url, json=body(NEW[1][:20]), timeout=60,
-                                  headers={"Authorization": f"Bearer {key}",
-                                           "X-Session-ID": f"auth-{key}"})
+                r = requests.post(
+                    url,
+                    json=body(NEW[1][:20]),
+                    timeout=60,
+                    headers={"Authorization": f"Bearer {key}", "X-Session-ID": f"auth-{key}"},
+                )
                 assert r.status_code == status, r.text
-                m = requests.get(router.url + "/v1/models", timeout=10,
-                                 headers={"Authorization": f"Bearer {key}"})
+                m = requests.get(
+                    router.url + "/v1/models",
+                    timeout=10,
+                    headers={"Authorization": f"Bearer {key}"},
+                )
                 assert m.status_code == status, m.text
         finally:
             router.stop()
@@ -561,7 +697,9 @@ def test_a_stopped_redis_costs_one_timeout_and_health_says_so(cluster, tmp_path)
     URL never reaches the log."""
     import os
     import signal
+
     from sessionkv.devtools.services import start_redis
+
     d, workers, _, _ = cluster
     url, redis_server = start_redis(tmp_path)
     cfg = router_config(workers, url, f"r-{uuid.uuid4().hex[:6]}")
@@ -605,29 +743,41 @@ def test_sessions_are_bound_to_their_client_and_pins_quota_per_client(cluster):
     client A's second pinned session gets no Pin, client B's first still
     does. On the old code B's turn in A's session was served (and signed),
     B read and ended A's session, and A's Pins took the pool session by session."""
-    router = start_router(cluster, f"r-{uuid.uuid4().hex[:6]}",
-                          tool_call={"pin": True, "max_pins_per_client": 1})
+    router = start_router(
+        cluster, f"r-{uuid.uuid4().hex[:6]}", tool_call={"pin": True, "max_pins_per_client": 1}
+    )
     a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
     gap = {"X-Session-Tool-Gap": "30"}
     url = router.url + "/v1/completions"
     try:
         _, _, rep = turn(router, "a-1", NEW[1], {**a, **gap})
-        assert [(h["action"], h["status"] != "rejected") for h in rep["hints"]] == \
-            [("kv.pin", True)]          # a signed Pin went with the turn (G3 part deferred)
+        assert [(h["action"], h["status"] != "rejected") for h in rep["hints"]] == [
+            ("kv.pin", True)
+        ]  # a signed Pin went with the turn (G3 part deferred)
         for headers in (b, {}):
-            r = requests.post(url, json=body(NEW[1]), timeout=60,
-                              headers={"X-Session-ID": "a-1", **headers})
+            r = requests.post(
+                url, json=body(NEW[1]), timeout=60, headers={"X-Session-ID": "a-1", **headers}
+            )
             assert r.status_code == 403 and "another client" in r.text
-            assert requests.get(router.url + "/v1/sessions/a-1", headers=headers,
-                                timeout=10).status_code == 404
-            assert requests.post(router.url + "/v1/sessions/a-1/end", headers=headers,
-                                 timeout=10).status_code == 404
+            assert (
+                requests.get(
+                    router.url + "/v1/sessions/a-1", headers=headers, timeout=10
+                ).status_code
+                == 404
+            )
+            assert (
+                requests.post(
+                    router.url + "/v1/sessions/a-1/end", headers=headers, timeout=10
+                ).status_code
+                == 404
+            )
         assert requests.get(router.url + "/v1/sessions/a-1", headers=a, timeout=10).ok
         _, _, rep = turn(router, "a-2", NEW[2], {**a, **gap})
-        assert rep["hints"] == []                                   # over A's quota
+        assert rep["hints"] == []  # over A's quota
         _, _, rep = turn(router, "b-1", NEW[3], {**b, **gap})
-        assert [(h["action"], h["status"] != "rejected") for h in rep["hints"]] == \
-            [("kv.pin", True)]          # a signed Pin went with the turn (G3 part deferred)
+        assert [(h["action"], h["status"] != "rejected") for h in rep["hints"]] == [
+            ("kv.pin", True)
+        ]  # a signed Pin went with the turn (G3 part deferred)
         events = router.status()["events"]
         assert (events["pins_over_quota"], events["sessions_refused"]) == (1, 2)
         # Redis loses every record (a restart without persistence): B still

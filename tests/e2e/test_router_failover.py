@@ -27,7 +27,7 @@ from sessionkv.devtools.server import free_port
 
 SECRET = b"router-failover-secret-0123456789ab"
 RNG = np.random.default_rng(11)
-LONG = 300                      # the turn in flight when its engine dies decodes this many
+LONG = 300  # the turn in flight when its engine dies decodes this many
 
 
 @pytest.fixture(scope="module")
@@ -40,17 +40,29 @@ def cluster(tmp_path_factory, mooncake, redis_url):
 
 def start_router(cluster):
     d, workers, _, redis_url = cluster
-    cfg = {"version": 1, "listen": {"host": "127.0.0.1", "port": free_port()},
-           "secret_file": str(d / "secret"),
-           "redis": {"url": redis_url, "namespace": f"fo-{uuid.uuid4().hex[:6]}"},
-           "workers": workers, "routing": {"max_load": 8, "load_poll_s": 0.2},
-           "policy": {"on_end": "none"}}
+    cfg = {
+        "version": 1,
+        "listen": {"host": "127.0.0.1", "port": free_port()},
+        "secret_file": str(d / "secret"),
+        "redis": {"url": redis_url, "namespace": f"fo-{uuid.uuid4().hex[:6]}"},
+        "workers": workers,
+        "routing": {"max_load": 8, "load_poll_s": 0.2},
+        "policy": {"on_end": "none"},
+    }
     return RouterProcess(cfg, d / f"router-{uuid.uuid4().hex[:6]}.yaml")
 
 
 def body(prompt, max_tokens=6, **kw):
-    return {"model": TINY, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "logprobs": 1, "return_tokens_as_token_ids": True, **kw}
+    return {
+        "model": TINY,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 1,
+        "return_tokens_as_token_ids": True,
+        **kw,
+    }
 
 
 def gen_tokens(out):
@@ -69,6 +81,7 @@ def turn(router, session, prompt, max_tokens=6):
 
 def wait_for(cond, what, timeout_s=60):
     import time
+
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -106,15 +119,21 @@ def test_overlap_routing_then_failover(cluster):
         victim = placed["s0"]
         survivor = "b" if victim == "a" else "a"
         doomed = [s for s in placed if placed[s] == victim]
-        prompts["s0"].append(prompts["s0"][0] + gen_tokens(outs["s0"][0])
-                             + RNG.integers(10, 4000, 40).tolist())
+        prompts["s0"].append(
+            prompts["s0"][0] + gen_tokens(outs["s0"][0]) + RNG.integers(10, 4000, 40).tolist()
+        )
         result = {}
-        t = threading.Thread(target=lambda: result.update(
-            zip(("worker", "out", "report"), turn(router, "s0", prompts["s0"][1], LONG))))
+        t = threading.Thread(
+            target=lambda: result.update(
+                zip(("worker", "out", "report"), turn(router, "s0", prompts["s0"][1], LONG))
+            )
+        )
         t.start()
-        wait_for(lambda: worker_status(router, victim)["engine_load"] >= 1,
-                 "the long turn to run on its engine")
-        servers[victim].kill()                        # SIGKILL: no goodbye
+        wait_for(
+            lambda: worker_status(router, victim)["engine_load"] >= 1,
+            "the long turn to run on its engine",
+        )
+        servers[victim].kill()  # SIGKILL: no goodbye
         t.join(300)
         assert result.get("worker") == survivor, result
         outs["s0"].append(result["out"])
@@ -123,8 +142,9 @@ def test_overlap_routing_then_failover(cluster):
         assert result["report"]["blocks"]["g3"] >= 1, result["report"]
         # every session continues, all on the survivor
         for s in prompts:
-            prompts[s].append(prompts[s][-1] + gen_tokens(outs[s][-1])
-                              + RNG.integers(10, 4000, 30).tolist())
+            prompts[s].append(
+                prompts[s][-1] + gen_tokens(outs[s][-1]) + RNG.integers(10, 4000, 30).tolist()
+            )
             w, out, _ = turn(router, s, prompts[s][-1])
             assert w == survivor, (s, w)
             outs[s].append(out)
@@ -137,11 +157,15 @@ def test_overlap_routing_then_failover(cluster):
             salt = uuid.uuid4().hex
             for i, (prompt, out) in enumerate(zip(prompts[s], outs[s])):
                 n = LONG if (s, i) == ("s0", 1) else 6
-                r = requests.post(servers[survivor].url + "/v1/completions",
-                                  json=body(prompt, n, cache_salt=salt), timeout=300)
+                r = requests.post(
+                    servers[survivor].url + "/v1/completions",
+                    json=body(prompt, n, cache_salt=salt),
+                    timeout=300,
+                )
                 r.raise_for_status()
                 assert gen_tokens(out) == gen_tokens(r.json()), (s, i)
-                np.testing.assert_allclose(logprobs(out), logprobs(r.json()), atol=1e-3,
-                                           err_msg=f"{s} turn {i + 1}")
+                np.testing.assert_allclose(
+                    logprobs(out), logprobs(r.json()), atol=1e-3, err_msg=f"{s} turn {i + 1}"
+                )
     finally:
         router.stop()

@@ -10,10 +10,10 @@ TIERS = (0, 1, 2)
 
 class RefIndex:
     def __init__(self, idle_timeout_s=None, max_tombstones=10_000):
-        self.parent = {}            # key -> parent key | None
-        self.depth = {}             # key -> its position in its chain
-        self.copies = {}            # key -> [g1, g2, g3]
-        self.sessions = {}          # session -> set of frontier keys
+        self.parent = {}  # key -> parent key | None
+        self.depth = {}  # key -> its position in its chain
+        self.copies = {}  # key -> [g1, g2, g3]
+        self.sessions = {}  # session -> set of frontier keys
         self.last = {}
         self.tombstones = OrderedDict()
         self.idle = idle_timeout_s
@@ -34,8 +34,7 @@ class RefIndex:
     def maximal(self, keys):
         """Keys none of the others descends from (the antichain of tips)."""
         keys = set(keys)
-        return {k for k in keys
-                if not any(k != o and k in self.ancestors(o) for o in keys)}
+        return {k for k in keys if not any(k != o and k in self.ancestors(o) for o in keys)}
 
     def prune(self):
         """Remove each node with no copy that is no frontier and has no
@@ -47,8 +46,11 @@ class RefIndex:
                 if p is not None:
                     children.setdefault(p, []).append(k)
             fronts = set().union(*self.sessions.values()) if self.sessions else set()
-            idle = [k for k in self.parent if not self.resident(k) and k not in fronts
-                    and len(children.get(k, ())) <= 1]
+            idle = [
+                k
+                for k in self.parent
+                if not self.resident(k) and k not in fronts and len(children.get(k, ())) <= 1
+            ]
             if not idle:
                 return
             k = idle[0]
@@ -62,7 +64,7 @@ class RefIndex:
         if not chain:
             return
         base = 0 if above is None else self.depth[above] + 1
-        for i, k in enumerate(chain):     # spliced-out keys come back between their kin
+        for i, k in enumerate(chain):  # spliced-out keys come back between their kin
             self.parent[k] = chain[i - 1] if i else above
             self.depth[k] = base + i
             self.copies.setdefault(k, [0, 0, 0])
@@ -134,8 +136,10 @@ class RefIndex:
         return out
 
     def result(self, keys):
-        keys = sorted((k for k in keys if k in self.parent and self.resident(k)),
-                      key=lambda k: (self.depth[k], k))
+        keys = sorted(
+            (k for k in keys if k in self.parent and self.resident(k)),
+            key=lambda k: (self.depth[k], k),
+        )
         return keys, {t: [k for k in keys if self.copies[k][t] > 0] for t in TIERS}
 
     def resolve_session(self, session, branch=None, boundary=None):

@@ -5,12 +5,12 @@ through the probe, session ends and idle expiry; every query must agree."""
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-
 from reference import RefIndex
+
+from sessionkv.devtools.keys import block_key
 from sessionkv.index import tree
 from sessionkv.index.prefix_index import SessionPrefixIndex, alias64
 from sessionkv.types import Tier
-from sessionkv.devtools.keys import block_key
 
 SESSIONS = ["s0", "s1", "s2", "s3"]
 TIER = st.sampled_from(list(Tier))
@@ -19,11 +19,14 @@ TIER = st.sampled_from(list(Tier))
 class IndexMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.pool = {}                       # G1 truth: key -> copies (vLLM's block pool)
-        self.idx = SessionPrefixIndex(g1_probe=lambda keys: [self.pool.get(k, 0) for k in keys],
-                                      idle_timeout_s=50.0, max_tombstones=2)
+        self.pool = {}  # G1 truth: key -> copies (vLLM's block pool)
+        self.idx = SessionPrefixIndex(
+            g1_probe=lambda keys: [self.pool.get(k, 0) for k in keys],
+            idle_timeout_s=50.0,
+            max_tombstones=2,
+        )
         self.ref = RefIndex(idle_timeout_s=50.0, max_tombstones=2)
-        self.chains = [[]]                   # every chain seen; [] is the root
+        self.chains = [[]]  # every chain seen; [] is the root
         self.counter = 0
         self.now = 0.0
 
@@ -50,8 +53,14 @@ class IndexMachine(RuleBasedStateMachine):
         if chain:
             self.chains.append(chain)
 
-    @rule(c=st.integers(0, 10**6), s=st.sampled_from(SESSIONS + [None]), cut=st.integers(1, 20),
-          tier=st.none() | TIER, start=st.integers(0, 20), dt=st.floats(0, 20))
+    @rule(
+        c=st.integers(0, 10**6),
+        s=st.sampled_from(SESSIONS + [None]),
+        cut=st.integers(1, 20),
+        tier=st.none() | TIER,
+        start=st.integers(0, 20),
+        dt=st.floats(0, 20),
+    )
     def admit(self, c, s, cut, tier, start, dt):
         chain = self.chains[c % len(self.chains)][:cut]
         self.now += dt
@@ -61,8 +70,14 @@ class IndexMachine(RuleBasedStateMachine):
         self.idx.admit(s, chain, tier, start, self.now)
         self.ref.admit(s, chain, None if tier is None else int(tier), start, self.now)
 
-    @rule(c=st.integers(0, 10**6), s=st.sampled_from(SESSIONS + [None]), cut=st.integers(2, 20),
-          tier=TIER, start=st.integers(1, 19), dt=st.floats(0, 20))
+    @rule(
+        c=st.integers(0, 10**6),
+        s=st.sampled_from(SESSIONS + [None]),
+        cut=st.integers(2, 20),
+        tier=TIER,
+        start=st.integers(1, 19),
+        dt=st.floats(0, 20),
+    )
     def extend(self, c, s, cut, tier, start, dt):
         """A step's admission (``extend``): the blocks after ``start`` below
         the chain's block ``start - 1``; the whole chain when that one is gone.
@@ -76,14 +91,18 @@ class IndexMachine(RuleBasedStateMachine):
             for k in chain[start:]:
                 self.pool[k] = max(self.pool.get(k, 0), 1)
         extended = self.idx.extend(s, chain[start - 1], chain[start:], tier, self.now)
-        assert extended == self.ref.extend(s, chain[start - 1], chain[start:], int(tier),
-                                           self.now)
+        assert extended == self.ref.extend(s, chain[start - 1], chain[start:], int(tier), self.now)
         if not extended:
             self.idx.admit(s, chain, tier, start, self.now)
             self.ref.admit(s, chain, int(tier), start, self.now)
 
-    @rule(tier=TIER, picks=st.lists(st.integers(0, 10**6), max_size=6),
-          count=st.integers(0, 2), absolute=st.booleans(), delta=st.integers(-2, 2))
+    @rule(
+        tier=TIER,
+        picks=st.lists(st.integers(0, 10**6), max_size=6),
+        count=st.integers(0, 2),
+        absolute=st.booleans(),
+        delta=st.integers(-2, 2),
+    )
     def copies(self, tier, picks, count, absolute, delta):
         keys = self.all_keys()
         if not keys:
@@ -157,8 +176,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert got.per_tier == {t: per_tier[int(t)] for t in Tier}
 
 
-IndexMachine.TestCase.settings = settings(max_examples=500, stateful_step_count=50,
-                                          deadline=None)
+IndexMachine.TestCase.settings = settings(max_examples=500, stateful_step_count=50, deadline=None)
 TestIndexAgainstReference = IndexMachine.TestCase
 
 
@@ -174,6 +192,7 @@ class IndexMachineNumpyUpdates(IndexMachine):
         tree.FEW_KEYS = self._few
 
 
-IndexMachineNumpyUpdates.TestCase.settings = settings(max_examples=200, stateful_step_count=50,
-                                                      deadline=None)
+IndexMachineNumpyUpdates.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=50, deadline=None
+)
 TestIndexAgainstReferenceNumpyUpdates = IndexMachineNumpyUpdates.TestCase

@@ -16,10 +16,19 @@ from sessionkv.router.workers import DataParallelWorker, Worker
 def test_a_worker_with_a_second_rank_endpoint_file_is_refused(tmp_path):
     base = tmp_path / "engine-a.json"
     for path in (base, tmp_path / "engine-a.json.dp1"):
-        path.write_text(json.dumps({"control": "tcp://127.0.0.1:9", "events": "tcp://127.0.0.1:10"}))
-    w = Worker(WorkerConfig(name="a", url="http://127.0.0.1:1", endpoint_file=str(base)),
-               b"s" * 16, http=None, load_poll_s=1.0)
-    with pytest.raises(DataParallelWorker, match=r"worker a: .*engine-a\.json\.dp1 exists.*"
-                                                 r"--data-parallel-size 1"):
+        path.write_text(
+            json.dumps({"control": "tcp://127.0.0.1:9", "events": "tcp://127.0.0.1:10"})
+        )
+    w = Worker(
+        WorkerConfig(name="a", url="http://127.0.0.1:1", endpoint_file=str(base)),
+        b"s" * 16,
+        http=None,
+        load_poll_s=1.0,
+    )
+    with pytest.raises(
+        DataParallelWorker,
+        match=r"worker a: .*engine-a\.json\.dp1 exists.*"
+        r"--data-parallel-size 1",
+    ):
         asyncio.run(w.start())
-    assert w.control is None                       # refused before connecting
+    assert w.control is None  # refused before connecting

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from sessionkv.hints import KvHint, parse_envelope, envelope
+from sessionkv.hints import KvHint, envelope, parse_envelope
+from sessionkv.router import session_policy
 from sessionkv.router.config import HintPolicy
 from sessionkv.router.gaps import GapModel, density_priority
-from sessionkv.router import session_policy
 from sessionkv.router.session_policy import HEAD_BOOST, ROUTER_OWNER, End, Send, SessionHints
 from sessionkv.router.shadow import Selector, ShadowCache
 
@@ -56,9 +56,14 @@ def test_a_continuing_session_is_retained_up_to_its_last_full_block():
     assert retains(p.turn_started("s1", "a", chain(1, 2, 3))) == []
     clock.now += 2
     ((w, sess, h),) = retains(p.turn_ended("s1"))
-    assert (w, sess, h.action.value, h.target.session_id, h.target.boundary) == \
-        ("a", "s1", "retain", "s1", key(3))
-    assert h.bounds.priority > 0 and h.bounds.ttl_s is None   # until the session ends
+    assert (w, sess, h.action.value, h.target.session_id, h.target.boundary) == (
+        "a",
+        "s1",
+        "retain",
+        "s1",
+        key(3),
+    )
+    assert h.bounds.priority > 0 and h.bounds.ttl_s is None  # until the session ends
 
 
 def test_a_retry_from_an_earlier_turn_releases_the_chain_it_left():
@@ -70,7 +75,7 @@ def test_a_retry_from_an_earlier_turn_releases_the_chain_it_left():
     p.turn_started("s1", "a", chain(1, 2, 3))
     clock.now += 2
     p.turn_ended("s1")
-    assert retains(p.turn_started("s1", "a", chain(1, 2, 3, 4))) == []      # extends it
+    assert retains(p.turn_started("s1", "a", chain(1, 2, 3, 4))) == []  # extends it
     clock.now += 2
     p.turn_ended("s1")
     ((_, _, h),) = retains(p.turn_started("s1", "a", [key(1), key(2), key(9)]))
@@ -85,12 +90,12 @@ def test_a_retain_is_re_sent_only_when_its_priority_changes():
     p.turn_started("s1", "a", chain(1, 2))
     (first,) = retains(p.turn_ended("s1"))
     sent = [first[2].bounds.priority]
-    for _ in range(60):                       # a minute idle, a tick a second
+    for _ in range(60):  # a minute idle, a tick a second
         clock.now += 1.01
         sent += [h.bounds.priority for *_, h in retains(p.tick())]
     # four steps per doubling of (median + idle): 10 s -> 70 s is about 11 steps
     assert 5 <= len(sent) - 1 <= 14, sent
-    assert all(a > b for a, b in zip(sent, sent[1:])), sent   # each re-send a new, lower rank
+    assert all(a > b for a, b in zip(sent, sent[1:])), sent  # each re-send a new, lower rank
     assert p.status()["engines"]["a"]["reranked"] == len(sent) - 1
 
 
@@ -117,7 +122,7 @@ def test_idle_retains_move_by_bands_until_g2_evicts_retained_blocks():
     # ten minutes: 10 s -> 616 s is about 24 steps, re-sent after 8 and 16 (and 24)
     assert 2 <= len(sent) - 1 <= 3, sent
     assert all(a - b >= session_policy.RERANK_STEPS for a, b in zip(sent, sent[1:])), sent
-    for i in range(80):                       # 2,560 blocks retained: G2 holds 1,024
+    for i in range(80):  # 2,560 blocks retained: G2 holds 1,024
         served(f"t{i}", chain(*range(1000 + 100 * i, 1032 + 100 * i)))
     sent = served("s2", chain(3, 4)) + idle(60, "s2")
     steps = [a - b for a, b in zip(sent, sent[1:])]
@@ -131,7 +136,7 @@ def test_a_shared_prefix_is_retained_by_the_router_for_its_watch():
     p.turn_started("s1", "a", chain(1, 2, 3))
     p.turn_ended("s1")
     clock.now += 1
-    outs = p.turn_started("s2", "a", [key(1), key(2), key(9)])     # shares blocks 1 and 2
+    outs = p.turn_started("s2", "a", [key(1), key(2), key(9)])  # shares blocks 1 and 2
     ((_, sess, h),) = retains(outs)
     assert sess == ROUTER_OWNER and set(h.target.keys) == {key(1), key(2)}
     assert h.bounds.ttl_s == 300.0
@@ -145,30 +150,32 @@ def test_an_ended_session_is_ended_wherever_it_went_and_its_head_watched():
     p.add_engine("b", 1024, 256, 100.0)
     p.turn_started("s1", "a", chain(*range(1, 9)))
     p.turn_ended("s1")
-    p.turn_started("s1", "b", chain(*range(1, 10)))        # moved
+    p.turn_started("s1", "b", chain(*range(1, 10)))  # moved
     outs = p.session_ended("s1")
     assert [o for o in outs if isinstance(o, End)] == [End("a", "s1"), End("b", "s1")]
     ((w, sess, h),) = retains(outs)
-    assert (w, sess) == ("b", ROUTER_OWNER) and list(h.target.keys) == chain(1, 2, 3)  # first quarter
+    assert (w, sess) == ("b", ROUTER_OWNER) and list(h.target.keys) == chain(
+        1, 2, 3
+    )  # first quarter
     assert p.session_ended("s1") == [] and p.turn_ended("nobody") == []
 
 
 def test_hints_leave_at_the_engines_rate_and_the_queue_holds_one_per_session():
     p, clock = policy(strategy="recency")
     p._engines.clear()
-    p.add_engine("a", 1024, 0, 10.0)                        # 8 hints/s for the policy
+    p.add_engine("a", 1024, 0, 10.0)  # 8 hints/s for the policy
     sent = 0
     for i in range(50):
         p.turn_started(f"s{i}", "a", chain(1000 + i))
         sent += len(retains(p.turn_ended(f"s{i}")))
     assert sent == 8 and p.status()["engines"]["a"]["queued"] == 42
-    for i in range(50):                                     # new turns replace queued entries
+    for i in range(50):  # new turns replace queued entries
         p.turn_started(f"s{i}", "a", chain(1000 + i, 2000 + i))
         p.turn_ended(f"s{i}")
     # at most two per session: its Retain and its first turn's prefix above it
     assert p.status()["engines"]["a"]["queued"] <= 100
     clock.now += 10
-    assert len(retains(p.tick())) == 8                     # the bucket holds one second
+    assert len(retains(p.tick())) == 8  # the bucket holds one second
 
 
 def test_live_sessions_and_seen_blocks_are_bounded():
@@ -177,7 +184,7 @@ def test_live_sessions_and_seen_blocks_are_bounded():
         p.turn_started(f"s{i}", "a", chain(*range(100 * i, 100 * i + 5)))
         p.turn_ended(f"s{i}")
     assert p.status()["live_sessions"] == 10 and len(p._first) == 50
-    for i in range(100):                     # 100 sessions through 100 new shared prefixes
+    for i in range(100):  # 100 sessions through 100 new shared prefixes
         p.turn_started(f"a{i}", "a", chain(50_000 + i, 60_000 + i))
         p.turn_started(f"b{i}", "a", chain(50_000 + i, 70_000 + i))
         p.session_ended(f"a{i}")
@@ -211,12 +218,15 @@ def test_auto_follows_the_strategy_whose_shadow_hits_more():
             clock.now += 1
             p.turn_started(f"s{s}", "a", chain(*range(10_000 * s, 10_000 * s + 40 + rnd)))
             p.turn_ended(f"s{s}")
-            for j in range(40):                             # one-off requests
-                p.turn_started(f"x{rnd}-{s}-{j}", "a", chain(5_000_000 + 1000 * (rnd * 800 + s * 40 + j)))
+            for j in range(40):  # one-off requests
+                p.turn_started(
+                    f"x{rnd}-{s}-{j}", "a", chain(5_000_000 + 1000 * (rnd * 800 + s * 40 + j))
+                )
                 p.session_ended(f"x{rnd}-{s}-{j}")
     st = p.status()["engines"]["a"]
-    assert st["strategy"] != "plain" and st["scores"]["plain"] < \
-        0.5 * st["scores"][st["strategy"]], st
+    assert (
+        st["strategy"] != "plain" and st["scores"]["plain"] < 0.5 * st["scores"][st["strategy"]]
+    ), st
 
 
 def test_shadow_evicts_plain_then_low_priorities_and_never_the_request_itself():
@@ -225,10 +235,10 @@ def test_shadow_evicts_plain_then_low_priorities_and_never_the_request_itself():
     sh.set(chain(1, 2), 5, "s1")
     sh.request(chain(3))
     sh.set(chain(3), 1, "s2")
-    sh.request(chain(4))                     # plain
-    sh.request(chain(7, 8))                  # 4 goes (plain), then 3 (priority 1)
+    sh.request(chain(4))  # plain
+    sh.request(chain(7, 8))  # 4 goes (plain), then 3 (priority 1)
     assert sh.request(chain(1, 2)) == 2 and sh.request(chain(3)) == 0
-    assert sh.request(chain(*range(20, 30))) == 0 and len(sh) == 10   # larger than G2: kept whole
+    assert sh.request(chain(*range(20, 30))) == 0 and len(sh) == 10  # larger than G2: kept whole
 
 
 def test_shadow_counts_the_evictions_of_session_retains_only():
@@ -239,11 +249,11 @@ def test_shadow_counts_the_evictions_of_session_retains_only():
     sh.set(chain(1), 5, ROUTER_OWNER)
     sh.request(chain(2))
     sh.set(chain(2), 5, "s1")
-    sh.request(chain(3))                     # 1 goes: the router's watch
-    sh.request(chain(4))                     # 3 goes: plain
+    sh.request(chain(3))  # 1 goes: the router's watch
+    sh.request(chain(4))  # 3 goes: plain
     assert chain(1)[0] not in sh and chain(3)[0] not in sh and sh.retained_evictions == 0
     sh.set(chain(4), 5, "s2")
-    sh.request(chain(5))                     # 2 goes: s1's, the older Retained one
+    sh.request(chain(5))  # 2 goes: s1's, the older Retained one
     assert chain(2)[0] not in sh and sh.retained_evictions == 1
 
 
@@ -254,41 +264,41 @@ def test_shadow_retains_keep_recency_and_the_last_owner_releases():
     sh.request(chain(1))
     sh.request(chain(2))
     sh.set(chain(2), 4, "a")
-    sh.set(chain(1), 4, "a")                 # 1 stays the older of the two
-    sh.request(chain(3))                     # so 1 goes
+    sh.set(chain(1), 4, "a")  # 1 stays the older of the two
+    sh.request(chain(3))  # so 1 goes
     assert sh.request(chain(2)) == 1 and sh.request(chain(1)) == 0
     sh = ShadowCache(3)
     sh.request(chain(1))
     sh.request(chain(2))
     sh.set(chain(2), 4, "a")
-    sh.set(chain(1), 4, "a")                 # 1 stays the older of the two
-    sh.set(chain(1), 4, "b")                 # retained again, by b
-    sh.release(chain(1, 2), "a")             # 2 is plain again, 1 stays b's
+    sh.set(chain(1), 4, "a")  # 1 stays the older of the two
+    sh.set(chain(1), 4, "b")  # retained again, by b
+    sh.release(chain(1, 2), "a")  # 2 is plain again, 1 stays b's
     sh.request(chain(3))
-    sh.request(chain(9))                     # 2 goes (plain, oldest)
+    sh.request(chain(9))  # 2 goes (plain, oldest)
     assert sh.request(chain(2)) == 0
     sh.request(chain(5))
-    sh.request(chain(6))                     # plain ones go before b's 1
+    sh.request(chain(6))  # plain ones go before b's 1
     assert sh.request(chain(1)) == 1
 
 
 def test_shadow_counts_hits_only_among_the_counted_keys():
     sh = ShadowCache(8)
-    sh.request(chain(1, 2, 3), counted=2)    # 3: a partial block the engine stores too
+    sh.request(chain(1, 2, 3), counted=2)  # 3: a partial block the engine stores too
     assert sh.request(chain(1, 2, 3), counted=2) == 2 and len(sh) == 3
 
 
 def test_shadow_g1_serves_what_g2_dropped():
     sh = ShadowCache(2, g1_blocks=2)
     sh.request(chain(1, 2))
-    sh.request(chain(3, 4))                  # G2 and G1 now hold 3, 4
+    sh.request(chain(3, 4))  # G2 and G1 now hold 3, 4
     assert sh.request(chain(3, 4)) == 2 and sh.request(chain(1)) == 0
 
 
 def test_shadow_samples_big_engines_and_scales_hits_back():
     sh = ShadowCache(1_000_000, max_blocks=1000)
     assert sh.rate == pytest.approx(0.001) and sh.capacity == 1000
-    keys = [i.to_bytes(8, "big") for i in range(100_000)]     # small ids, as the replay's
+    keys = [i.to_bytes(8, "big") for i in range(100_000)]  # small ids, as the replay's
     kept = sh.keys_of(keys)
     assert 50 <= len(kept) <= 150
     sh.request(kept)
@@ -339,14 +349,22 @@ def test_gap_model_density_is_returns_per_second_held():
 def test_the_replay_drives_the_routers_own_policy_class():
     """bench/replay_router.py adapts SessionHints; it defines no policy of its own."""
     tree = ast.parse((ROOT / "bench" / "replay_router.py").read_text())
-    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-                and n.module == "sessionkv.router.session_policy" for a in n.names}
+    imported = {
+        a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module == "sessionkv.router.session_policy"
+        for a in n.names
+    }
     assert "SessionHints" in imported
     classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
     assert classes <= {"Worker", "Router", "NaiveRouter", "PolicyRouter"}, classes
     app = ast.parse((ROOT / "router" / "app.py").read_text())
-    assert any(isinstance(n, ast.ImportFrom) and n.module == "sessionkv.router.session_policy"
-               and "SessionHints" in {a.name for a in n.names} for n in ast.walk(app))
+    assert any(
+        isinstance(n, ast.ImportFrom)
+        and n.module == "sessionkv.router.session_policy"
+        and "SessionHints" in {a.name for a in n.names}
+        for n in ast.walk(app)
+    )
 
 
 def test_every_turn_end_retains_the_grown_prefix_even_at_the_same_priority():
@@ -369,23 +387,33 @@ def test_the_router_and_the_replay_run_one_policy_class_on_the_same_events(tmp_p
     from replay_router import PolicyRouter
     from replay_sim import Worker as SimWorker
     from replay_trace import SimClock, parse_rows
+
     from sessionkv.router.app import Router
     from sessionkv.router.config import parse_config
 
     (tmp_path / "key").write_bytes(b"k" * 32)
-    cfg = parse_config({"secret_file": str(tmp_path / "key"),
-                        "redis": {"url": "redis://127.0.0.1:1/0"},
-                        "workers": [{"name": "0", "url": "http://127.0.0.1:1",
-                                     "control": "tcp://127.0.0.1:1"}]})
+    cfg = parse_config(
+        {
+            "secret_file": str(tmp_path / "key"),
+            "redis": {"url": "redis://127.0.0.1:1/0"},
+            "workers": [{"name": "0", "url": "http://127.0.0.1:1", "control": "tcp://127.0.0.1:1"}],
+        }
+    )
     clock = SimClock()
     proxy = Router(cfg, clock)
-    tr = parse_rows([{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}])
+    tr = parse_rows(
+        [{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}]
+    )
     replay = PolicyRouter(tr, [SimWorker("session", 16, 64, clock, hinted=True)], clock, cfg.policy)
     assert type(proxy.policy) is type(replay.policy) is SessionHints
     proxy.policy.add_engine("0", 64, 16, 100.0)
     sent = []
     for pol in (proxy.policy, replay.policy):
         outs = pol.turn_started("s1", "0", chain(1, 2)) + pol.turn_ended("s1")
-        sent.append([(o.worker, o.session, [(a["action_type"], a["payload"]) for a in o.actions])
-                     for o in outs])
+        sent.append(
+            [
+                (o.worker, o.session, [(a["action_type"], a["payload"]) for a in o.actions])
+                for o in outs
+            ]
+        )
     assert sent[0] == sent[1] and sent[0][0][2][0][0] == "kv.retain"

@@ -13,7 +13,7 @@ from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
 
 from sessionkv.router.shadow import ShadowCache
 
-BY_POSITION = hasattr(CachePolicy, "on_request_access")    # vLLM 0.33's LRU
+BY_POSITION = hasattr(CachePolicy, "on_request_access")  # vLLM 0.33's LRU
 
 
 def key(i: int) -> bytes:
@@ -26,16 +26,16 @@ def chain(*ids: int) -> list[bytes]:
 
 def test_a_running_turn_keeps_its_blocks_before_idle_ones_and_loses_its_tail_first():
     sh = ShadowCache(6)
-    sh.request(chain(1, 2, 3))                    # p: served and ended
-    sh.request(chain(11, 12, 13))                 # x: idle, newer than p
-    sh.request(chain(1, 2, 3, 4, 5), turn="b")    # b reads p and stores 4, 5
-    assert [k in sh for k in chain(13, 12, 11)] == [False, False, True]   # x's tail first
-    sh.request(chain(21), turn="y")               # y begins and ends while b runs
+    sh.request(chain(1, 2, 3))  # p: served and ended
+    sh.request(chain(11, 12, 13))  # x: idle, newer than p
+    sh.request(chain(1, 2, 3, 4, 5), turn="b")  # b reads p and stores 4, 5
+    assert [k in sh for k in chain(13, 12, 11)] == [False, False, True]  # x's tail first
+    sh.request(chain(21), turn="y")  # y begins and ends while b runs
     sh.finish("y")
     assert chain(11)[0] not in sh and all(k in sh for k in chain(1, 2, 3, 4, 5, 21))
-    sh.request(chain(31))                         # b goes before y, its tail first
+    sh.request(chain(31))  # b goes before y, its tail first
     assert chain(5)[0] not in sh and all(k in sh for k in chain(1, 2, 3, 4, 21, 31))
-    sh.finish("b")                                # b's blocks the most recent, head last
+    sh.finish("b")  # b's blocks the most recent, head last
     sh.request(chain(41))
     sh.request(chain(51))
     assert [k in sh for k in chain(21, 31, 4, 3, 2, 1)] == [False, False, True, True, True, True]
@@ -44,12 +44,12 @@ def test_a_running_turn_keeps_its_blocks_before_idle_ones_and_loses_its_tail_fir
 def test_a_turn_named_again_ends_the_one_before():
     sh = ShadowCache(3)
     sh.request(chain(1), turn="s")
-    sh.request(chain(2))                          # ended at once: newer than s's 1
-    sh.request(chain(3), turn="s")                # s's first turn ends: 1 newer than 2
-    sh.request(chain(4))                          # so 2 goes, not 1
+    sh.request(chain(2))  # ended at once: newer than s's 1
+    sh.request(chain(3), turn="s")  # s's first turn ends: 1 newer than 2
+    sh.request(chain(4))  # so 2 goes, not 1
     assert [k in sh for k in chain(1, 2, 3, 4)] == [True, False, True, True]
     sh.finish("s")
-    sh.finish("s")                                # nothing running by that name
+    sh.finish("s")  # nothing running by that name
     assert len(sh) == 3
 
 
@@ -58,7 +58,7 @@ def test_running_turns_hold_at_most_max_blocks():
     for t in range(100):
         sh.request(chain(2 * t, 2 * t + 1), turn=f"t{t}")
     assert len(sh._open) == 10 and sh._open_blocks == 20
-    sh.finish("t89")                              # forgotten: its blocks keep their rank
+    sh.finish("t89")  # forgotten: its blocks keep their rank
     assert len(sh._open) == 10
 
 
@@ -80,7 +80,7 @@ class LRUModel:
             if k not in self.rank or self.rank[k] < (r, -pos):
                 self.rank[k] = (r, -pos)
         free = sorted((k for k in self.rank if k not in set(keys)), key=lambda k: (self.rank[k], k))
-        for k in free[:max(0, len(self.rank) - self.capacity)]:
+        for k in free[: max(0, len(self.rank) - self.capacity)]:
             del self.rank[k]
         self.open[turn] = keys
 
@@ -122,16 +122,22 @@ class VLLMEngine:
             self.mgr.on_request_finished(ctx)
 
     def resident(self, keys):
-        return {k for k in keys if self.mgr.lookup(k, ReqContext(req_id="probe"))
-                is LookupResult.HIT}
+        return {
+            k for k in keys if self.mgr.lookup(k, ReqContext(req_id="probe")) is LookupResult.HIT
+        }
 
 
 # chains of a few shared prefixes, so that turns read what others stored
 PREFIX = st.sampled_from([(), (1,), (1, 2), (3, 4, 5)])
-turns = st.lists(st.one_of(
-    st.tuples(st.just("start"), st.integers(0, 3), PREFIX, st.integers(0, 40), st.integers(0, 3)),
-    st.tuples(st.just("end"), st.integers(0, 3)),
-), max_size=40)
+turns = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("start"), st.integers(0, 3), PREFIX, st.integers(0, 40), st.integers(0, 3)
+        ),
+        st.tuples(st.just("end"), st.integers(0, 3)),
+    ),
+    max_size=40,
+)
 
 
 @settings(max_examples=300, deadline=None)

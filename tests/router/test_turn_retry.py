@@ -32,6 +32,7 @@ async def stand_in(script, load=0):
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
+
     async def health(_request):
         return web.Response()
 
@@ -52,16 +53,21 @@ def test_a_dropped_connection_on_a_live_worker_is_sent_again_there(tmp_path):
 
     async def go():
         a, url_a, calls_a = await stand_in(["drop"])
-        b, url_b, calls_b = await stand_in([], load=2)      # busier: s goes to a
-        cfg = parse_config({
-            "secret_file": str(tmp_path / "key"),
-            "redis": {"url": f"redis://127.0.0.1:{free_port()}/0"},    # down: memory only
-            "workers": [{"name": "a", "url": url_a, "plain": True},
-                        {"name": "b", "url": url_b, "plain": True}],
-            "routing": {"load_poll_s": 0.1, "overlap": False}})
+        b, url_b, calls_b = await stand_in([], load=2)  # busier: s goes to a
+        cfg = parse_config(
+            {
+                "secret_file": str(tmp_path / "key"),
+                "redis": {"url": f"redis://127.0.0.1:{free_port()}/0"},  # down: memory only
+                "workers": [
+                    {"name": "a", "url": url_a, "plain": True},
+                    {"name": "b", "url": url_b, "plain": True},
+                ],
+                "routing": {"load_poll_s": 0.1, "overlap": False},
+            }
+        )
         router = Router(cfg)
         await router.start()
-        await asyncio.sleep(0.3)                   # a load poll of each
+        await asyncio.sleep(0.3)  # a load poll of each
         runner = web.AppRunner(router.app)
         await runner.setup()
         port = free_port()
@@ -70,9 +76,11 @@ def test_a_dropped_connection_on_a_live_worker_is_sent_again_there(tmp_path):
             async with aiohttp.ClientSession() as http:
                 placed = []
                 for _ in range(2):
-                    async with http.post(f"http://127.0.0.1:{port}/v1/completions",
-                                         json={"model": "m", "prompt": "hi"},
-                                         headers={"X-Session-ID": "s"}) as r:
+                    async with http.post(
+                        f"http://127.0.0.1:{port}/v1/completions",
+                        json={"model": "m", "prompt": "hi"},
+                        headers={"X-Session-ID": "s"},
+                    ) as r:
                         assert r.status == 200, await r.text()
                         placed.append(r.headers["X-SessionKV-Worker"])
             return placed, calls_a, calls_b, {n: w.healthy for n, w in router.workers.items()}
@@ -108,11 +116,19 @@ def test_one_slow_health_answer_is_not_death(stall):
         await web.TCPSite(runner, "127.0.0.1", port).start()
         try:
             async with aiohttp.ClientSession() as http:
-                w = Worker(WorkerConfig(name="a", url=f"http://127.0.0.1:{port}"), b"s" * 16,
-                           http=http, load_poll_s=1.0)
+                w = Worker(
+                    WorkerConfig(name="a", url=f"http://127.0.0.1:{port}"),
+                    b"s" * 16,
+                    http=http,
+                    load_poll_s=1.0,
+                )
                 live = await w.alive(timeout_s=0.3)
-                gone = Worker(WorkerConfig(name="b", url=f"http://127.0.0.1:{free_port()}"),
-                              b"s" * 16, http=http, load_poll_s=1.0)
+                gone = Worker(
+                    WorkerConfig(name="b", url=f"http://127.0.0.1:{free_port()}"),
+                    b"s" * 16,
+                    http=http,
+                    load_poll_s=1.0,
+                )
                 return live, await gone.alive(timeout_s=0.3)
         finally:
             await runner.cleanup()

@@ -15,26 +15,41 @@ from sessionkv.router.workers import Worker, _metric_sum
 
 
 def test_metric_samples_without_a_value_are_skipped_and_counted():
-    text = "\n".join([
-        "# HELP vllm:num_requests_running running",
-        'vllm:num_requests_running{model="a b",engine="0"} 3.0',
-        "vllm:num_requests_running{x}",                     # no value: was an IndexError
-        'vllm:num_requests_running{engine="1"} 2 1700000000000',   # with a timestamp
-        "vllm:num_requests_running NaN",
-        "vllm:num_requests_running -1.7e308",               # negative (fuzz: two made -inf)
-        "vllm:num_requests_running 1.7e308",
-        "vllm:num_requests_running_total 99",               # another metric
-    ])
+    text = "\n".join(
+        [
+            "# HELP vllm:num_requests_running running",
+            'vllm:num_requests_running{model="a b",engine="0"} 3.0',
+            "vllm:num_requests_running{x}",  # no value: was an IndexError
+            'vllm:num_requests_running{engine="1"} 2 1700000000000',  # with a timestamp
+            "vllm:num_requests_running NaN",
+            "vllm:num_requests_running -1.7e308",  # negative (fuzz: two made -inf)
+            "vllm:num_requests_running 1.7e308",
+            "vllm:num_requests_running_total 99",  # another metric
+        ]
+    )
     assert _metric_sum(text, "vllm:num_requests_running") == (5.0, 4)
 
 
-@pytest.mark.parametrize("change", [
-    {"block_size": 0}, {"block_size": True}, {"block_size": "32"}, {"block_size": 1 << 40},
-    {"hash_algo": ["sha256"]}, {"block_hashes": "ab"}, {"block_hashes": [1, 2]},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"block_size": 0},
+        {"block_size": True},
+        {"block_size": "32"},
+        {"block_size": 1 << 40},
+        {"hash_algo": ["sha256"]},
+        {"block_hashes": "ab"},
+        {"block_hashes": [1, 2]},
+    ],
+)
 def test_bad_probe_answers_are_mismatches(change):
-    answer = {"block_size": 32, "hash_algo": "sha256", "hash_root": "00" * 32,
-              "block_hashes": ["00"], **change}
+    answer = {
+        "block_size": 32,
+        "hash_algo": "sha256",
+        "hash_root": "00" * 32,
+        "block_hashes": ["00"],
+        **change,
+    }
     with pytest.raises(ProbeMismatch):
         BlockHasher.from_probe(answer, PROBE_TOKENS)
 
@@ -49,18 +64,22 @@ class NewerEngine:
 
     async def events(self, after, limit):
         self.calls.append(after)
-        if after < 10:        # seqs 1..10: only 4 decoded, the rest of unknown kinds
+        if after < 10:  # seqs 1..10: only 4 decoded, the rest of unknown kinds
             known = [Residency(seq=s, tier="G2", keys=[b"k%d" % s]) for s in (2, 3, 5, 7)]
             return EventPage((known, 1, 21, 10))
-        if after < 20:        # seqs 11..20: none known
+        if after < 20:  # seqs 11..20: none known
             return EventPage(([], 1, 21, 20))
         return EventPage(([], 1, 21, 0))
 
 
 def test_the_follower_steps_past_event_kinds_it_does_not_know():
     async def go():
-        w = Worker(WorkerConfig(name="a", url="http://127.0.0.1:1", control="tcp://x:1"),
-                   b"s" * 16, http=None, load_poll_s=1.0)
+        w = Worker(
+            WorkerConfig(name="a", url="http://127.0.0.1:1", control="tcp://x:1"),
+            b"s" * 16,
+            http=None,
+            load_poll_s=1.0,
+        )
         w.control = NewerEngine()
         task = asyncio.create_task(w._follow())
         w._wake.set()
@@ -68,9 +87,10 @@ def test_the_follower_steps_past_event_kinds_it_does_not_know():
         alive = not task.done()
         task.cancel()
         return w, alive
+
     w, alive = asyncio.run(go())
     assert alive and w._seq == 20
-    assert w.control.calls[:2] == [0, 10]          # one read per page, no re-reading
+    assert w.control.calls[:2] == [0, 10]  # one read per page, no re-reading
 
 
 def test_a_worker_turns_unhealthy_only_after_several_failed_polls():
@@ -101,8 +121,12 @@ def test_a_worker_turns_unhealthy_only_after_several_failed_polls():
         await web.TCPSite(runner, "127.0.0.1", port).start()
         health = []
         async with aiohttp.ClientSession() as http:
-            w = Worker(WorkerConfig(name="a", url=f"http://127.0.0.1:{port}", control="tcp://x:1"),
-                       b"s" * 16, http=http, load_poll_s=0.02)
+            w = Worker(
+                WorkerConfig(name="a", url=f"http://127.0.0.1:{port}", control="tcp://x:1"),
+                b"s" * 16,
+                http=http,
+                load_poll_s=0.02,
+            )
             task = asyncio.create_task(w._poll_load())
             while len(seen) < len(script):
                 health.append((len(seen), w.healthy))

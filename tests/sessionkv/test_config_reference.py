@@ -15,9 +15,18 @@ from sessionkv.tiers.g3.tier import G3Tier
 
 README = Path(__file__).resolve().parents[2] / "docs" / "reference" / "configuration.md"
 # G3Tier's constructor arguments that vLLM or sessionkv's spec pass, not the tier entry.
-FROM_VLLM = {"self", "offloading_spec", "primary_kv_view", "tier_type", "backend",
-             "backpressure_detector", "backend_config", "quarantine", "observer",
-             "seal_key"}
+FROM_VLLM = {
+    "self",
+    "offloading_spec",
+    "primary_kv_view",
+    "tier_type",
+    "backend",
+    "backpressure_detector",
+    "backend_config",
+    "quarantine",
+    "observer",
+    "seal_key",
+}
 # Backend constructor arguments a tier wires itself (DiskTier: its evictor's callback).
 WIRED = {"on_evict"}
 
@@ -35,17 +44,21 @@ def reference_keys() -> set[str]:
 def code_keys() -> set[str]:
     keys = {"version"}
     for section in dataclasses.fields(TierPolicy):
-        for f in dataclasses.fields(section.type if isinstance(section.type, type)
-                                    else section.default_factory):
-            if f.name != "secret":                   # read from secret_file
+        for f in dataclasses.fields(
+            section.type if isinstance(section.type, type) else section.default_factory
+        ):
+            if f.name != "secret":  # read from secret_file
                 keys.add(f"{section.name}.{f.name}")
     keys |= {f"sessionkv.control.{f.name}" for f in dataclasses.fields(ControlConfig)}
-    keys |= {f"sessionkv.{f.name}" for f in dataclasses.fields(SessionKVConfig)
-             if f.name not in ("policy", "control")}
+    keys |= {
+        f"sessionkv.{f.name}"
+        for f in dataclasses.fields(SessionKVConfig)
+        if f.name not in ("policy", "control")
+    }
     keys.add("secondary_tiers")
     keys |= set(inspect.signature(G3Tier.__init__).parameters) - FROM_VLLM
     assert {"DiskTier", "MooncakeTier", "RedisTier", "LMCacheTier"} <= set(G3_MODULES)
-    for kind, module in G3_MODULES.items():         # sessionkv's own tiers
+    for kind, module in G3_MODULES.items():  # sessionkv's own tiers
         tier = getattr(importlib.import_module(module), kind)
         params = set(inspect.signature(tier.backend_class.__init__).parameters) - {"self"} - WIRED
         keys |= {f"{tier.__name__}.{p}" for p in params}
@@ -87,7 +100,15 @@ def test_every_router_key_is_in_the_router_section():
     section = text.split("## Router", 1)[1].split("\n## ", 1)[0]
     yaml_block = section.split("```yaml", 1)[1].split("```", 1)[0]
     keys = router_keys()
-    assert {"listen.port", "secret_file", "redis.url", "workers[].plain",
-            "policy.tool_call.pin_ttl_factor", "routing.overlap_g2_weight"} <= keys
+    assert {
+        "listen.port",
+        "secret_file",
+        "redis.url",
+        "workers[].plain",
+        "policy.tool_call.pin_ttl_factor",
+        "routing.overlap_g2_weight",
+    } <= keys
     missing = sorted(k for k in keys if k.rsplit(".", 1)[-1] + ":" not in yaml_block)
-    assert not missing, f"router.yaml keys not in the configuration reference's Router section: {missing}"
+    assert not missing, (
+        f"router.yaml keys not in the configuration reference's Router section: {missing}"
+    )

@@ -12,9 +12,14 @@ from sessionkv.doctor import main as doctor_main
 
 
 def answer(**kw):
-    a = {"block_hashes": ["aa", "bb"], "block_size": 32, "hash_algo": "sha256",
-         "hash_root": "r0", "pythonhashseed": "0",
-         "g3": [{"tier": "RedisTier", "objects": "ns/fp0/", "error": ""}]}
+    a = {
+        "block_hashes": ["aa", "bb"],
+        "block_size": 32,
+        "hash_algo": "sha256",
+        "hash_root": "r0",
+        "pythonhashseed": "0",
+        "g3": [{"tier": "RedisTier", "objects": "ns/fp0/", "error": ""}],
+    }
     return {**a, **kw}
 
 
@@ -28,30 +33,47 @@ def test_matching_engines_give_one_ok():
 
 
 def test_each_cause_is_named_once_with_its_fix():
-    found = compare({"a": answer(),
-                     "bs": answer(block_size=64, block_hashes=["x"]),
-                     "algo": answer(hash_algo="xxhash", hash_root="r1", block_hashes=["y"]),
-                     "seed": answer(hash_root="r2", pythonhashseed="1", block_hashes=["z"]),
-                     "salt": answer(block_hashes=["w"]),
-                     "model": answer(g3=[{"tier": "RedisTier", "objects": "ns/fp9/",
-                                          "error": ""}])})
+    found = compare(
+        {
+            "a": answer(),
+            "bs": answer(block_size=64, block_hashes=["x"]),
+            "algo": answer(hash_algo="xxhash", hash_root="r1", block_hashes=["y"]),
+            "seed": answer(hash_root="r2", pythonhashseed="1", block_hashes=["z"]),
+            "salt": answer(block_hashes=["w"]),
+            "model": answer(g3=[{"tier": "RedisTier", "objects": "ns/fp9/", "error": ""}]),
+        }
+    )
     assert errors(found) == [
         ("bs", "block size 64 != 32 (vs a)"),
         ("algo", "hash function xxhash != sha256 (vs a)"),
         ("seed", "block-hash root differs: PYTHONHASHSEED '1' != '0' (vs a)"),
-        ("salt", "the probe's block hashes differ with the same hash settings (extra keys: "
-                 "LoRA adapter, cache_salt, multimodal inputs) (vs a)"),
-        ("model", "G3 tier RedisTier names objects ns/fp9/* != ns/fp0/*: another model, "
-                  "dtype, layout or namespace (vs a)")]
+        (
+            "salt",
+            "the probe's block hashes differ with the same hash settings (extra keys: "
+            "LoRA adapter, cache_salt, multimodal inputs) (vs a)",
+        ),
+        (
+            "model",
+            "G3 tier RedisTier names objects ns/fp9/* != ns/fp0/*: another model, "
+            "dtype, layout or namespace (vs a)",
+        ),
+    ]
     assert all(f.fix for f in found)
 
 
 def test_an_unset_seed_warns_and_a_dead_tier_is_an_error():
-    found = compare({"a": answer(pythonhashseed=None,
-                                 g3=[{"tier": "RedisTier", "objects": "ns/fp0/",
-                                      "error": "RedisTier is down"}])})
+    found = compare(
+        {
+            "a": answer(
+                pythonhashseed=None,
+                g3=[{"tier": "RedisTier", "objects": "ns/fp0/", "error": "RedisTier is down"}],
+            )
+        }
+    )
     assert [(f.level, f.what.split(":")[0]) for f in found] == [
-        ("warning", "PYTHONHASHSEED is not set"), ("error", "G3 tier RedisTier does not answer")]
+        ("warning", "PYTHONHASHSEED is not set"),
+        ("error", "G3 tier RedisTier does not answer"),
+    ]
 
 
 # --- /dev/shm can hold G2 (sessionkv doctor --kv-transfer-config) -------------
@@ -60,8 +82,13 @@ SHM_TOTAL = shutil.disk_usage(SHM).total
 
 
 def kv_config(**extra):
-    return json.dumps({"kv_connector": "SessionTierConnector", "kv_role": "kv_both",
-                       "kv_connector_extra_config": extra})
+    return json.dumps(
+        {
+            "kv_connector": "SessionTierConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+    )
 
 
 def test_a_shm_smaller_than_g2_is_an_error_naming_both_sizes_and_the_fix():
@@ -84,7 +111,7 @@ def test_too_little_free_space_warns_and_names_the_regions_already_there(tmp_pat
     # A real file under a G2 region's name, 8 MiB of written pages.
     (tmp_path / "vllm_offload_engine-a.mmap").write_bytes(b"\1" * (8 << 20))
     usage = shutil.disk_usage(tmp_path)
-    need = (usage.free + usage.total) // 2          # fits the filesystem, not its free space
+    need = (usage.free + usage.total) // 2  # fits the filesystem, not its free space
     found = shm_findings(need, directory=str(tmp_path))
     assert [f.level for f in found] == ["warning"]
     assert "1 G2 region(s) already there hold 8 MiB" in found[0].what

@@ -31,7 +31,7 @@ def test_a_full_log_keeps_the_newest_and_reports_the_gap():
         log.append(ev(i))
     events, oldest, nxt = log.since(3, 1000)
     assert (oldest, nxt) == (151, 201)
-    assert [e.seq for e in events] == list(range(151, 201))   # the gap: 4..150 are gone
+    assert [e.seq for e in events] == list(range(151, 201))  # the gap: 4..150 are gone
     assert [e.seq for e in log.since(180, 5)[0]] == [181, 182, 183, 184, 185]
 
 
@@ -41,7 +41,7 @@ def test_wake_fd_signals_once_per_batch_and_drain_hands_each_event_once():
     for i in range(1000):
         log.append(ev(i))
     assert select.select([log.wake_fd], [], [], 0)[0] == [log.wake_fd]
-    assert len(os.read(log.wake_fd, 4096)) == 1            # one byte for the batch
+    assert len(os.read(log.wake_fd, 4096)) == 1  # one byte for the batch
     assert [e.seq for e in log.drain_new()] == list(range(1, 1001))
     assert log.drain_new() == []
     log.append(ev(0))
@@ -51,8 +51,9 @@ def test_wake_fd_signals_once_per_batch_and_drain_hands_each_event_once():
 
 def test_appends_from_threads_get_distinct_consecutive_numbers():
     log = EventLog(capacity=10_000)
-    threads = [threading.Thread(target=lambda: [log.append(ev(i)) for i in range(1000)])
-               for _ in range(4)]
+    threads = [
+        threading.Thread(target=lambda: [log.append(ev(i)) for i in range(1000)]) for _ in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -89,6 +90,6 @@ def test_frame_macs_depend_on_secret_domain_and_payload():
     p = b"payload"
     tag = wire.mac(wire.REQUEST_DOMAIN, p, b"k" * 16)
     assert wire.authentic(wire.REQUEST_DOMAIN, p, tag, b"k" * 16)
-    assert not wire.authentic(wire.REPLY_DOMAIN, p, tag, b"k" * 16)    # no reflection
+    assert not wire.authentic(wire.REPLY_DOMAIN, p, tag, b"k" * 16)  # no reflection
     assert not wire.authentic(wire.REQUEST_DOMAIN, p + b"x", tag, b"k" * 16)
     assert not wire.authentic(wire.REQUEST_DOMAIN, p, tag, b"j" * 16)

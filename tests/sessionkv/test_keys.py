@@ -27,7 +27,7 @@ def test_hint_signatures_use_the_derived_key():
     msg = canonical(env) + b"\ns1\n" + str(exp).encode()
     raw = hmac.new(SECRET, msg, hashlib.sha256).hexdigest()
     now = exp - 100
-    assert not verify(env, "s1", f"{exp}.{raw}", SECRET, now=now)    # the bare secret
+    assert not verify(env, "s1", f"{exp}.{raw}", SECRET, now=now)  # the bare secret
     want = f"{exp}." + hmac.new(derive(SECRET, HINT_SIG), msg, hashlib.sha256).hexdigest()
     assert sign(env, "s1", SECRET, ttl_s=100, now=now) == want
     assert verify(env, "s1", want, SECRET, now=now)
@@ -37,11 +37,11 @@ def test_a_signature_expires_and_its_expiry_is_covered():
     env = {"actions": []}
     sig = sign(env, "s1", SECRET, ttl_s=300, now=1_000_000)
     assert verify(env, "s1", sig, SECRET, now=1_000_000 + 299)
-    assert not verify(env, "s1", sig, SECRET, now=1_000_000 + 301)     # a replay, too late
+    assert not verify(env, "s1", sig, SECRET, now=1_000_000 + 301)  # a replay, too late
     exp, tag = sig.split(".")
-    assert not verify(env, "s1", f"{int(exp) + 600}.{tag}", SECRET, now=1_000_000)   # moved
+    assert not verify(env, "s1", f"{int(exp) + 600}.{tag}", SECRET, now=1_000_000)  # moved
     far = sign(env, "s1", SECRET, ttl_s=86400, now=1_000_000)
-    assert not verify(env, "s1", far, SECRET, now=1_000_000)            # too far ahead
+    assert not verify(env, "s1", far, SECRET, now=1_000_000)  # too far ahead
     for odd in ("", "12", ".ab", "²³.ab", "1" * 13 + ".ab", "x.ab"):
         assert not verify(env, "s1", odd, SECRET, now=1_000_000)
 
@@ -50,8 +50,9 @@ def test_control_frames_use_the_derived_key():
     payload = b"\x81\xa2op\xa5hello"
     raw = hmac.new(SECRET, wire.REQUEST_DOMAIN + payload, hashlib.sha256).digest()
     assert not wire.authentic(wire.REQUEST_DOMAIN, payload, raw, SECRET)
-    assert wire.authentic(wire.REQUEST_DOMAIN, payload,
-                          wire.mac(wire.REQUEST_DOMAIN, payload, SECRET), SECRET)
+    assert wire.authentic(
+        wire.REQUEST_DOMAIN, payload, wire.mac(wire.REQUEST_DOMAIN, payload, SECRET), SECRET
+    )
 
 
 @pytest.mark.parametrize("signature", ["é" * 64, "\ud800", "", "0" * 65])

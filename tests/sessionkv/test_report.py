@@ -4,7 +4,7 @@ from sessionkv.report import RequestReport, TierCounts
 def test_report_counts_and_round_trip():
     rep = RequestReport.build("s1", 32, prompt_tokens=200, g1_tokens=64, g2_tokens=96, g3_tokens=0)
     assert rep.tokens == TierCounts(64, 96, 0, 40)
-    assert rep.blocks == TierCounts(2, 3, 0, 2)   # 40 recomputed tokens span 2 blocks
+    assert rep.blocks == TierCounts(2, 3, 0, 2)  # 40 recomputed tokens span 2 blocks
     params = {"other": 1, **rep.to_params()}
     assert RequestReport.from_params(params) == rep
     assert RequestReport.from_params({"other": 1}) is None
@@ -21,7 +21,12 @@ def test_totals_only_withholds_what_any_cache_held():
     rep = RequestReport.build("s1", 32, prompt_tokens=200, g1_tokens=64, g2_tokens=96, g3_tokens=0)
     assert rep.cached_tokens == 160
     bare = rep.totals_only()
-    assert (bare.tokens, bare.blocks, bare.cached_tokens, bare.prompt_tokens) == (None, None, None, 200)
+    assert (bare.tokens, bare.blocks, bare.cached_tokens, bare.prompt_tokens) == (
+        None,
+        None,
+        None,
+        200,
+    )
     assert RequestReport.from_params(bare.to_params()) == bare
 
 

@@ -25,8 +25,11 @@ def read(backend, name, size=64 * KIB):
 
 
 def on_disk(path):
-    return sum(e.stat().st_size for d in os.scandir(os.path.join(path, "objects"))
-               for e in os.scandir(d.path))
+    return sum(
+        e.stat().st_size
+        for d in os.scandir(os.path.join(path, "objects"))
+        for e in os.scandir(d.path)
+    )
 
 
 def settle(backend, timeout_s=10, below=0.9):
@@ -40,24 +43,24 @@ def settle(backend, timeout_s=10, below=0.9):
 
 def test_two_engines_share_one_limit_and_the_least_recently_used_go_first(tmp_path):
     a = DiskBackend(str(tmp_path), 1024 * KIB)
-    b = DiskBackend(str(tmp_path), 1024 * KIB)        # another engine on the host
+    b = DiskBackend(str(tmp_path), 1024 * KIB)  # another engine on the host
     try:
-        for i in range(7):                            # 448 KiB from each: below HIGH_WATER
+        for i in range(7):  # 448 KiB from each: below HIGH_WATER
             assert put(a, f"a{i}") and put(b, f"b{i}")
-        assert a.usage() == b.usage() == 896 * KIB    # one count for both
+        assert a.usage() == b.usage() == 896 * KIB  # one count for both
         time.sleep(0.05)
         for i in range(7):
-            assert read(a, f"a{i}") == 64 * KIB       # a's objects now more recent than b's
+            assert read(a, f"a{i}") == 64 * KIB  # a's objects now more recent than b's
         time.sleep(0.05)
-        for i in range(4):                            # 256 KiB more: past the limit
-            if not put(b, f"c{i}"):                   # refused while the evictor ran
+        for i in range(4):  # 256 KiB more: past the limit
+            if not put(b, f"c{i}"):  # refused while the evictor ran
                 settle(b)
                 assert put(b, f"c{i}")
         settle(b)
         assert a.usage() == on_disk(str(tmp_path)) <= 1024 * KIB
         names = [f"{p}{i}" for p in "ab" for i in range(7)] + [f"c{i}" for i in range(4)]
         gone = {n for n, there in zip(names, a.exists(names)) if not there}
-        assert gone and all(n.startswith("b") for n in gone), gone   # the oldest: b's
+        assert gone and all(n.startswith("b") for n in gone), gone  # the oldest: b's
         assert a.evictions + b.evictions == len(gone)
     finally:
         a.close()
@@ -70,18 +73,18 @@ def test_a_restart_between_the_marks_keeps_every_object(tmp_path):
     keeps its objects. CI lost the oldest object when the start scan of the
     test above ran late, after its puts."""
     d = DiskBackend(str(tmp_path), 1024 * KIB)
-    for i in range(14):                                 # 896 KiB: past LOW_WATER only
+    for i in range(14):  # 896 KiB: past LOW_WATER only
         assert put(d, f"o{i}")
     d.close()
-    (tmp_path / "usage").write_bytes(b"\xff" * 8)      # the start scan must recount
+    (tmp_path / "usage").write_bytes(b"\xff" * 8)  # the start scan must recount
     d = DiskBackend(str(tmp_path), 1024 * KIB)
-    settle(d, below=1.0)                                # until the recount
-    d.close()                                           # waits for the scan to end
+    settle(d, below=1.0)  # until the recount
+    d.close()  # waits for the scan to end
     d = DiskBackend(str(tmp_path), 1024 * KIB)
     try:
         assert d.exists([f"o{i}" for i in range(14)]) == [True] * 14
         assert d.usage() == on_disk(str(tmp_path)) == 896 * KIB
-        assert not put(d, "big", size=200 * KIB)        # refused: the evictor runs now
+        assert not put(d, "big", size=200 * KIB)  # refused: the evictor runs now
         settle(d, below=LOW_WATER)
         assert sum(d.exists([f"o{i}" for i in range(14)])) == 12 and d.evictions == 2
     finally:
@@ -103,8 +106,12 @@ def test_the_count_stays_exact_under_racing_puts_removes_and_evictions(tmp_path)
                 d.remove([name])
             else:
                 put(d, name, size=size)
-    threads = [threading.Thread(target=work, args=(d, 10 * i + j))
-               for i, d in enumerate(engines) for j in range(3)]
+
+    threads = [
+        threading.Thread(target=work, args=(d, 10 * i + j))
+        for i, d in enumerate(engines)
+        for j in range(3)
+    ]
     try:
         for t in threads:
             t.start()
@@ -112,8 +119,8 @@ def test_the_count_stays_exact_under_racing_puts_removes_and_evictions(tmp_path)
             t.join()
     finally:
         for d in engines:
-            d.close()                                          # waits for the evictors
-    assert sum(d.evictions for d in engines) > 0              # the evictors raced too
+            d.close()  # waits for the evictors
+    assert sum(d.evictions for d in engines) > 0  # the evictors raced too
     counted = struct.unpack("<Q", (tmp_path / "usage").read_bytes())[0]
     assert counted == on_disk(str(tmp_path)) <= 512 * KIB
 
@@ -124,9 +131,9 @@ def test_pins_hold_through_eviction_and_lapse_by_themselves(tmp_path):
         for i in range(8):
             assert put(d, f"o{i}")
         assert d.pin(["o0", "o1", "gone"], 1.0) == [True, True, False]
-        d.evict(target=0.0)                            # everything unpinned goes
+        d.evict(target=0.0)  # everything unpinned goes
         assert d.exists([f"o{i}" for i in range(8)]) == [True, True] + [False] * 6
-        assert read(d, "o0") == 64 * KIB               # readable while pinned
+        assert read(d, "o0") == 64 * KIB  # readable while pinned
         time.sleep(1.2)
         d.evict(target=0.0)
         assert d.exists(["o0", "o1"]) == [False, False]
@@ -140,11 +147,11 @@ def test_objects_and_their_count_survive_a_restart_and_a_lost_count(tmp_path):
     for i in range(4):
         assert put(d, f"o{i}", fill=i)
     d.close()
-    (tmp_path / "usage").write_bytes(b"\xff" * 8)      # a count a crash left wrong
+    (tmp_path / "usage").write_bytes(b"\xff" * 8)  # a count a crash left wrong
     d = DiskBackend(str(tmp_path), 1024 * KIB)
     try:
         deadline = time.monotonic() + 10
-        while d.usage() != 4 * 64 * KIB:               # the start scan recounts
+        while d.usage() != 4 * 64 * KIB:  # the start scan recounts
             assert time.monotonic() < deadline, d.usage()
             time.sleep(0.05)
         buf = np.zeros(64 * KIB, np.uint8)
@@ -157,8 +164,8 @@ def test_objects_and_their_count_survive_a_restart_and_a_lost_count(tmp_path):
 def test_a_stale_temporary_file_is_swept_and_odd_names_stay_inside(tmp_path):
     d = DiskBackend(str(tmp_path), 1024 * KIB)
     try:
-        stale = tmp_path / "tmp" / ("ab" * 16)                # a put's name, left by a crash
-        other = tmp_path / "tmp" / "left-by-someone-else"     # not a name the tier makes
+        stale = tmp_path / "tmp" / ("ab" * 16)  # a put's name, left by a crash
+        other = tmp_path / "tmp" / "left-by-someone-else"  # not a name the tier makes
         for f in (stale, other):
             f.write_bytes(b"x")
             os.utime(f, (time.time() - 7200, time.time() - 7200))
@@ -166,17 +173,28 @@ def test_a_stale_temporary_file_is_swept_and_odd_names_stay_inside(tmp_path):
             assert put(d, name, size=KIB) and read(d, name, size=KIB) == KIB
         d.evict(target=LOW_WATER)
         assert not stale.exists() and other.exists()
-        assert sorted(os.listdir(tmp_path)) == ["count.lock", "evict.lock", "objects",
-                                                "sessionkv-disk-tier", "tmp", "usage",
-                                                "usage.lock"]
+        assert sorted(os.listdir(tmp_path)) == [
+            "count.lock",
+            "evict.lock",
+            "objects",
+            "sessionkv-disk-tier",
+            "tmp",
+            "usage",
+            "usage.lock",
+        ]
     finally:
         d.close()
 
 
-@pytest.mark.parametrize("kw, key", [
-    ({"path": "", "max_bytes": 1}, "path"), ({"path": "x", "max_bytes": 0}, "max_bytes"),
-    ({"path": "x", "max_bytes": True}, "max_bytes"), ({"path": "x", "max_bytes": "1G"}, "max_bytes"),
-])
+@pytest.mark.parametrize(
+    "kw, key",
+    [
+        ({"path": "", "max_bytes": 1}, "path"),
+        ({"path": "x", "max_bytes": 0}, "max_bytes"),
+        ({"path": "x", "max_bytes": True}, "max_bytes"),
+        ({"path": "x", "max_bytes": "1G"}, "max_bytes"),
+    ],
+)
 def test_bad_settings_name_the_key(tmp_path, kw, key):
     if kw["path"]:
         kw = {**kw, "path": str(tmp_path / kw["path"])}

@@ -48,7 +48,7 @@ def old_file(path, data=b"precious"):
 def test_a_directory_that_is_not_a_tiers_is_refused_and_left_alone(tmp_path, layout):
     # path: /var (its tmp/ has other programs' files) or path: / (tmp/ among many)
     (tmp_path / "tmp").mkdir()
-    victim = old_file(tmp_path / "tmp" / ("cd" * 16))     # even a name of the tier's form
+    victim = old_file(tmp_path / "tmp" / ("cd" * 16))  # even a name of the tier's form
     (tmp_path / ("log" if layout == "var" else "etc")).mkdir()
     with pytest.raises(ValueError, match="not a DiskTier's"):
         DiskBackend(str(tmp_path), 1024 * KIB)
@@ -62,11 +62,11 @@ def test_a_planted_link_in_the_tree_is_refused_at_start(tmp_path, planted):
     victim_dir.mkdir()
     victim = old_file(victim_dir / ("ef" * 16))
     root = tmp_path / "cache"
-    if planted == "fanout":                     # objects/00 -> elsewhere, in a made tree
+    if planted == "fanout":  # objects/00 -> elsewhere, in a made tree
         DiskBackend(str(root), 1024 * KIB).close()
         shutil.rmtree(root / "objects" / "00")
         (root / "objects" / "00").symlink_to(victim_dir)
-    else:                                       # planted before the engine first starts
+    else:  # planted before the engine first starts
         root.mkdir()
         (root / planted).symlink_to(victim_dir / ("ef" * 16) if planted == "usage" else victim_dir)
     with pytest.raises(ValueError, match="not a (directory|regular file) of this engine's"):
@@ -83,9 +83,9 @@ def test_a_fanout_link_planted_while_running_is_never_entered(tmp_path):
         fan = tmp_path / "cache" / "objects" / "00"
         shutil.rmtree(fan)
         fan.symlink_to(victim_dir)
-        for i in range(24):                         # past the limit: the evictor runs
+        for i in range(24):  # past the limit: the evictor runs
             put(d, f"o{i}")
-        evict_to(d, 0.1)                            # down to a tenth: the oldest first
+        evict_to(d, 0.1)  # down to a tenth: the oldest first
         assert all(v.read_bytes() == b"precious" for v in victims)
         assert len(os.listdir(victim_dir)) == 20
     finally:
@@ -93,7 +93,7 @@ def test_a_fanout_link_planted_while_running_is_never_entered(tmp_path):
 
 
 def test_another_local_user_reads_nothing(tmp_path):
-    base = tempfile.mkdtemp(dir="/tmp")            # a parent any user may enter
+    base = tempfile.mkdtemp(dir="/tmp")  # a parent any user may enter
     os.chmod(base, 0o755)
     try:
         root = os.path.join(base, "cache")
@@ -101,12 +101,21 @@ def test_another_local_user_reads_nothing(tmp_path):
         try:
             assert put(d, "secret")
             obj = d.path_of("secret")
-            modes = {p: stat.S_IMODE(os.lstat(p).st_mode)
-                     for p in (root, os.path.dirname(obj), obj, os.path.join(root, "usage"))}
-            assert modes == {root: 0o700, os.path.dirname(obj): 0o700, obj: 0o600,
-                             os.path.join(root, "usage"): 0o600}, modes
-            r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                                "cat", obj], capture_output=True, timeout=30)
+            modes = {
+                p: stat.S_IMODE(os.lstat(p).st_mode)
+                for p in (root, os.path.dirname(obj), obj, os.path.join(root, "usage"))
+            }
+            assert modes == {
+                root: 0o700,
+                os.path.dirname(obj): 0o700,
+                obj: 0o600,
+                os.path.join(root, "usage"): 0o600,
+            }, modes
+            r = subprocess.run(
+                ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "cat", obj],
+                capture_output=True,
+                timeout=30,
+            )
             assert r.returncode != 0 and b"Permission denied" in r.stderr, r
         finally:
             d.close()
@@ -126,7 +135,7 @@ def test_an_old_tree_without_the_mark_is_adopted_and_closed(tmp_path):
     d = DiskBackend(str(tmp_path), 1024 * KIB)
     assert put(d, "kept")
     d.close()
-    os.unlink(tmp_path / MARK)                      # as the tier left it before the mark
+    os.unlink(tmp_path / MARK)  # as the tier left it before the mark
     os.chmod(tmp_path, 0o755)
     d = DiskBackend(str(tmp_path), 1024 * KIB)
     try:
@@ -164,7 +173,7 @@ def test_a_fifo_or_link_in_place_of_an_object_is_a_quarantined_miss(tmp_path):
         assert d.quarantined == 3
         assert not os.path.lexists(d.path_of("fifo")) and not os.path.lexists(d.path_of("link"))
         assert outside.read_bytes() == b"x" * 64 * KIB
-        assert put(d, "fifo") and read(d, "fifo") == 64 * KIB   # the name works again
+        assert put(d, "fifo") and read(d, "fifo") == 64 * KIB  # the name works again
     finally:
         d.close()
 
@@ -174,13 +183,13 @@ def test_a_clock_stepped_back_does_not_freeze_eviction(tmp_path):
     try:
         for i in range(12):
             assert put(d, f"old{i}")
-        assert d.pin(["pinned"], 60) == [False]         # not there: a TTL asked for all the same
+        assert d.pin(["pinned"], 60) == [False]  # not there: a TTL asked for all the same
         assert put(d, "pinned") and d.pin(["pinned"], 60) == [True]
-        day_ahead = time.time() + 86400                 # objects written before a day's step back
+        day_ahead = time.time() + 86400  # objects written before a day's step back
         for i in range(12):
             os.utime(d.path_of(f"old{i}"), (day_ahead, day_ahead))
         assert d.pin_horizon() == 60
-        evict_to(d, 0.3)                                # the stepped objects are evictable
-        assert d.exists(["pinned"]) == [True]           # a real pin still holds
+        evict_to(d, 0.3)  # the stepped objects are evictable
+        assert d.exists(["pinned"]) == [True]  # a real pin still holds
     finally:
         d.close()

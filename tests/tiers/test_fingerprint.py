@@ -13,25 +13,57 @@ from sessionkv.connectors.vllm import model_identity
 from sessionkv.devtools.engines import TINY
 from sessionkv.devtools.g3_spec import standalone_identity
 from sessionkv.doctor import _pair
-from sessionkv.tiers.g3.fingerprint import (FingerprintError, fingerprint, identity_fields,
-                                         weights_digest)
+from sessionkv.tiers.g3.fingerprint import (
+    FingerprintError,
+    fingerprint,
+    identity_fields,
+    weights_digest,
+)
 from sessionkv.tiers.g3.spec import IDENTITY_KEY, TopologyError, spec_identity
 
-BASE = dict(weights="w", dtype="bfloat16", quantization=None, kv_cache_dtype="auto",
-            kv_scales="checkpoint", kv_skip_layers=[], hf_overrides={}, block_size=32,
-            blocks_per_chunk=1, layout="NHD", tp=1, pp=1, pcp=1, dcp=1, none_hash=b"\1" * 32,
-            chunk_bytes=4096)
-CHANGED = dict(weights="w2", dtype="float16", quantization="fp8", kv_cache_dtype="fp8_e4m3",
-               kv_scales="computed", kv_skip_layers=["model.layers.0.attn"],
-               hf_overrides={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
-               block_size=64, blocks_per_chunk=4, layout="HND", tp=2, pp=2, pcp=2, dcp=2,
-               none_hash=b"\2" * 32, chunk_bytes=8192)
+BASE = dict(
+    weights="w",
+    dtype="bfloat16",
+    quantization=None,
+    kv_cache_dtype="auto",
+    kv_scales="checkpoint",
+    kv_skip_layers=[],
+    hf_overrides={},
+    block_size=32,
+    blocks_per_chunk=1,
+    layout="NHD",
+    tp=1,
+    pp=1,
+    pcp=1,
+    dcp=1,
+    none_hash=b"\1" * 32,
+    chunk_bytes=4096,
+)
+CHANGED = dict(
+    weights="w2",
+    dtype="float16",
+    quantization="fp8",
+    kv_cache_dtype="fp8_e4m3",
+    kv_scales="computed",
+    kv_skip_layers=["model.layers.0.attn"],
+    hf_overrides={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+    block_size=64,
+    blocks_per_chunk=4,
+    layout="HND",
+    tp=2,
+    pp=2,
+    pcp=2,
+    dcp=2,
+    none_hash=b"\2" * 32,
+    chunk_bytes=8192,
+)
 
 
 @pytest.mark.parametrize("field", sorted(CHANGED))
 def test_each_factor_changes_the_fingerprint(field):
-    assert fingerprint(identity_fields(**{**BASE, field: CHANGED[field]})) != \
-        fingerprint(identity_fields(**BASE))
+    assert fingerprint(identity_fields(**{**BASE, field: CHANGED[field]})) != fingerprint(
+        identity_fields(**BASE)
+    )
 
 
 def model_dir(root: Path, weights: bytes) -> Path:
@@ -55,10 +87,10 @@ def test_weights_are_digested_by_content_and_cached_by_path_size_and_mtime(tmp_p
     assert da != db and cache.is_file()
     f = tmp_path / "b" / "model.safetensors"
     st = f.stat()
-    f.write_bytes(bytes(a))                          # same size, mtime put back:
+    f.write_bytes(bytes(a))  # same size, mtime put back:
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert weights_digest(str(tmp_path / "b"), cache_path=cache) == db    # from the cache
-    assert weights_digest(str(tmp_path / "b"), cache_path=None) == da     # read again
+    assert weights_digest(str(tmp_path / "b"), cache_path=cache) == db  # from the cache
+    assert weights_digest(str(tmp_path / "b"), cache_path=None) == da  # read again
 
 
 def hub_model(cache: Path, repo: str, commit: str, weights: bytes, ref: str = "main") -> None:
@@ -87,9 +119,13 @@ def spec(par=None, **model):
     cfg = SimpleNamespace(
         model=SimpleNamespace(name=TINY, dtype="bfloat16"),
         cache=SimpleNamespace(tokens_per_hash=32, blocks_per_chunk=1),
-        parallel=SimpleNamespace(**{"tp_size": 1, "pp_size": 1, "pcp_size": 1, "dcp_size": 1,
-                                    **(par or {})}),
-        kv_cache_layout="NHD", canonical_layout=False, replicated_layout=False)
+        parallel=SimpleNamespace(
+            **{"tp_size": 1, "pp_size": 1, "pcp_size": 1, "dcp_size": 1, **(par or {})}
+        ),
+        kv_cache_layout="NHD",
+        canonical_layout=False,
+        replicated_layout=False,
+    )
     return SimpleNamespace(config=cfg, extra_config={IDENTITY_KEY: standalone_identity(**model)})
 
 
@@ -105,12 +141,15 @@ def test_g3_refuses_lora_and_function_overrides_and_a_spec_without_identity():
         spec_identity(bare, 4096)
 
 
-@pytest.mark.parametrize("par, model, setting", [
-    ({"pcp_size": 2}, {}, "prefill_context_parallel_size=2"),
-    ({"dcp_size": 2}, {}, "decode_context_parallel_size=2"),
-    ({"tp_size": 2}, {"nnodes": 2}, "nnodes"),
-    ({"tp_size": 2, "pp_size": 2}, {"executor": "ray"}, "distributed_executor_backend=ray"),
-])
+@pytest.mark.parametrize(
+    "par, model, setting",
+    [
+        ({"pcp_size": 2}, {}, "prefill_context_parallel_size=2"),
+        ({"dcp_size": 2}, {}, "decode_context_parallel_size=2"),
+        ({"tp_size": 2}, {"nnodes": 2}, "nnodes"),
+        ({"tp_size": 2, "pp_size": 2}, {"executor": "ray"}, "distributed_executor_backend=ray"),
+    ],
+)
 def test_g3_refuses_topologies_it_would_serve_wrongly(par, model, setting):
     with pytest.raises(TopologyError, match=setting):
         spec_identity(spec(par, **model), 4096)
@@ -122,6 +161,7 @@ def test_g3_accepts_tensor_parallel_ranks_on_one_node():
 
 def engine_config(**kw):
     from vllm.engine.arg_utils import EngineArgs
+
     return EngineArgs(model=TINY, **kw).create_engine_config()
 
 
@@ -141,10 +181,15 @@ def test_model_identity_from_a_real_vllm_config():
 def test_doctor_names_the_field_that_differs():
     def answer(quant):
         ident = {"weights": "w", "quantization": quant}
-        return {"block_size": 32, "hash_algo": "sha256", "hash_root": "r",
-                "pythonhashseed": "0", "block_hashes": ["h"],
-                "g3": [{"tier": "redis", "objects": f"ns/{quant}/", "identity": ident,
-                        "error": None}]}
+        return {
+            "block_size": 32,
+            "hash_algo": "sha256",
+            "hash_root": "r",
+            "pythonhashseed": "0",
+            "block_hashes": ["h"],
+            "g3": [{"tier": "redis", "objects": f"ns/{quant}/", "identity": ident, "error": None}],
+        }
+
     (f,) = _pair("e0", answer(None), "e1", answer("fp8"))
     assert "fingerprint fields differ: quantization ('fp8' != None)" in f.what, f.what
     assert "weights" not in f.what

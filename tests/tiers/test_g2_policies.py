@@ -12,9 +12,9 @@ from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
+from sessionkv.devtools.keys import block_key
 from sessionkv.tiers import compat
 from sessionkv.tiers.g2.policy import SessionCachePolicy
-from sessionkv.devtools.keys import block_key
 
 CTX = ReqContext(req_id="r")
 # vLLM 0.33 ranks by request and position; 0.32 has no on_request_access
@@ -74,7 +74,7 @@ class TestPolicyContract:
 # whatever request sends them. Keys i and i + 7 share one, as two KV cache
 # groups' keys at one position do (vLLM breaks such ties by key).
 POSITION = {i: 16 * (i % 7 + 1) for i in range(16)}
-SLOTS = 3                      # requests running at once
+SLOTS = 3  # requests running at once
 
 
 def request(positioned: bool = True) -> ReqContext:
@@ -105,17 +105,23 @@ stores = st.one_of(
     st.tuples(st.just("store"), SLOT, K),
     st.tuples(st.just("complete"), st.lists(K, max_size=4)),
 )
-ops = st.lists(st.one_of(
-    stores, stores, stores,                              # a cache worth evicting from
-    st.tuples(st.just("begin"), SLOT, st.booleans()),    # a new request in the slot
-    st.tuples(st.just("access"), SLOT, st.lists(K, max_size=4)),
-    st.tuples(st.just("touch"), SLOT, st.lists(K, max_size=4)),
-    st.tuples(st.just("finish"), SLOT, st.lists(K, max_size=4)),
-    st.tuples(st.just("evict"), st.integers(0, 4), st.sets(K, max_size=3)),
-    st.tuples(st.just("remove"), K),
-    st.tuples(st.just("load"), K),                       # a load reads it, then ends
-    st.tuples(st.just("clear"), st.just(0)),
-), min_size=10, max_size=80)
+ops = st.lists(
+    st.one_of(
+        stores,
+        stores,
+        stores,  # a cache worth evicting from
+        st.tuples(st.just("begin"), SLOT, st.booleans()),  # a new request in the slot
+        st.tuples(st.just("access"), SLOT, st.lists(K, max_size=4)),
+        st.tuples(st.just("touch"), SLOT, st.lists(K, max_size=4)),
+        st.tuples(st.just("finish"), SLOT, st.lists(K, max_size=4)),
+        st.tuples(st.just("evict"), st.integers(0, 4), st.sets(K, max_size=3)),
+        st.tuples(st.just("remove"), K),
+        st.tuples(st.just("load"), K),  # a load reads it, then ends
+        st.tuples(st.just("clear"), st.just(0)),
+    ),
+    min_size=10,
+    max_size=80,
+)
 
 
 def _ref(p, i: int) -> int | None:
@@ -153,14 +159,14 @@ def test_unhinted_traffic_evicts_exactly_as_vllms_lru(script):
             elif op[0] == "remove" and _ref(p, op[1]) == 0:
                 p.remove(block_key(op[1]))
             elif op[0] == "store" and p.get(block_key(op[2])) is None:
-                pending = ChunkStatus(op[2])            # ref_cnt -1 until the store ends
+                pending = ChunkStatus(op[2])  # ref_cnt -1 until the store ends
                 compat.insert(p, block_key(op[2]), pending, ctx[op[1]])
             elif op[0] == "complete":
                 for i in op[1]:
                     if _ref(p, i) == -1:
                         _set_ref(p, i, 0)
             elif op[0] == "load" and _ref(p, op[1]) == 0:
-                _set_ref(p, op[1], 1)                   # a load reads it, then ends
+                _set_ref(p, op[1], 1)  # a load reads it, then ends
                 _set_ref(p, op[1], 0)
             elif op[0] == "clear":
                 p.clear()
@@ -173,9 +179,14 @@ def test_unhinted_traffic_evicts_exactly_as_vllms_lru(script):
 
 def _managers(n: int):
     """vLLM's CPU manager with its LRU, and one with ours, as vLLM builds them."""
-    return (CPUOffloadingManager(num_chunks=n, cache_policy="lru"),
-            CPUOffloadingManager(num_chunks=n, cache_policy="SessionCachePolicy",
-                                 cache_policy_module_path="sessionkv.tiers.g2.policy"))
+    return (
+        CPUOffloadingManager(num_chunks=n, cache_policy="lru"),
+        CPUOffloadingManager(
+            num_chunks=n,
+            cache_policy="SessionCachePolicy",
+            cache_policy_module_path="sessionkv.tiers.g2.policy",
+        ),
+    )
 
 
 class Turn:
@@ -219,18 +230,18 @@ def test_a_running_request_keeps_its_reused_prefix_and_head_before_idle_chunks()
         t = Turn(mgr, "p1 p2 p3")
         t.store("p1 p2 p3")
         t.finish()
-        t = Turn(mgr, "x1 x2 x3")                  # idle chunks, newer than p's
+        t = Turn(mgr, "x1 x2 x3")  # idle chunks, newer than p's
         t.store("x1 x2 x3")
         t.finish()
-        b = Turn(mgr, "p1 p2 p3 b4 b5 b6")         # reuses p1 p2 p3
+        b = Turn(mgr, "p1 p2 p3 b4 b5 b6")  # reuses p1 p2 p3
         b.load("p1 p2 p3")
         evicted.append(b.store("b4 b5"))
-        y = Turn(mgr, "y1")                        # begins and ends while b runs
+        y = Turn(mgr, "y1")  # begins and ends while b runs
         evicted.append(y.store("y1"))
         y.finish()
         evicted.append(b.store("b6"))
         got.append(evicted)
-    assert got[1] == got[0]                        # ours is vLLM's LRU, exactly
+    assert got[1] == got[0]  # ours is vLLM's LRU, exactly
     if BY_POSITION:
         # x's (idle) first; then b's own tail: y1 was used after b began
         assert got[1] == [["x3", "x2"], ["x1"], ["b5"]]
@@ -275,7 +286,11 @@ def test_retain_orders_by_priority_after_plain_chunks(policy):
     policy.retain([block_key(2)], priority=1, ttl_s=None)
     # plain LRU first (3..7), then priority 1, then priority 5 by recency
     assert evicted(policy, 5) == [block_key(i) for i in (3, 4, 5, 6, 7)]
-    assert [evicted(policy, 1) for _ in range(3)] == [[block_key(2)], [block_key(0)], [block_key(1)]]
+    assert [evicted(policy, 1) for _ in range(3)] == [
+        [block_key(2)],
+        [block_key(0)],
+        [block_key(1)],
+    ]
 
 
 def test_retain_ttl_lapses(policy):
@@ -288,8 +303,8 @@ def test_when_only_pins_are_left_the_oldest_are_clipped_never_a_stall(policy):
     policy.pin([block_key(5)], ttl_s=60)
     policy.clock.t += 1
     policy.pin([block_key(i) for i in range(8) if i != 5], ttl_s=60)
-    assert evicted(policy, 1) == [block_key(5)]             # the oldest pin first
-    assert evicted(policy, 1) == [block_key(0)]             # then by recency among equals
+    assert evicted(policy, 1) == [block_key(5)]  # the oldest pin first
+    assert evicted(policy, 1) == [block_key(0)]  # then by recency among equals
     assert policy.take_clipped() == [block_key(5), block_key(0)]
     assert policy.take_clipped() == []
     assert block_key(5) not in policy.pinned() and len(policy.pinned()) == 6
@@ -307,14 +322,14 @@ def test_impossible_eviction_with_hints_changes_nothing(policy):
 def test_release_drops_only_what_the_owner_retains_last(policy):
     policy.retain([block_key(0), block_key(1), block_key(2)], priority=5, ttl_s=None, owner="a")
     policy.retain([block_key(3), block_key(4)], priority=5, ttl_s=None, owner="b")
-    policy.retain([block_key(2)], priority=7, ttl_s=None, owner="b")     # b retains it last
+    policy.retain([block_key(2)], priority=7, ttl_s=None, owner="b")  # b retains it last
     policy.retain([block_key(5)], priority=2, ttl_s=1, owner="a")
-    policy.clock.t += 2                                                # block_key(5)'s lapses
-    assert evicted(policy, 3) == [block_key(5), block_key(6), block_key(7)]             # plain ones go first
+    policy.clock.t += 2  # block_key(5)'s lapses
+    assert evicted(policy, 3) == [block_key(5), block_key(6), block_key(7)]  # plain ones go first
     policy.remove(block_key(1))
-    assert policy.release_retains("a") == 1                           # block_key(0) alone
+    assert policy.release_retains("a") == 1  # block_key(0) alone
     assert policy.release_retains("a") == 0
-    assert evicted(policy, 1) == [block_key(0)]                              # plain again
+    assert evicted(policy, 1) == [block_key(0)]  # plain again
     assert policy.release_retains("b") == 3
     assert evicted(policy, 3) == [block_key(2), block_key(3), block_key(4)]
 
@@ -333,7 +348,7 @@ class SortingModel:
     def __init__(self, clock):
         self.clock, self.rank, self.next, self.low = clock, {}, 0, 0
         self.busy, self.pins, self.retains, self.demoted = set(), {}, {}, set()
-        self.requests = {}                  # slot -> its request's rank, once drawn
+        self.requests = {}  # slot -> its request's rank, once drawn
 
     def _lapse(self):
         now = self.clock()
@@ -402,7 +417,9 @@ class SortingModel:
     def demote(self, keys, owner=None):
         self._lapse()
         for k in keys:
-            if owner is not None and (k in self.pins or self.retains.get(k, (0, 0, owner))[2] != owner):
+            if owner is not None and (
+                k in self.pins or self.retains.get(k, (0, 0, owner))[2] != owner
+            ):
                 continue
             if k in self.rank:
                 self.pins.pop(k, None), self.retains.pop(k, None)
@@ -418,7 +435,10 @@ class SortingModel:
                 return (2, 0, self.pins[k][0], self.rank[k], k)
             prio = self.retains.get(k, (0,))[0]
             return (1, prio, 0, self.rank[k], k) if prio > 0 else (0, 0, 0, self.rank[k], k)
-        free = sorted((k for k in self.rank if k not in self.busy and k not in protected), key=order)
+
+        free = sorted(
+            (k for k in self.rank if k not in self.busy and k not in protected), key=order
+        )
         if len(free) < n:
             return None, []
         got = sorted(free[:n], key=self.rank.__getitem__)
@@ -429,23 +449,31 @@ class SortingModel:
 
 
 K = st.integers(0, 11)
-hinted_ops = st.lists(st.one_of(
-    st.tuples(st.just("insert"), K, SLOT),
-    st.tuples(st.just("store"), K, SLOT),       # pending until "idle": a store that ends
-    st.tuples(st.just("begin"), SLOT, st.booleans()),
-    st.tuples(st.just("access"), st.lists(K, max_size=4), SLOT),
-    st.tuples(st.just("finish"), st.lists(K, max_size=4), SLOT, st.lists(K, max_size=2)),
-    st.tuples(st.just("evict"), st.integers(0, 5), st.sets(K, max_size=2)),
-    st.tuples(st.just("remove"), K),
-    st.tuples(st.just("busy"), K),
-    st.tuples(st.just("idle"), K),
-    st.tuples(st.just("pin"), st.lists(K, max_size=3), st.sampled_from([1.0, 5.0])),
-    st.tuples(st.just("retain"), st.lists(K, max_size=3), st.integers(0, 3),
-              st.sampled_from([None, 2.0]), st.sampled_from(["a", "b"])),
-    st.tuples(st.just("release"), st.sampled_from(["a", "b"])),
-    st.tuples(st.just("demote"), st.lists(K, max_size=2), st.sampled_from([None, "a", "b"])),
-    st.tuples(st.just("tick"), st.sampled_from([0.5, 3.0])),
-), max_size=80)
+hinted_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), K, SLOT),
+        st.tuples(st.just("store"), K, SLOT),  # pending until "idle": a store that ends
+        st.tuples(st.just("begin"), SLOT, st.booleans()),
+        st.tuples(st.just("access"), st.lists(K, max_size=4), SLOT),
+        st.tuples(st.just("finish"), st.lists(K, max_size=4), SLOT, st.lists(K, max_size=2)),
+        st.tuples(st.just("evict"), st.integers(0, 5), st.sets(K, max_size=2)),
+        st.tuples(st.just("remove"), K),
+        st.tuples(st.just("busy"), K),
+        st.tuples(st.just("idle"), K),
+        st.tuples(st.just("pin"), st.lists(K, max_size=3), st.sampled_from([1.0, 5.0])),
+        st.tuples(
+            st.just("retain"),
+            st.lists(K, max_size=3),
+            st.integers(0, 3),
+            st.sampled_from([None, 2.0]),
+            st.sampled_from(["a", "b"]),
+        ),
+        st.tuples(st.just("release"), st.sampled_from(["a", "b"])),
+        st.tuples(st.just("demote"), st.lists(K, max_size=2), st.sampled_from([None, "a", "b"])),
+        st.tuples(st.just("tick"), st.sampled_from([0.5, 3.0])),
+    ),
+    max_size=80,
+)
 
 
 @settings(max_examples=400, deadline=None)
@@ -459,7 +487,9 @@ def test_eviction_order_under_hints_is_the_documented_sort(script):
     def position(slot):
         def of(k):
             return ctx[slot].get_offload_key_position(k) if BY_POSITION else None
+
         return of
+
     for op in script:
         key = block_key(op[1]) if isinstance(op[1], int) else None
         keys = [block_key(i) for i in op[1]] if isinstance(op[1], list) else []
@@ -525,8 +555,9 @@ def test_evict_with_every_chunk_retained_costs_the_same_at_any_size():
             compat.insert(p, block_key(i), ready(i))
         for i in range(0, n, 100):
             p.retain([block_key(j) for j in range(i, i + 100)], 1 + i // 100 % 7, None)
-        p.evict(1, set())          # settle the heaps
+        p.evict(1, set())  # settle the heaps
         return lines_run(lambda: p.evict(1, set()), ("g2_policy.py",))
+
     small, large = lines(500), lines(20_000)
     assert large <= small + 20, (small, large)
 
@@ -543,8 +574,10 @@ def test_using_plain_chunks_never_stalls_on_a_pass_over_them():
         p = SessionCachePolicy(n)
         for i in range(n):
             compat.insert(p, block_key(i), ready(i))
-        return max(lines_run(lambda k=block_key(i * 7 % n): p.touch([k], CTX), ("g2_policy.py",))
-                   for i in range(3 * n))
+        return max(
+            lines_run(lambda k=block_key(i * 7 % n): p.touch([k], CTX), ("g2_policy.py",))
+            for i in range(3 * n)
+        )
 
     assert costliest_use(2000) == costliest_use(200)
 
@@ -559,11 +592,11 @@ def test_stores_that_end_out_of_order_join_the_run():
     for step in range(10):
         keys = [block_key(step * 100 + i) for i in range(100)]
         for i, k in enumerate(keys):
-            compat.insert(p, k, ChunkStatus(step * 100 + i))       # pending
-        for k in keys[50:] + keys[:50]:                             # rotated, as a set of job ids
+            compat.insert(p, k, ChunkStatus(step * 100 + i))  # pending
+        for k in keys[50:] + keys[:50]:  # rotated, as a set of job ids
             p.get(k).ref_cnt = 0
             p.mark_evictable(k)
     got = [k for k, _ in p.evict(1, set())]
-    assert not p._heaps[0] and len(p._run) == 999     # filed: none in the heap
+    assert not p._heaps[0] and len(p._run) == 999  # filed: none in the heap
     got += [k for k, _ in p.evict(999, set())]
-    assert got == [block_key(i) for i in range(1000)]               # least recent first
+    assert got == [block_key(i) for i in range(1000)]  # least recent first

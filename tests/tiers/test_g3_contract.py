@@ -20,19 +20,18 @@ from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
-from sessionkv.keys import G3_MAC, derive
-from sessionkv.tiers.g3 import tier as g3
-from sessionkv.tiers.g3 import layout as g3_layout
-from sessionkv.tiers.g3.tier import SUM_SUFFIX, checksum
-from sessionkv.tiers.g3.backend import SUM
-from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.engines import MODELS
+from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.keys import block_key
-
+from sessionkv.keys import G3_MAC, derive
+from sessionkv.tiers.g3 import layout as g3_layout
+from sessionkv.tiers.g3 import tier as g3
+from sessionkv.tiers.g3.backend import SUM
+from sessionkv.tiers.g3.tier import SUM_SUFFIX, checksum
 
 CHUNK = 4096
 N_CHUNKS = 16
-init_none_hash(sha256)          # what the engine does at start
+init_none_hash(sha256)  # what the engine does at start
 
 
 def spec(model=str(MODELS / "tiny"), block_size=32, dtype="float32", chunk=CHUNK):
@@ -50,6 +49,7 @@ class Mooncake:
     @staticmethod
     def own(log_dir):
         from sessionkv.devtools.services import start_mooncake
+
         ports, master, store = start_mooncake(log_dir)
         return ports, master, [store, master]
 
@@ -57,9 +57,17 @@ class Mooncake:
     def tier(ports, spec_, view, namespace, **kw):
         from sessionkv.devtools.services import lan_address
         from sessionkv.tiers.g3.backends.mooncake import MooncakeTier
-        return MooncakeTier(spec_, view, "mooncake", master=ports.master,
-                            metadata_server=ports.metadata_url, local_hostname=lan_address(),
-                            namespace=namespace, **kw)
+
+        return MooncakeTier(
+            spec_,
+            view,
+            "mooncake",
+            master=ports.master,
+            metadata_server=ports.metadata_url,
+            local_hostname=lan_address(),
+            namespace=namespace,
+            **kw,
+        )
 
 
 class Redis:
@@ -72,12 +80,14 @@ class Redis:
     @staticmethod
     def own(log_dir):
         from sessionkv.devtools.services import start_redis
+
         url, server = start_redis(log_dir)
         return url, server, [server]
 
     @staticmethod
     def tier(url, spec_, view, namespace, **kw):
         from sessionkv.tiers.g3.backends.redis import RedisTier
+
         return RedisTier(spec_, view, "redis", url=url, namespace=namespace, **kw)
 
 
@@ -91,12 +101,14 @@ class LMCache:
     @staticmethod
     def own(log_dir):
         from sessionkv.devtools.services import start_lmcache
+
         url, server = start_lmcache(log_dir)
         return url, server, [server]
 
     @staticmethod
     def tier(url, spec_, view, namespace, **kw):
         from sessionkv.tiers.g3.backends.lmcache import LMCacheTier
+
         return LMCacheTier(spec_, view, "lmcache", url=url, namespace=namespace, **kw)
 
 
@@ -112,6 +124,7 @@ class Stall:
 
     def signal(self, sig):
         import signal
+
         (self.running.clear if sig == signal.SIGSTOP else self.running.set)()
 
 
@@ -133,21 +146,34 @@ class Disk:
     @classmethod
     def tier(cls, where, spec_, view, namespace, **kw):
         from sessionkv.tiers.g3.backends.disk import DiskBackend, DiskTier
+
         if isinstance(where, tuple):
             path, stall = where
             backend = _stalled(DiskBackend(path, cls.MAX_BYTES), stall)
             return DiskTier(spec_, view, "disk", backend=backend, namespace=namespace, **kw)
-        return DiskTier(spec_, view, "disk", path=where, max_bytes=cls.MAX_BYTES,
-                        namespace=namespace, **kw)
+        return DiskTier(
+            spec_, view, "disk", path=where, max_bytes=cls.MAX_BYTES, namespace=namespace, **kw
+        )
 
 
 def _stalled(backend, stall):
     """``backend`` whose calls wait while ``stall`` is stopped."""
-    for name in ("exists", "put_summed", "get_summed", "put_chunks", "get_chunks",
-                 "put_small", "get_small", "remove", "pin"):
+    for name in (
+        "exists",
+        "put_summed",
+        "get_summed",
+        "put_chunks",
+        "get_chunks",
+        "put_small",
+        "get_small",
+        "remove",
+        "pin",
+    ):
+
         def call(*a, _fn=getattr(backend, name), **kw):
             stall.running.wait()
             return _fn(*a, **kw)
+
         setattr(backend, name, call)
     return backend
 
@@ -166,8 +192,9 @@ def make(request):
 
     def build(spec_=None, namespace_=namespace, chunk=CHUNK, **kw):
         region = np.zeros((N_CHUNKS, chunk), np.uint8)
-        tier = backend.tier(where, spec_ or spec(chunk=chunk), memoryview(region), namespace_,
-                            timeout_s=5.0, **kw)
+        tier = backend.tier(
+            where, spec_ or spec(chunk=chunk), memoryview(region), namespace_, timeout_s=5.0, **kw
+        )
         made.append(tier)
         return tier, region
 
@@ -181,8 +208,14 @@ def faulty(request, tmp_path):
     """A tier on its own backend service, and the process to fail."""
     backend = BACKENDS[request.param]
     where, victim, services = backend.own(tmp_path)
-    tier = backend.tier(where, spec(), memoryview(np.zeros((N_CHUNKS, CHUNK), np.uint8)),
-                        "faults", timeout_s=0.5, retry_s=0.3)
+    tier = backend.tier(
+        where,
+        spec(),
+        memoryview(np.zeros((N_CHUNKS, CHUNK), np.uint8)),
+        "faults",
+        timeout_s=0.5,
+        retry_s=0.3,
+    )
     yield tier, victim if victim is not None else where[1]
     tier.shutdown()
     for s in services:
@@ -210,8 +243,9 @@ def look(tier, key):
 
 
 def job(keys, slots, promotion):
-    return TransferJob(next(_jobs), list(keys), np.asarray(slots, np.int64), promotion,
-                       ReqContext(req_id="r"))
+    return TransferJob(
+        next(_jobs), list(keys), np.asarray(slots, np.int64), promotion, ReqContext(req_id="r")
+    )
 
 
 def run(tier, keys, slots, promotion):
@@ -240,7 +274,7 @@ def seed(tier, key, data, like=None):
     sum_bytes = checksum(data if like is None else like)
     if b.inline_sums:
         sum_ = SUM_BUFFERS.get(tier)
-        if sum_ is None:        # registered once per tier: Mooncake refuses a second time
+        if sum_ is None:  # registered once per tier: Mooncake refuses a second time
             sum_ = SUM_BUFFERS[tier] = np.zeros(len(sum_bytes), np.uint8)
             b.register(memoryview(sum_))
         sum_[:] = np.frombuffer(sum_bytes, np.uint8)
@@ -263,11 +297,11 @@ def test_store_lookup_load_round_trip_exact_bytes(make):
     assert [look(tier, k) for k in KEYS[:4]] == [LookupResult.MISS] * 4
     assert run(tier, KEYS[:4], range(4), False).success
     assert [look(tier, k) for k in KEYS[:4]] == [LookupResult.HIT] * 4
-    fill(region, range(8, 12), seed=99)                    # poison the destination
+    fill(region, range(8, 12), seed=99)  # poison the destination
     res = run(tier, KEYS[:4], range(8, 12), True)
     assert res.success and res.transfer_bytes == 4 * CHUNK
     assert np.array_equal(region[8:12], region[0:4])
-    assert tier.get_finished_jobs() == []                  # each job is reported once
+    assert tier.get_finished_jobs() == []  # each job is reported once
 
 
 def test_a_second_engine_with_the_same_identity_reads_the_objects(make):
@@ -284,13 +318,13 @@ def test_a_load_with_a_gap_copies_each_chunk_to_its_slot(make):
     tier, region = make()
     fill(region, range(7), seed=12)
     assert run(tier, KEYS[:7], range(7), False).success
-    fill(region, range(8, 16), seed=98)                    # poison the destination
-    keys = KEYS[:3] + [KEYS[7]] + KEYS[3:7]                # KEYS[7] was never stored
+    fill(region, range(8, 16), seed=98)  # poison the destination
+    keys = KEYS[:3] + [KEYS[7]] + KEYS[3:7]  # KEYS[7] was never stored
     res = run(tier, keys, range(8, 16), True)
     assert not res.success and list(res.successful_keys) == KEYS[:7]
     assert np.array_equal(region[8:11], region[0:3])
     assert np.array_equal(region[12:16], region[3:7])
-    assert tier.quarantine.held == set()                   # no G2 slot kept from vLLM
+    assert tier.quarantine.held == set()  # no G2 slot kept from vLLM
 
 
 def test_moves_outside_the_job_table_copy_and_report_through_done(make):
@@ -299,17 +333,19 @@ def test_moves_outside_the_job_table_copy_and_report_through_done(make):
     fill(region, range(3), seed=13)
     done = []
     tier.move(False, KEYS[:3], [0, 1, 2], done.append)
-    tier.drain_hints()                                      # drain covers moves
+    tier.drain_hints()  # drain covers moves
     assert done == [[True, True, True]]
     assert [look(tier, k) for k in KEYS[:3]] == [LookupResult.HIT] * 3
-    fill(region, range(8, 12), seed=97)                    # poison the destination
+    fill(region, range(8, 12), seed=97)  # poison the destination
     tier.move(True, [KEYS[0], KEYS[6], KEYS[2]], [8, 9, 10], done.append)
     tier.drain_hints()
     assert done[1] == [True, False, True]
     assert np.array_equal(region[8], region[0]) and np.array_equal(region[10], region[2])
-    assert tier.get_finished_jobs() == []                  # not vLLM's jobs
-    assert seen == [(False, KEYS[:3], [True] * 3),
-                    (True, [KEYS[0], KEYS[6], KEYS[2]], [True, False, True])]
+    assert tier.get_finished_jobs() == []  # not vLLM's jobs
+    assert seen == [
+        (False, KEYS[:3], [True] * 3),
+        (True, [KEYS[0], KEYS[6], KEYS[2]], [True, False, True]),
+    ]
 
 
 def test_a_copy_goes_to_the_backend_in_bounded_calls(make, monkeypatch):
@@ -325,7 +361,7 @@ def test_a_copy_goes_to_the_backend_in_bounded_calls(make, monkeypatch):
     keys, want, done = KEYS[:8] + [block_key(i) for i in range(20, 24)], region[:12].copy(), []
     tier.move(False, keys, range(12), done.append)
     tier.drain_hints()
-    region[:12] = 0xAA                                       # poison the destination
+    region[:12] = 0xAA  # poison the destination
     tracemalloc.start()
     try:
         tier.move(True, keys, range(12), done.append)
@@ -350,11 +386,12 @@ def test_a_move_in_flight_neither_keeps_the_engine_stepping_nor_holds_up_a_reset
         started.set()
         release.wait(30)
         done.append(ok)
+
     tier.move(False, KEYS[:2], [0, 1], finish)
     assert started.wait(30)
-    assert not tier.has_pending_work()                     # in flight, yet idle
-    tier.drain_jobs()                                      # a reset goes on at once
-    assert done == [] and tier.quarantine.held == {0, 1}   # its slots are not G2's meanwhile
+    assert not tier.has_pending_work()  # in flight, yet idle
+    tier.drain_jobs()  # a reset goes on at once
+    assert done == [] and tier.quarantine.held == {0, 1}  # its slots are not G2's meanwhile
     release.set()
     tier.drain_hints()
     assert done == [[True, True]] and tier.quarantine.held == set()
@@ -365,7 +402,7 @@ def test_pins_hold_the_objects_and_leave_them_readable(make):
     fill(region, range(3), seed=14)
     assert run(tier, KEYS[:3], range(3), False).success
     done = []
-    slots = [0, 1, 2] if tier.pin_needs_bytes else None   # rewritten from G2 where needed
+    slots = [0, 1, 2] if tier.pin_needs_bytes else None  # rewritten from G2 where needed
     tier.pin(KEYS[:3], 60.0, slots, done.append)
     tier.drain_hints()
     assert done == [[True, True, True]]
@@ -378,7 +415,7 @@ def pin_calls(tier):
     """Spy (no fake): the number of chunks in each of the tier's real
     ``backend.pin`` calls, and a hook run after each call returns."""
     calls, after = [], []
-    per = len(tier.objects(KEYS[0]))            # objects per chunk
+    per = len(tier.objects(KEYS[0]))  # objects per chunk
 
     def spy(names, ttl_s, values, _pin=tier._backend.pin):
         got = _pin(names, ttl_s, values)
@@ -386,6 +423,7 @@ def pin_calls(tier):
         for hook in after:
             hook()
         return got
+
     tier._backend.pin = spy
     return calls, after
 
@@ -413,13 +451,13 @@ def test_a_pin_goes_in_bounded_slices_and_copies_no_session(make, monkeypatch):
     finally:
         tracemalloc.stop()
     assert done == [[True] * n]
-    assert calls == [3] * 4                                  # bounded calls
+    assert calls == [3] * 4  # bounded calls
     assert peak < chunk, f"{peak / mib:.1f} MiB held to pin {n} chunks of {chunk // mib} MiB"
     assert tier.quarantine.held == set()
     # The rewritten objects: another engine with the key loads every chunk,
     # verified (data and seal, a MAC over name and bytes, exactly as stored).
     other, oregion = make(chunk=chunk, seal_key=MAC_KEY)
-    oregion[:n] = 0xAA                                       # poison the destination
+    oregion[:n] = 0xAA  # poison the destination
     assert [look(other, k) for k in keys] == [LookupResult.HIT] * n
     assert run(other, keys, range(n), True).success
     assert np.array_equal(oregion[:n], region[:n])
@@ -430,6 +468,7 @@ def test_a_pin_cut_short_by_an_outage_keeps_what_it_pinned(faulty):
     # within one deadline (the breaker), its first slice is pinned and
     # reported so, and the tier pins and loads again once the backend is back.
     import signal
+
     tier, service = faulty
     tier._pins.slice = 2
     region = np.frombuffer(tier._region, np.uint8).reshape(N_CHUNKS, CHUNK)
@@ -444,30 +483,31 @@ def test_a_pin_cut_short_by_an_outage_keeps_what_it_pinned(faulty):
         tier.pin(KEYS[:6], 60.0, slots, done.append)
         tier.drain_hints()
         assert time.monotonic() - t0 < 3.0 and tier.guard.trips >= 1
-        assert calls == [2]                     # the second slice's call has not returned
+        assert calls == [2]  # the second slice's call has not returned
     finally:
         after.clear()
         service.signal(signal.SIGCONT)
     assert done == [[True, True] + [False] * 4]
     deadline = time.monotonic() + 20
-    while True:                                              # the breaker lets calls by again
+    while True:  # the breaker lets calls by again
         tier.pin(KEYS[:6], 60.0, slots, done.append)
         tier.drain_hints()
         if done[-1] == [True] * 6:
             break
         assert time.monotonic() < deadline, done[-1]
         time.sleep(0.3)
-    fill(region, range(8, 14), seed=95)                      # poison the destination
+    fill(region, range(8, 14), seed=95)  # poison the destination
     assert run(tier, KEYS[:6], range(8, 14), True).success
     assert np.array_equal(region[8:14], region[:6])
-    staging = getattr(tier._pins, "_staging", None)          # a rewriting pin's buffer
+    staging = getattr(tier._pins, "_staging", None)  # a rewriting pin's buffer
     while tier.quarantine.held or (staging and staging.free < staging.slots):
-        assert time.monotonic() < deadline                   # the late call ended
+        assert time.monotonic() < deadline  # the late call ended
         time.sleep(0.1)
 
 
 def test_redis_pins_persist_then_the_ttl_comes_back(request):
     import redis
+
     url = request.getfixturevalue("redis_url")
     region = np.zeros((N_CHUNKS, CHUNK), np.uint8)
     tier = Redis.tier(url, spec(), memoryview(region), f"pin-{uuid.uuid4().hex[:8]}", ttl_s=60)
@@ -476,15 +516,15 @@ def test_redis_pins_persist_then_the_ttl_comes_back(request):
         assert run(tier, KEYS[:2], [0, 1], False).success
         names = [tier.name(k) + sfx for k in KEYS[:2] for sfx in ("", SUM_SUFFIX)]
         r = redis.Redis.from_url(url)
-        assert all(0 < r.ttl(n) <= 60 for n in names)      # evictable under volatile-lru
+        assert all(0 < r.ttl(n) <= 60 for n in names)  # evictable under volatile-lru
         done = []
         tier.pin(KEYS[:1], 1.0, None, done.append)
         tier.drain_hints()
         assert done == [[True]]
-        assert [r.ttl(n) for n in names[:2]] == [-1, -1]     # PERSISTed: not evictable
-        assert all(r.ttl(n) > 0 for n in names[2:])          # the unpinned one keeps its TTL
+        assert [r.ttl(n) for n in names[:2]] == [-1, -1]  # PERSISTed: not evictable
+        assert all(r.ttl(n) > 0 for n in names[2:])  # the unpinned one keeps its TTL
         deadline = time.monotonic() + 10
-        while not all(r.ttl(n) > 0 for n in names[:2]):      # the pin lapsed
+        while not all(r.ttl(n) > 0 for n in names[:2]):  # the pin lapsed
             assert time.monotonic() < deadline
             time.sleep(0.1)
     finally:
@@ -497,14 +537,16 @@ def test_redis_pins_under_a_namespace_acl_and_a_start_sweeps_every_ended_lease(r
     failed NOPERM), and an engine start ends all of a crash's 3,000 ended
     leases in its namespace (a start ended 1,000), none of another's."""
     import redis
+
     url = request.getfixturevalue("redis_url")
     admin = redis.Redis.from_url(url)
     ns, other = f"acl-{uuid.uuid4().hex[:8]}", f"acl-{uuid.uuid4().hex[:8]}"
     user, password = f"u-{ns}", uuid.uuid4().hex
-    admin.acl_setuser(user, enabled=True, passwords=[f"+{password}"], keys=[f"{ns}/*"],
-                      commands=["+@all"])
+    admin.acl_setuser(
+        user, enabled=True, passwords=[f"+{password}"], keys=[f"{ns}/*"], commands=["+@all"]
+    )
     left = {f"{n}/dead-{i}": 0 for n in (ns, other) for i in range(3000)}
-    admin.mset({k: b"x" for k in left})          # persistent, as a crashed engine's pins left them
+    admin.mset({k: b"x" for k in left})  # persistent, as a crashed engine's pins left them
     for n in (ns, other):
         admin.zadd(f"{n}/pin-leases", {k: 1.0 for k in left if k.startswith(n + "/")})
     own_url = url.replace("redis://", f"redis://{user}:{password}@")
@@ -529,6 +571,7 @@ def test_redis_pins_under_a_namespace_acl_and_a_start_sweeps_every_ended_lease(r
 
 def test_mooncake_soft_pins_survive_eviction(tmp_path):
     from sessionkv.devtools.services import start_mooncake
+
     ports, master, store = start_mooncake(tmp_path, store_size="16MB")
     region = np.zeros((N_CHUNKS, CHUNK), np.uint8)
     tier = Mooncake.tier(ports, spec(), memoryview(region), "pins")
@@ -561,6 +604,7 @@ def test_a_read_past_its_deadline_keeps_its_g2_slots_until_it_ends(name, tmp_pat
     # store process (Mooncake's, or LMCache's server) runs on past the
     # tier's deadline, until the process goes on or the socket times out.
     import signal
+
     backend = BACKENDS[name]
     where, _, services = backend.own(tmp_path)
     store = services[0]
@@ -576,11 +620,11 @@ def test_a_read_past_its_deadline_keeps_its_g2_slots_until_it_ends(name, tmp_pat
             res = run(tier, KEYS[:2], [4, 5], True)
             assert not res.success and not res.successful_keys
             assert time.monotonic() - t0 < 3.0
-            assert tier.quarantine.held == {4, 5}            # vLLM must not reuse them
+            assert tier.quarantine.held == {4, 5}  # vLLM must not reuse them
         finally:
             store.signal(signal.SIGCONT)
         deadline = time.monotonic() + 30
-        while tier.quarantine.held:                          # the read ended: given back
+        while tier.quarantine.held:  # the read ended: given back
             assert time.monotonic() < deadline
             time.sleep(0.1)
     finally:
@@ -596,12 +640,12 @@ def test_storing_what_is_there_succeeds_and_a_move_keeps_it(make):
     tier, region = make()
     fill(region, [0, 1, 2], seed=3)
     assert run(tier, KEYS[:1], [0], False).success
-    assert run(tier, KEYS[:1], [1], False).success          # other bytes, same key
+    assert run(tier, KEYS[:1], [1], False).success  # other bytes, same key
     assert run(tier, KEYS[:1], [4], True).success
     there = region[4].copy()
     assert np.array_equal(there, region[0]) or np.array_equal(there, region[1])
     done = []
-    tier.move(False, KEYS[:1], [2], done.append)            # other bytes again
+    tier.move(False, KEYS[:1], [2], done.append)  # other bytes again
     tier.drain_hints()
     assert done == [[True]]
     assert run(tier, KEYS[:1], [5], True).success
@@ -622,8 +666,8 @@ def test_corrupted_bytes_fail_the_checksum(make):
     tier, region = make()
     fill(region, [0, 1], seed=5)
     assert run(tier, KEYS[:2], [0, 1], False).success
-    fill(region, [3], seed=6)                              # other bytes of the right size
-    plant(tier, KEYS[0], region[3], like=region[0])        # with the right checksum
+    fill(region, [3], seed=6)  # other bytes of the right size
+    plant(tier, KEYS[0], region[3], like=region[0])  # with the right checksum
     res = run(tier, KEYS[:2], [8, 9], True)
     assert not res.success and list(res.successful_keys) == [KEYS[1]]
     # No second promotion of the bad chunk, here or in another engine.
@@ -637,16 +681,16 @@ def test_short_objects_and_missing_checksums_are_misses(make):
     tier, region = make()
     fill(region, [0, 1], seed=7)
     assert run(tier, KEYS[:2], [0, 1], False).success
-    plant(tier, KEYS[0], region[0][:CHUNK // 2], like=region[0])           # short
+    plant(tier, KEYS[0], region[0][: CHUNK // 2], like=region[0])  # short
     b = tier._backend
     if b.sum_objects:
-        assert b.remove([tier.name(KEYS[1]) + SUM_SUFFIX]) == [True]    # no checksum object
-        assert look(tier, KEYS[1]) is LookupResult.MISS                 # so never listed
+        assert b.remove([tier.name(KEYS[1]) + SUM_SUFFIX]) == [True]  # no checksum object
+        assert look(tier, KEYS[1]) is LookupResult.MISS  # so never listed
     res = run(tier, KEYS[:2], [8, 9], True)
-    if b.inline_sums:           # the checksum is in the object too: KEYS[1] still verifies
+    if b.inline_sums:  # the checksum is in the object too: KEYS[1] still verifies
         assert not res.success and list(res.successful_keys) == [KEYS[1]]
         assert np.array_equal(region[9], region[1])
-    else:                       # its only checksum is gone: a miss
+    else:  # its only checksum is gone: a miss
         assert not res.success and not res.successful_keys
     assert look(tier, KEYS[0]) is LookupResult.MISS
 
@@ -674,7 +718,7 @@ def test_an_oversized_planted_object_is_a_miss_never_read_whole(make):
     assert peak < 4 << 20, f"{peak / 2**20:.1f} MiB held for a 16 MiB planted object"
 
 
-@pytest.mark.parametrize("make", ["lmcache", "redis"], indirect=True)   # checksum objects
+@pytest.mark.parametrize("make", ["lmcache", "redis"], indirect=True)  # checksum objects
 def test_orphaned_objects_are_absent_unlisted_and_stored_again(make):
     """A chunk whose data object is gone while its checksum object stays (what
     Redis' eviction does to them one by one), or the other way round, is
@@ -685,19 +729,19 @@ def test_orphaned_objects_are_absent_unlisted_and_stored_again(make):
     fill(region, [0, 1], seed=21)
     assert run(tier, KEYS[:2], [0, 1], False).success
     data, sums = [tier.name(k) for k in KEYS[:2]], [tier.name(k) + SUM_SUFFIX for k in KEYS[:2]]
-    assert b.remove([data[0], sums[1]]) == [True, True]     # evicted, one object each
-    if type(b).__name__ == "RedisBackend":                  # LMCache never evicts: no lookup asks
+    assert b.remove([data[0], sums[1]]) == [True, True]  # evicted, one object each
+    if type(b).__name__ == "RedisBackend":  # LMCache never evicts: no lookup asks
         assert [look(tier, k) for k in KEYS[:2]] == [LookupResult.MISS] * 2
     else:
         assert look(tier, KEYS[1]) is LookupResult.MISS
-    fill(region, [8], seed=98)                              # poison the destination
-    res = run(tier, KEYS[:1], [8], True)                    # a Prefetch of what the index knew
+    fill(region, [8], seed=98)  # poison the destination
+    res = run(tier, KEYS[:1], [8], True)  # a Prefetch of what the index knew
     assert not res.success and not res.successful_keys
-    assert b.exists([sums[0]]) == [False]                   # the orphan is unlisted
+    assert b.exists([sums[0]]) == [False]  # the orphan is unlisted
     other, oregion = make()
     assert [look(other, k) for k in KEYS[:2]] == [LookupResult.MISS] * 2
-    fill(oregion, [0, 1], seed=21)                          # the same chunks, computed again
-    assert run(other, KEYS[:2], [0, 1], False).success      # stored anew, not skipped
+    fill(oregion, [0, 1], seed=21)  # the same chunks, computed again
+    assert run(other, KEYS[:2], [0, 1], False).success  # stored anew, not skipped
     assert [look(other, k) for k in KEYS[:2]] == [LookupResult.HIT] * 2
     fill(oregion, [8, 9], seed=97)
     assert run(other, KEYS[:2], [8, 9], True).success
@@ -717,16 +761,16 @@ def test_with_the_cluster_key_a_writer_without_it_plants_nothing(make):
     fill(region, [0, 1, 2], seed=11)
     assert run(tier, KEYS[:1], [0], False).success
     fill(region, [3], seed=12)
-    plant(tier, KEYS[0], region[3], like=region[3])        # over a live object
-    seed(tier, KEYS[1], region[3])                          # before the engine stores it
+    plant(tier, KEYS[0], region[3], like=region[3])  # over a live object
+    seed(tier, KEYS[1], region[3])  # before the engine stores it
     b = tier._backend
     listed = [tier.name(k) + tier._layout.listing for k in KEYS[:2]]
     assert b.exists(listed) == [True, True]
-    fill(region, [8, 9], seed=99)                           # poison the destinations
+    fill(region, [8, 9], seed=99)  # poison the destinations
     res = run(tier, KEYS[:2], [8, 9], True)
     assert not res.success and not res.successful_keys and tier.rejected == 2
-    assert b.exists(listed) == [False, False]               # unlisted
-    assert run(tier, KEYS[:2], [0, 1], False).success       # the real chunks
+    assert b.exists(listed) == [False, False]  # unlisted
+    assert run(tier, KEYS[:2], [0, 1], False).success  # the real chunks
     other, oregion = make(seal_key=MAC_KEY)
     assert [look(other, k) for k in KEYS[:2]] == [LookupResult.HIT] * 2
     assert run(other, KEYS[:2], [4, 5], True).success
@@ -742,18 +786,18 @@ def test_an_object_planted_before_a_hint_copy_is_replaced(make):
     not written again (its bytes stay the first engine's)."""
     tier, region = make(seal_key=MAC_KEY)
     fill(region, [0, 1, 2, 3], seed=41)
-    seed(tier, KEYS[0], region[3])                          # planted, before any store
-    seed(tier, KEYS[2], region[3])                          # and before vLLM's cascade of it
-    assert run(tier, KEYS[2:3], [2], False).success         # Mooncake keeps what is there
+    seed(tier, KEYS[0], region[3])  # planted, before any store
+    seed(tier, KEYS[2], region[3])  # and before vLLM's cascade of it
+    assert run(tier, KEYS[2:3], [2], False).success  # Mooncake keeps what is there
     done = []
-    tier.move(False, KEYS[:3], [0, 1, 2], done.append)      # a Demote
+    tier.move(False, KEYS[:3], [0, 1, 2], done.append)  # a Demote
     tier.drain_hints()
     assert done == [[True, True, True]]
     other, oregion = make(seal_key=MAC_KEY)
-    fill(oregion, [4, 5, 6, 7, 8], seed=42)                 # poison the destinations
+    fill(oregion, [4, 5, 6, 7, 8], seed=42)  # poison the destinations
     assert run(other, KEYS[:3], [4, 5, 8], True).success
     assert np.array_equal(oregion[[4, 5, 8]], region[0:3])
-    tier.move(False, KEYS[:2], [6, 7], done.append)         # verified there: kept
+    tier.move(False, KEYS[:2], [6, 7], done.append)  # verified there: kept
     other.move(False, KEYS[:2], [6, 7], done.append)
     tier.drain_hints()
     other.drain_hints()
@@ -772,11 +816,14 @@ def test_engines_with_other_seals_name_other_objects(make):
     assert len({tier.prefix, other.prefix, plain.prefix}) == 3
 
 
-@pytest.mark.parametrize("other", [
-    {"block_size": 64},                     # another block size
-    {"dtype": "bfloat16"},                  # another KV dtype
-    {"model": str(MODELS / "realistic")},   # another model
-])
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"block_size": 64},  # another block size
+        {"dtype": "bfloat16"},  # another KV dtype
+        {"model": str(MODELS / "realistic")},  # another model
+    ],
+)
 def test_another_identity_is_a_miss(make, other):
     tier, region = make()
     fill(region, [0], seed=8)
@@ -802,6 +849,7 @@ def test_many_jobs_in_flight_drain_and_report_once(make):
 
 def test_a_hung_backend_costs_deadlines_then_recovers(faulty):
     import signal
+
     tier, service = faulty
     region = np.frombuffer(tier._region, np.uint8).reshape(N_CHUNKS, CHUNK)
     fill(region, [0, 1], seed=10)
@@ -809,23 +857,23 @@ def test_a_hung_backend_costs_deadlines_then_recovers(faulty):
     service.signal(signal.SIGSTOP)
     try:
         t0 = time.monotonic()
-        assert look(tier, KEYS[0]) is LookupResult.MISS          # no answer: a miss
-        assert not run(tier, KEYS[:2], [4, 5], True).success      # load fails, bounded
-        assert not run(tier, KEYS[2:4], [2, 3], False).success    # store fails, bounded
+        assert look(tier, KEYS[0]) is LookupResult.MISS  # no answer: a miss
+        assert not run(tier, KEYS[:2], [4, 5], True).success  # load fails, bounded
+        assert not run(tier, KEYS[2:4], [2, 3], False).success  # store fails, bounded
         tier.drain_jobs()
         assert time.monotonic() - t0 < 5.0 and tier.guard.trips >= 1
     finally:
         service.signal(signal.SIGCONT)
     time.sleep(0.5)
     deadline = time.monotonic() + 10
-    while look(tier, KEYS[1]) is not LookupResult.HIT:           # reconnects by itself
+    while look(tier, KEYS[1]) is not LookupResult.HIT:  # reconnects by itself
         assert time.monotonic() < deadline
         time.sleep(0.2)
     fill(region, [8, 9], seed=99)
     res = run(tier, KEYS[1:2], [9], True)
     assert res.success and np.array_equal(region[9], region[1])
     deadline = time.monotonic() + 10
-    sums = getattr(tier._layout, "sums", None)          # InlineSums' checksum slots
+    sums = getattr(tier._layout, "sums", None)  # InlineSums' checksum slots
     while tier.quarantine.held or (sums and sums.free < sums.slots):
-        assert time.monotonic() < deadline, tier.quarantine.held     # abandoned reads ended
+        assert time.monotonic() < deadline, tier.quarantine.held  # abandoned reads ended
         time.sleep(0.1)

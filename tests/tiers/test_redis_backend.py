@@ -10,10 +10,10 @@ def test_a_store_sends_chunks_from_g2_without_copying_them(redis_url):
     # every value and joined the pipeline into one more copy: a put of 16 MiB
     # of chunks allocated 17 MiB in the engine (issue "production scale").
     backend = RedisBackend(redis_url, ttl_s=60)
-    region = memoryview(bytearray(range(256)) * (16 << 12))        # 16 MiB
-    chunks = [region[i << 20:(i + 1) << 20] for i in range(16)]
+    region = memoryview(bytearray(range(256)) * (16 << 12))  # 16 MiB
+    chunks = [region[i << 20 : (i + 1) << 20] for i in range(16)]
     names = [f"zero-copy/{i}" for i in range(16)]
-    assert all(backend.put_chunks(names, chunks))                  # connection made
+    assert all(backend.put_chunks(names, chunks))  # connection made
     tracemalloc.start()
     try:
         assert all(backend.put_chunks(names, chunks))

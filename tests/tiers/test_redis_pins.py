@@ -15,9 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-
-from test_g3_contract import (CHUNK, KEYS, N_CHUNKS, SUM_SUFFIX, Redis, fill, pin_calls, run,
-                               spec)
+from test_g3_contract import CHUNK, KEYS, N_CHUNKS, SUM_SUFFIX, Redis, fill, pin_calls, run, spec
 
 
 @pytest.fixture
@@ -32,6 +30,7 @@ def tiers(request):
         tier = Redis.tier(url, spec(), memoryview(region), namespace_ or namespace, ttl_s=60)
         made.append(tier)
         return tier, region
+
     yield url, build
     for t in made:
         t.shutdown()
@@ -76,8 +75,8 @@ def test_one_engine_ending_its_pin_leaves_a_longer_one_of_another(tiers):
     pin(a, KEYS[:1], 1.0)
     pin(b, KEYS[:1], 600.0)
     r, names = redis.Redis.from_url(url), objects(a, KEYS[:1])
-    time.sleep(2.5)                                     # a's pin lapsed and was ended
-    assert [r.ttl(n) for n in names] == [-1, -1]        # b's still holds
+    time.sleep(2.5)  # a's pin lapsed and was ended
+    assert [r.ttl(n) for n in names] == [-1, -1]  # b's still holds
     b.shutdown()
     assert all(r.ttl(n) > 0 for n in names)
 
@@ -102,19 +101,18 @@ PINNER = textwrap.dedent("""
 def test_after_a_crash_the_next_engine_ends_the_lapsed_pins(tiers, tmp_path):
     url, build = tiers
     namespace = f"crash-{uuid.uuid4().hex[:8]}"
-    script = PINNER.format(tests=str(Path(__file__).parent), url=url,
-                           namespace=namespace)
+    script = PINNER.format(tests=str(Path(__file__).parent), url=url, namespace=namespace)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         name, done = proc.stdout.readline().split(" ", 1)
         assert done.strip() == "[[True]]"
     finally:
-        proc.send_signal(signal.SIGKILL)               # no lapse, no shutdown
+        proc.send_signal(signal.SIGKILL)  # no lapse, no shutdown
         proc.wait()
     r, names = redis.Redis.from_url(url), [name, name + SUM_SUFFIX]
-    time.sleep(2.0)                                     # its lease ended; nobody ended the pin
+    time.sleep(2.0)  # its lease ended; nobody ended the pin
     assert [r.ttl(n) for n in names] == [-1, -1]
-    build(namespace)                                    # the next engine on the namespace
+    build(namespace)  # the next engine on the namespace
     assert all(0 < r.ttl(n) <= 60 for n in names)
 
 
@@ -124,10 +122,18 @@ def test_a_pin_cut_short_still_ends_the_pins_it_made(tmp_path):
     persistent under their lease, get their TTL back at the pin's expiry:
     each slice's pins are handed to the lapses as it ends."""
     from sessionkv.devtools.services import start_redis
+
     url, server = start_redis(tmp_path)
     region = np.zeros((N_CHUNKS, CHUNK), np.uint8)
-    tier = Redis.tier(url, spec(), memoryview(region), f"cut-{uuid.uuid4().hex[:8]}", ttl_s=60,
-                      timeout_s=0.5, retry_s=0.3)
+    tier = Redis.tier(
+        url,
+        spec(),
+        memoryview(region),
+        f"cut-{uuid.uuid4().hex[:8]}",
+        ttl_s=60,
+        timeout_s=0.5,
+        retry_s=0.3,
+    )
     try:
         tier._pins.slice = 2
         fill(region, range(4), seed=34)
@@ -143,7 +149,7 @@ def test_a_pin_cut_short_still_ends_the_pins_it_made(tmp_path):
             server.signal(signal.SIGCONT)
         assert done == [[True, True, False, False]]
         r, names = redis.Redis.from_url(url), objects(tier, KEYS[:2])
-        assert [r.ttl(n) for n in names] == [-1] * 4        # pinned: not evictable
+        assert [r.ttl(n) for n in names] == [-1] * 4  # pinned: not evictable
         wait_for(lambda: all(0 < r.ttl(n) <= 60 for n in names))
     finally:
         tier.shutdown()

@@ -108,7 +108,7 @@ from dataclasses import dataclass
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 
-PIN_LEVEL = 1 << 62         # above every retain priority: pins go last
+PIN_LEVEL = 1 << 62  # above every retain priority: pins go last
 # Chunks made evictable wait to be filed until the next store begins or
 # evicts (``insert``, ``evict``): a step's completions, which one sort puts in
 # order. At most this many wait, so that a stretch of loads with no store
@@ -119,7 +119,7 @@ _INF = float("inf")
 # docstring); 0.32's CachePolicy has no such hook. A public name, read by
 # feature: a later release of the same shape needs nothing here.
 BY_POSITION: bool = hasattr(CachePolicy, "on_request_access")
-SHIFT = 48 if BY_POSITION else 0          # positions (tokens) below 2**48
+SHIFT = 48 if BY_POSITION else 0  # positions (tokens) below 2**48
 LOW = (1 << SHIFT) - 1
 # where a level-0 least was found (``_least``)
 _HEAP, _RUN, _GROUP = 0, 1, 2
@@ -143,22 +143,22 @@ class SessionCachePolicy(CachePolicy):
     def __init__(self, cache_capacity: int):
         super().__init__(cache_capacity)
         self.chunks: dict[OffloadKey, ChunkStatus] = {}
-        self._rank: dict[OffloadKey, int] = {}           # recency: higher is later
+        self._rank: dict[OffloadKey, int] = {}  # recency: higher is later
         self._next_rank = 0
-        self._generation = 0            # of the cache: ``clear`` starts a new one
-        self._demoted = 0               # ranks of demoted chunks count down from here
+        self._generation = 0  # of the cache: ``clear`` starts a new one
+        self._demoted = 0  # ranks of demoted chunks count down from here
         self._demoted_keys: set[OffloadKey] = set()
-        self._pins: dict[OffloadKey, tuple[float, float]] = {}    # key -> (pinned_at, expiry)
+        self._pins: dict[OffloadKey, tuple[float, float]] = {}  # key -> (pinned_at, expiry)
         # key -> (priority, expiry, owner)
         self._retains: dict[OffloadKey, tuple[int, float, str | None]] = {}
-        self._owned: dict[str, set[OffloadKey]] = {}     # owner -> the keys it retains
+        self._owned: dict[str, set[OffloadKey]] = {}  # owner -> the keys it retains
         self._clipped: list[OffloadKey] = []
-        self._unpinned: set[OffloadKey] = set()         # see take_unpinned
+        self._unpinned: set[OffloadKey] = set()  # see take_unpinned
         # evictable key -> (level, order) of its one valid heap entry
         self._at: dict[OffloadKey, tuple[int, object]] = {}
         self._heaps: dict[int, list[tuple[object, OffloadKey]]] = {}
-        self._size: dict[int, int] = {}                  # level -> evictable keys in it
-        self._levels: list[int] = []                     # sorted levels with a key
+        self._size: dict[int, int] = {}  # level -> evictable keys in it
+        self._levels: list[int] = []  # sorted levels with a key
         # level-0 keys with a rank of their own filed in rank order, key ->
         # rank (module docstring); the highest rank it took, which the next
         # must pass to join it
@@ -175,7 +175,8 @@ class SessionCachePolicy(CachePolicy):
         # the filing order of arrived keys: by rank, and head first (position
         # up) within a request's rank, so each joins its group at the front
         self._filing_key: Callable[[OffloadKey], int] = (
-            (lambda k: rank[k] ^ LOW) if LOW else rank.__getitem__)
+            (lambda k: rank[k] ^ LOW) if LOW else rank.__getitem__
+        )
         # (expiry, key) of every pin and retain set, lazily invalidated: lapses
         # are found without a pass over all hints on every eviction.
         self._expiries: list[tuple[float, OffloadKey]] = []
@@ -183,7 +184,7 @@ class SessionCachePolicy(CachePolicy):
     # ------------------------------------------------------------ the levels
 
     def _place(self, k: OffloadKey) -> tuple[int, object]:
-        if not self._pins and not self._retains:      # no hints: every chunk is plain
+        if not self._pins and not self._retains:  # no hints: every chunk is plain
             return 0, self._rank[k]
         pin = self._pins.get(k)
         if pin is not None:
@@ -206,14 +207,14 @@ class SessionCachePolicy(CachePolicy):
             self._heaps[level] = []
             bisect.insort(self._levels, level)
         self._size[level] += 1
-        if level == 0 and order > self._run_top and order & LOW == LOW:    # a rank of its own
+        if level == 0 and order > self._run_top and order & LOW == LOW:  # a rank of its own
             self._run[k] = self._run_top = order
             return
         if level == 0 and order & LOW != LOW and self._join_group(k, order):
             return
         heap = self._heaps[level]
         heapq.heappush(heap, (order, k))
-        if len(heap) > 2 * self._size[level] + 64:       # drop entries that went stale
+        if len(heap) > 2 * self._size[level] + 64:  # drop entries that went stale
             heap[:] = [(o, q) for o, q in heap if self._at.get(q) == (level, o)]
             heapq.heapify(heap)
 
@@ -365,8 +366,13 @@ class SessionCachePolicy(CachePolicy):
             if self._pins.pop(k, None) is not None:
                 self._refile(k)
 
-    def retain(self, keys: Iterable[OffloadKey], priority: int, ttl_s: float | None,
-               owner: str | None = None) -> int:
+    def retain(
+        self,
+        keys: Iterable[OffloadKey],
+        priority: int,
+        ttl_s: float | None,
+        owner: str | None = None,
+    ) -> int:
         """Order present chunks after lower priorities (until now + ttl_s), on
         behalf of ``owner`` (a session); how many."""
         expiry = _INF if ttl_s is None else self.clock() + ttl_s
@@ -416,13 +422,14 @@ class SessionCachePolicy(CachePolicy):
         for k in keys:
             if k not in self.chunks:
                 continue
-            if owner is not None and (k in self._pins
-                                      or self._retains.get(k, (0, 0.0, owner))[2] != owner):
+            if owner is not None and (
+                k in self._pins or self._retains.get(k, (0, 0.0, owner))[2] != owner
+            ):
                 continue
             self._demoted_keys.add(k)
             self._lose_pin(k)
             self._drop_retain(k)
-            self._demoted -= 1                 # below every rank a use assigns
+            self._demoted -= 1  # below every rank a use assigns
             self._rank[k] = self._demoted << SHIFT | LOW
             self._refile(k)
             n += 1
@@ -478,15 +485,19 @@ class SessionCachePolicy(CachePolicy):
     def get(self, key: OffloadKey) -> ChunkStatus | None:
         return self.chunks.get(key)
 
-    def insert(self, key: OffloadKey, chunk: ChunkStatus,
-               req_context: ReqContext | None = None) -> None:
+    def insert(
+        self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext | None = None
+    ) -> None:
         # vLLM 0.33 passes the storing request's context (tiers/compat.py),
         # 0.32 none.
         if self._arriving:
             self._settle()
         self.chunks[key] = chunk
-        if BY_POSITION and req_context is not None and (
-                position := req_context.get_offload_key_position(key)) is not None:
+        if (
+            BY_POSITION
+            and req_context is not None
+            and (position := req_context.get_offload_key_position(key)) is not None
+        ):
             self._rank[key] = self._request_rank(req_context) << SHIFT | LOW ^ min(position, LOW)
         else:
             self._next_rank += 1
@@ -529,9 +540,13 @@ class SessionCachePolicy(CachePolicy):
             if k in chunks:
                 self._new_rank(k)
 
-    def on_request_finished(self, key_groups: Sequence[Sequence[OffloadKey]],
-                            insertion_only_keys: set[OffloadKey], reused_keys: set[OffloadKey],
-                            req_context: ReqContext) -> None:
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only_keys: set[OffloadKey],
+        reused_keys: set[OffloadKey],
+        req_context: ReqContext,
+    ) -> None:
         self._use(reversed(order_request_keys(key_groups, req_context)))
         if self._demoted_keys:
             # The request that stored demoted chunks may finish after the
@@ -551,7 +566,7 @@ class SessionCachePolicy(CachePolicy):
         self.chunks.clear()
         self._rank.clear()
         self._next_rank = 0
-        self._generation += 1           # requests draw new ranks (vLLM 0.33 alike)
+        self._generation += 1  # requests draw new ranks (vLLM 0.33 alike)
         self._at.clear()
         self._run.clear()
         self._run_top = 0
@@ -593,7 +608,7 @@ class SessionCachePolicy(CachePolicy):
                     heapq.heappop(self._heaps[level])
                 return [self._evicted(least[1])]
         chosen: list[tuple[int, tuple[object, OffloadKey]]] = []
-        skipped: list[tuple[int, tuple[object, OffloadKey]]] = []     # protected ones
+        skipped: list[tuple[int, tuple[object, OffloadKey]]] = []  # protected ones
         seen: set[OffloadKey] = set()
         for level in self._levels:
             while len(chosen) < n:
@@ -619,7 +634,7 @@ class SessionCachePolicy(CachePolicy):
         for level, entry in skipped if len(chosen) == n else skipped + chosen:
             heapq.heappush(self._heaps[level], entry)
         if len(chosen) < n:
-            return None                         # atomic: nothing changed
+            return None  # atomic: nothing changed
         rank = self._rank
         keys = sorted((entry[1] for _, entry in chosen), key=rank.__getitem__)
         return [self._evicted(k) for k in keys]

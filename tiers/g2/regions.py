@@ -77,7 +77,7 @@ def register(region: str) -> None:
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)      # waits while a reclaimer removes it
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a reclaimer removes it
             # A reclaimer may have unlinked the file between our open and lock.
             if os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
                 _held[path] = fd
@@ -103,7 +103,8 @@ def _not_the_workers(region: str, why: str) -> RuntimeError:
         f"sessionkv: the G2 region {region} that this engine's workers map is {why}, "
         "so the scheduler would map a private copy that no worker writes (G3 would "
         "receive bytes the device never wrote). Something removed it after the "
-        "workers started; restart the engine.")
+        "workers started; restart the engine."
+    )
 
 
 def expect_existing(region: str) -> os.stat_result:
@@ -140,22 +141,25 @@ def reclaim(shm_dir: str = SHM_DIR) -> list[str]:
             st = os.fstat(fd)
             if st.st_uid != uid:
                 continue
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)     # nobody holds it
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody holds it
             if not os.path.samestat(st, os.stat(path, follow_symlinks=False)):
-                continue                                     # replaced meanwhile
-            name = os.path.basename(path)[len(_PREFIX):-len(_SUFFIX)]
+                continue  # replaced meanwhile
+            name = os.path.basename(path)[len(_PREFIX) : -len(_SUFFIX)]
             region = os.path.join(shm_dir, name)
             for part in [region, *glob.glob(glob.escape(region) + ".*")]:
-                if part == region or _SEGMENT.fullmatch(part[len(region):]):
+                if part == region or _SEGMENT.fullmatch(part[len(region) :]):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(part)
             os.unlink(path)
             removed.append(region)
         except OSError:
-            continue                        # held (BlockingIOError), or gone meanwhile
+            continue  # held (BlockingIOError), or gone meanwhile
         finally:
             os.close(fd)
     if removed:
-        logger.info("sessionkv: removed %d G2 regions no live engine holds: %s",
-                    len(removed), ", ".join(removed))
+        logger.info(
+            "sessionkv: removed %d G2 regions no live engine holds: %s",
+            len(removed),
+            ", ".join(removed),
+        )
     return removed

@@ -34,10 +34,9 @@ from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager
 
 from sessionkv.events import EventLog, Eviction, Residency
 from sessionkv.index.prefix_index import SessionPrefixIndex
+from sessionkv.tiers import compat
 from sessionkv.tiers.g3.tier import Quarantine
 from sessionkv.types import Tier
-
-from sessionkv.tiers import compat
 
 # The index counts a G3 copy for at most this many chunks per G2 chunk, the
 # most recently seen first. Backends evict on their own and never say so:
@@ -57,17 +56,24 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
         """The G2 cache policy vLLM built (``SessionCachePolicy`` by default)."""
         return compat.cpu_policy(self)
 
-    def __init__(self, *args, num_chunks: int, index: SessionPrefixIndex,
-                 blocks_per_chunk: int, event_log: EventLog | None,
-                 mmap_region: SharedOffloadRegion, **kwargs):
+    def __init__(
+        self,
+        *args,
+        num_chunks: int,
+        index: SessionPrefixIndex,
+        blocks_per_chunk: int,
+        event_log: EventLog | None,
+        mmap_region: SharedOffloadRegion,
+        **kwargs,
+    ):
         super().__init__(*args, num_chunks=num_chunks, mmap_region=mmap_region, **kwargs)
         self._region_path: str | None = getattr(mmap_region, "mmap_path", None)
         self._chunks = num_chunks
         self._index = index
         self._bpc = blocks_per_chunk
-        self.event_log = event_log      # vLLM's own list is ``events``
-        self._chunk = compat.cpu_policy(self).get      # vLLM builds its policy once
-        self._g3_known: OrderedDict[OffloadKey, None] = OrderedDict()   # oldest first
+        self.event_log = event_log  # vLLM's own list is ``events``
+        self._chunk = compat.cpu_policy(self).get  # vLLM builds its policy once
+        self._g3_known: OrderedDict[OffloadKey, None] = OrderedDict()  # oldest first
         self._g3_cap = G3_KNOWN_PER_G2_CHUNK * num_chunks
         # A chunk of one block is its own key in the index: the index's own
         # ``set_copies``, without a call between (two a decode step's store).
@@ -130,7 +136,8 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
     def _chain_copies(self, tier: Tier, chunk_keys: Collection[OffloadKey], copies: int) -> None:
         """``_index_copies`` of chunks of several blocks: each chunk's blocks."""
         self._index.set_copies(
-            tier, [b for k in chunk_keys for b in self._index.chain_to(k, self._bpc)], copies)
+            tier, [b for k in chunk_keys for b in self._index.chain_to(k, self._bpc)], copies
+        )
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -139,8 +146,7 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
         if out is not None and out.evicted_keys:
             self._index_copies(Tier.G2, out.evicted_keys, 0)
             if self.event_log is not None:
-                self.event_log.append(
-                    Eviction(tier=Tier.G2.name, keys=list(out.evicted_keys)))
+                self.event_log.append(Eviction(tier=Tier.G2.name, keys=list(out.evicted_keys)))
         return out
 
     def complete_store(
@@ -164,13 +170,12 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
         if self.event_log is not None:
             for ks, present in ((stored, True), (dropped, False)):
                 if ks:
-                    self.event_log.append(
-                        Residency(tier=Tier.G2.name, keys=ks, present=present))
+                    self.event_log.append(Residency(tier=Tier.G2.name, keys=ks, present=present))
 
     def reset_cache(self) -> None:
         super().reset_cache()
         self._index.clear_tier(Tier.G2)
-        if self.event_log is not None:     # no keys: everything in the tier
+        if self.event_log is not None:  # no keys: everything in the tier
             self.event_log.append(Eviction(tier=Tier.G2.name, keys=[], reason="reset"))
 
 

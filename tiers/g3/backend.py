@@ -16,7 +16,7 @@ from typing import ClassVar
 import blake3
 import xxhash
 
-SUM = struct.Struct("<QQ")          # xxh3-64 of the chunk, its length
+SUM = struct.Struct("<QQ")  # xxh3-64 of the chunk, its length
 SUM_SUFFIX = ".sum"
 
 
@@ -45,8 +45,10 @@ class Seal:
         failing. Names the key without revealing it."""
         if self.key is None:
             return "xxh3"
-        return "mac:" + hashlib.blake2b(b"sessionkv g3 key id", key=self.key,
-                                        digest_size=8).hexdigest()
+        return (
+            "mac:"
+            + hashlib.blake2b(b"sessionkv g3 key id", key=self.key, digest_size=8).hexdigest()
+        )
 
     def __call__(self, name: str, data) -> bytes:
         if self.key is None:
@@ -96,16 +98,18 @@ class ObjectBackend(ABC):
     #: backend must make visible only once whole and must answer cheaply.
     sum_objects: ClassVar[bool] = True
 
-    def put_summed(self, names: Sequence[str], bufs: Sequence[memoryview],
-                   sums: Sequence[memoryview]) -> list[bool]:
+    def put_summed(
+        self, names: Sequence[str], bufs: Sequence[memoryview], sums: Sequence[memoryview]
+    ) -> list[bool]:
         """Store each buffer followed by its checksum as the named object
         (``inline_sums``); ``sums`` lie in a registered buffer. With
         ``sum_objects``, also each checksum as its checksum object, after
         its data object (one exchange where the backend can)."""
         raise NotImplementedError
 
-    def get_summed(self, names: Sequence[str], bufs: Sequence[memoryview],
-                   sums: Sequence[memoryview]) -> list[int]:
+    def get_summed(
+        self, names: Sequence[str], bufs: Sequence[memoryview], sums: Sequence[memoryview]
+    ) -> list[int]:
         """Read each named object into ``bufs[i]`` and, after it, ``sums[i]``
         (``inline_sums``): per item the object's size less ``len(sums[i])``
         (equal to ``len(bufs[i])`` when the whole object arrived), or -1."""
@@ -119,7 +123,7 @@ class ObjectBackend(ABC):
     @abstractmethod
     def register(self, buf: memoryview) -> None: ...
 
-    def bind(self, namespace: str) -> None:
+    def bind(self, namespace: str) -> None:  # noqa: B027 (optional: most keep nothing)
         """The tier's namespace (every name it uses starts ``namespace/``),
         told once at start: a backend may tidy what it keeps per namespace."""
 
@@ -157,8 +161,9 @@ class ObjectBackend(ABC):
     pin_needs_bytes: ClassVar[bool] = False
     pin_lapses: ClassVar[bool] = True
 
-    def pin(self, names: Sequence[str], ttl_s: float,
-            values: Sequence[memoryview] | None) -> list[bool]:
+    def pin(
+        self, names: Sequence[str], ttl_s: float, values: Sequence[memoryview] | None
+    ) -> list[bool]:
         """Keep objects from the backend's eviction for ``ttl_s``; True where
         an object is now pinned. ``values``, when ``pin_needs_bytes``: each
         object whole (the chunk's bytes, then its seal), in a buffer given to

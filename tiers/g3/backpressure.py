@@ -61,12 +61,13 @@ class CascadeQueue(BackpressureDetector):
 
     def __init__(self, max_chunks: int, policy: BackpressurePolicy | None = None):
         if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
-            raise ValueError(f"backpressure.max_chunks must be a positive integer, "
-                             f"got {max_chunks!r}")
+            raise ValueError(
+                f"backpressure.max_chunks must be a positive integer, got {max_chunks!r}"
+            )
         super().__init__(policy=policy or DropStorePolicy())
         self.max_chunks = max_chunks
-        self._chunks = 0            # of the cascades taken and not yet collected
-        self._carried = 0           # ``_chunks`` when the last step's schedule ended
+        self._chunks = 0  # of the cascades taken and not yet collected
+        self._carried = 0  # ``_chunks`` when the last step's schedule ended
         self._lock = threading.Lock()
 
     @property

@@ -59,8 +59,9 @@ HEAP_SLACK = 1024
 class StorageEvents:
     """A G3 tier's announced chunks and its reports (module docstring)."""
 
-    def __init__(self, cap: int, lapse_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, cap: int, lapse_s: float | None = None, clock: Callable[[], float] = time.monotonic
+    ):
         if cap <= 0:
             raise ValueError(f"cap must be positive, got {cap!r}")
         if lapse_s is not None and lapse_s <= 0:
@@ -71,7 +72,7 @@ class StorageEvents:
         self._lock = threading.Lock()
         # key -> when its TTL lapses (inf: never), oldest announcement first
         self._announced: OrderedDict[OffloadKey, float] = OrderedDict()
-        self._due: list[tuple[float, OffloadKey]] = []      # lapses; stale when moved
+        self._due: list[tuple[float, OffloadKey]] = []  # lapses; stale when moved
         self._out: deque[tuple[list[OffloadKey], bool]] = deque(maxlen=MAX_BATCHES)
 
     def __len__(self) -> int:

@@ -43,11 +43,16 @@ from typing import Any
 
 import blake3
 
-CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer_config.json",
-                "quantization_config.json", "quant_config.json")
+CONFIG_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer_config.json",
+    "quantization_config.json",
+    "quant_config.json",
+)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 DIGEST_CACHE = Path.home() / ".cache" / "sessionkv" / "weight-digests.json"
-CACHE_ENTRIES = 4096                # weight files remembered, newest kept
+CACHE_ENTRIES = 4096  # weight files remembered, newest kept
 _LFS_BLOB = re.compile(r"[0-9a-f]{64}")
 IDENTITY_VERSION = 2
 
@@ -59,7 +64,7 @@ class FingerprintError(ValueError):
 def _file_digest(p: Path, cache: dict[str, str]) -> str:
     real = p.resolve()
     if real.parent.name == "blobs" and _LFS_BLOB.fullmatch(real.name):
-        return "sha256:" + real.name            # the hub named it by its content
+        return "sha256:" + real.name  # the hub named it by its content
     st = real.stat()
     tag = f"{real}\0{st.st_size}\0{st.st_mtime_ns}"
     hit = cache.get(tag)
@@ -80,8 +85,11 @@ def _load_cache(path: Path | None) -> dict[str, str]:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str)} \
-        if isinstance(doc, dict) else {}
+    return (
+        {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str)}
+        if isinstance(doc, dict)
+        else {}
+    )
 
 
 def _save_cache(path: Path | None, cache: dict[str, str]) -> None:
@@ -94,7 +102,7 @@ def _save_cache(path: Path | None, cache: dict[str, str]) -> None:
         tmp.write_text(json.dumps(keep))
         os.replace(tmp, path)
     except OSError:
-        pass                    # a cache only: the next start hashes again
+        pass  # a cache only: the next start hashes again
 
 
 def hub_snapshot(model: str, revision: str | None, hub_cache: str | None = None) -> Path:
@@ -103,18 +111,25 @@ def hub_snapshot(model: str, revision: str | None, hub_cache: str | None = None)
     never downloads. ``hub_cache``: the cache folder (default: the hub
     client's, ``HF_HUB_CACHE``)."""
     from huggingface_hub import snapshot_download
+
     try:
-        return Path(snapshot_download(model, revision=revision, local_files_only=True,
-                                      cache_dir=hub_cache))
-    except Exception as e:      # the hub client raises several types for "not cached"
+        return Path(
+            snapshot_download(model, revision=revision, local_files_only=True, cache_dir=hub_cache)
+        )
+    except Exception as e:  # the hub client raises several types for "not cached"
         raise FingerprintError(
             f"cannot fingerprint model {model!r} at revision {revision or 'main'}: it is not a "
             f"local directory and not in the local Hugging Face cache ({type(e).__name__}); "
-            "G3 needs to know which weights made the KV") from e
+            "G3 needs to know which weights made the KV"
+        ) from e
 
 
-def weights_digest(model: str, revision: str | None = None,
-                   cache_path: Path | None = DIGEST_CACHE, hub_cache: str | None = None) -> str:
+def weights_digest(
+    model: str,
+    revision: str | None = None,
+    cache_path: Path | None = DIGEST_CACHE,
+    hub_cache: str | None = None,
+) -> str:
     """Hex digest of a model's config and weights by content (see the module
     docstring): ``model`` a local directory, or a hub id in the local cache."""
     root = Path(model)
@@ -127,8 +142,7 @@ def weights_digest(model: str, revision: str | None = None,
             h.update(name.encode() + b"\0" + p.read_bytes())
     weights = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
     if not weights:
-        raise FingerprintError(f"no weight files under {str(root)!r}: cannot fingerprint the "
-                               "model")
+        raise FingerprintError(f"no weight files under {str(root)!r}: cannot fingerprint the model")
     cache = _load_cache(cache_path)
     before = dict(cache)
     for p in weights:
@@ -176,10 +190,19 @@ def identity_fields(
 ) -> dict[str, Any]:
     """The fields ``fingerprint`` covers, by name (see the module docstring).
     ``chunk_bytes`` guards against anything else that changes a chunk's size."""
-    return {"v": IDENTITY_VERSION, "weights": weights, "dtype": dtype,
-            "quantization": quantization, "kv_cache_dtype": kv_cache_dtype,
-            "kv_scales": kv_scales, "kv_skip_layers": sorted(kv_skip_layers),
-            "hf_overrides": plain(dict(hf_overrides)),
-            "block_size": block_size, "blocks_per_chunk": blocks_per_chunk, "layout": layout,
-            "parallel": {"tp": tp, "pp": pp, "pcp": pcp, "dcp": dcp},
-            "none_hash": none_hash, "chunk_bytes": chunk_bytes}
+    return {
+        "v": IDENTITY_VERSION,
+        "weights": weights,
+        "dtype": dtype,
+        "quantization": quantization,
+        "kv_cache_dtype": kv_cache_dtype,
+        "kv_scales": kv_scales,
+        "kv_skip_layers": sorted(kv_skip_layers),
+        "hf_overrides": plain(dict(hf_overrides)),
+        "block_size": block_size,
+        "blocks_per_chunk": blocks_per_chunk,
+        "layout": layout,
+        "parallel": {"tp": tp, "pp": pp, "pcp": pcp, "dcp": dcp},
+        "none_hash": none_hash,
+        "chunk_bytes": chunk_bytes,
+    }

@@ -22,7 +22,7 @@ import numpy as np
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
-MIN_RATE = 100e6                    # bytes/s a healthy backend sustains, for deadlines
+MIN_RATE = 100e6  # bytes/s a healthy backend sustains, for deadlines
 
 
 class BackendDown(Exception):
@@ -45,8 +45,14 @@ class Guard:
 
     MAX_BACKOFF = 8
 
-    def __init__(self, name: str, timeout_s: float, retry_s: float, threads: int = 8,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        name: str,
+        timeout_s: float,
+        retry_s: float,
+        threads: int = 8,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._name = name
         self.timeout_s = timeout_s
         self._retry_s = retry_s
@@ -56,7 +62,7 @@ class Guard:
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._in_a_row = 0
-        self._abandoned = 0              # calls past their deadline, still running
+        self._abandoned = 0  # calls past their deadline, still running
         self.trips = 0
 
     @property
@@ -71,23 +77,34 @@ class Guard:
 
     def trip(self, why: str) -> None:
         with self._lock:
-            delay = self._retry_s * min(2 ** self._in_a_row, self.MAX_BACKOFF)
+            delay = self._retry_s * min(2**self._in_a_row, self.MAX_BACKOFF)
             if self._clock() >= self._down_until:
-                logger.warning("sessionkv: G3 %s %s: misses for %.1f s, then retrying",
-                               self._name, why, delay)
+                logger.warning(
+                    "sessionkv: G3 %s %s: misses for %.1f s, then retrying", self._name, why, delay
+                )
             self._down_until = self._clock() + delay
             self._in_a_row += 1
             self.trips += 1
 
-    def call(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0,
-             on_abandoned: Callable[[Any], None] | None = None) -> Any:
+    def call(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        nbytes: int = 0,
+        on_abandoned: Callable[[Any], None] | None = None,
+    ) -> Any:
         """``fn(*args)`` within its deadline, or ``BackendDown``. A call past
         its deadline keeps running; ``on_abandoned(result)`` runs when it
         ends (``None`` when it raised)."""
         return self.start(fn, *args, nbytes=nbytes, on_abandoned=on_abandoned)()
 
-    def start(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0,
-              on_abandoned: Callable[[Any], None] | None = None) -> Callable[[], Any]:
+    def start(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        nbytes: int = 0,
+        on_abandoned: Callable[[Any], None] | None = None,
+    ) -> Callable[[], Any]:
         """``call``, started now on a call thread: returns the function that
         waits for its result (by the deadline counted from now), so the
         caller can work meanwhile. Call that function exactly once."""
@@ -123,7 +140,7 @@ class Guard:
                     if not fut.done():
                         state["abandoned"] = True
                         self._abandoned += 1
-                if not state["abandoned"] and fut.exception() is None:   # made it after all
+                if not state["abandoned"] and fut.exception() is None:  # made it after all
                     return fut.result()
                 self.trip(f"call {getattr(fn, '__name__', fn)} timed out")
                 raise BackendDown(f"{self._name}: no answer in time", abandoned=True) from None
@@ -134,6 +151,7 @@ class Guard:
                 raise BackendDown(f"{self._name}: {e!r}") from e
             self._in_a_row = 0
             return value
+
         return result
 
     def deadline(self, nbytes: int = 0) -> float:
@@ -161,9 +179,9 @@ class Quarantine:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._held: dict[int, int] = {}     # slot -> calls holding it
-        self._parked: set[int] = set()      # held slots G2 has freed
-        self._returned: list[int] = []      # parked slots released, not reclaimed yet
+        self._held: dict[int, int] = {}  # slot -> calls holding it
+        self._parked: set[int] = set()  # held slots G2 has freed
+        self._returned: list[int] = []  # parked slots released, not reclaimed yet
 
     @property
     def held(self) -> set[int]:
@@ -203,7 +221,7 @@ class Quarantine:
 
     def reclaim(self) -> list[int]:
         """Parked slots released since the last call: free again."""
-        if not self._returned:     # vLLM asks per store; one released now comes next call
+        if not self._returned:  # vLLM asks per store; one released now comes next call
             return []
         with self._lock:
             out, self._returned = self._returned, []
@@ -257,7 +275,7 @@ class Staging:
             self._cond.notify_all()
 
     def slot(self, i: int) -> memoryview:
-        return self._view[i * self._chunk:(i + 1) * self._chunk]
+        return self._view[i * self._chunk : (i + 1) * self._chunk]
 
     def release(self) -> None:
         self._view.release()
@@ -270,8 +288,11 @@ class Lapses:
     still running, with how long each had left. A name pinned again keeps its
     latest expiry. Memory: one entry per pinned name and per ``add``."""
 
-    def __init__(self, on_lapse: Callable[[list[str], list[float]], None],
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        on_lapse: Callable[[list[str], list[float]], None],
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._on_lapse = on_lapse
         self._clock = clock
         self._until: dict[str, float] = {}
@@ -290,8 +311,9 @@ class Lapses:
             self._seq += 1
             heapq.heappush(self._heap, (until, self._seq, list(names)))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name="sessionkv-g3-lapses")
+                self._thread = threading.Thread(
+                    target=self._run, daemon=True, name="sessionkv-g3-lapses"
+                )
                 self._thread.start()
             self._cond.notify()
 
@@ -313,9 +335,10 @@ class Lapses:
     def _end(self, names: list[str], left_s: list[float]) -> None:
         try:
             self._on_lapse(names, left_s)
-        except Exception:       # the backend is down: the objects keep the pin for now
-            logger.warning("sessionkv: G3 pins of %d objects could not be ended "
-                           "(%s...)", len(names), names[0])
+        except Exception:  # the backend is down: the objects keep the pin for now
+            logger.warning(
+                "sessionkv: G3 pins of %d objects could not be ended (%s...)", len(names), names[0]
+            )
 
     def close(self) -> None:
         """Stop, and end the pins still running (a graceful shutdown)."""

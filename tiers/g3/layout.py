@@ -34,7 +34,7 @@ from sessionkv.tiers.g3.backend import SUM, SUM_SUFFIX, ObjectBackend, Seal
 from sessionkv.tiers.g3.io import MIN_RATE, BackendDown, Guard, Lapses, Quarantine, Staging
 
 logger = init_logger(__name__)
-SUM_SLOTS = 4096                    # checksums in flight in inline-sum calls (64 KiB)
+SUM_SLOTS = 4096  # checksums in flight in inline-sum calls (64 KiB)
 # A Pin goes to the backend in slices (``Pins``): at most PIN_SLICE_CHUNKS
 # chunks a call and, where the backend rewrites the objects, at most
 # PIN_SLICE_BYTES of them (one object at least), the size of the registered
@@ -80,14 +80,15 @@ class Layout:
     def _forget(self, names: list[str]) -> None:
         try:
             self._backend.remove(names)
-        except Exception:           # best effort: such objects are never listed
+        except Exception:  # best effort: such objects are never listed
             pass
 
     def put(self, names: list[str], chunks: list[memoryview], sums: list[bytes]) -> list[bool]:
         raise NotImplementedError
 
-    def load(self, names: list[str], slots: list[memoryview],
-             slot_ids: list[int]) -> tuple[list[bool], list[str]]:
+    def load(
+        self, names: list[str], slots: list[memoryview], slot_ids: list[int]
+    ) -> tuple[list[bool], list[str]]:
         """Read chunks into their G2 ``slots`` (ids ``slot_ids``), verified:
         (ok per chunk, names of objects there but unreadable or different)."""
         raise NotImplementedError
@@ -101,8 +102,9 @@ class InlineSums(Layout):
 
     cascade_asks = False
 
-    def __init__(self, backend: ObjectBackend, guard: Guard, chunk: int, seal: Seal,
-                 quarantine: Quarantine):
+    def __init__(
+        self, backend: ObjectBackend, guard: Guard, chunk: int, seal: Seal, quarantine: Quarantine
+    ):
         super().__init__(backend, guard, chunk, seal)
         self._quarantine = quarantine
         self.sums = Staging(SUM_SLOTS, SUM.size)
@@ -113,8 +115,7 @@ class InlineSums(Layout):
         # deadline may read G2 slots vLLM has reused: its checksums were taken
         # before, so such an object fails its load, and its objects are
         # removed when the late put returns.
-        return self._with_sums(self._backend.put_summed, names, chunks, sums, [],
-                               self.forget_all)
+        return self._with_sums(self._backend.put_summed, names, chunks, sums, [], self.forget_all)
 
     def load(self, names, slots, slot_ids):
         """Straight into the G2 slots vLLM reserved, verified there against
@@ -132,8 +133,15 @@ class InlineSums(Layout):
             ok.append(good)
         return ok, broken
 
-    def _with_sums(self, fn, names: list[str], chunks: list[memoryview],
-                   values: list[bytes] | None, held: list[int], on_late: Forget | None) -> list:
+    def _with_sums(
+        self,
+        fn,
+        names: list[str],
+        chunks: list[memoryview],
+        values: list[bytes] | None,
+        held: list[int],
+        on_late: Forget | None,
+    ) -> list:
         """``fn(names, chunks, sums)`` in parts of at most a quarter of the
         checksum slots: a put's checksums (``values``) are copied into the
         slots first; the G2 slots ``held`` (one per chunk, for a read) stay in
@@ -145,14 +153,14 @@ class InlineSums(Layout):
         fill = values is not None
         step = self.sums.slots // 4
         for i in range(0, len(names), step):
-            part, bufs, hold = names[i:i + step], chunks[i:i + step], held[i:i + step]
+            part, bufs, hold = names[i : i + step], chunks[i : i + step], held[i : i + step]
             taken = self.sums.take(len(part), self._guard.timeout_s)
-            if taken is None:       # every slot kept by calls past their deadline
-                out += [False if fill else (None, b"")] * len(part)     # not read
+            if taken is None:  # every slot kept by calls past their deadline
+                out += [False if fill else (None, b"")] * len(part)  # not read
                 continue
             sums = [self.sums.slot(t) for t in taken]
             if fill:
-                for slot, value in zip(sums, values[i:i + step]):
+                for slot, value in zip(sums, values[i : i + step]):
                     slot[:] = value
             self._quarantine.hold(hold)
 
@@ -161,10 +169,17 @@ class InlineSums(Layout):
                     on_late(part)
                 self._quarantine.release(hold)
                 self.sums.give(taken)
+
             abandoned = False
             try:
-                got = self._guard.call(fn, part, bufs, sums, nbytes=len(part) * self._chunk,
-                                       on_abandoned=lambda _, end=end: end(True))
+                got = self._guard.call(
+                    fn,
+                    part,
+                    bufs,
+                    sums,
+                    nbytes=len(part) * self._chunk,
+                    on_abandoned=lambda _, end=end: end(True),
+                )
                 out += got if fill else [(size, bytes(s)) for size, s in zip(got, sums)]
             except BackendDown as e:
                 abandoned = e.abandoned
@@ -197,12 +212,18 @@ class SumObjects(Layout):
         # Zero-copy from G2: a put past its deadline may read a slot vLLM has
         # reused. Its object then gets no checksum object (never listed), and
         # is removed when the late put returns.
-        put = g.call(b.put_chunks, names, chunks, nbytes=len(names) * self._chunk,
-                     on_abandoned=lambda _: self._forget(names))
+        put = g.call(
+            b.put_chunks,
+            names,
+            chunks,
+            nbytes=len(names) * self._chunk,
+            on_abandoned=lambda _: self._forget(names),
+        )
         # Checksum objects after the data: lookups find whole chunks.
         stored = [j for j, p in enumerate(put) if p]
-        listed = g.call(b.put_small, [names[j] + SUM_SUFFIX for j in stored],
-                        [sums[j] for j in stored])
+        listed = g.call(
+            b.put_small, [names[j] + SUM_SUFFIX for j in stored], [sums[j] for j in stored]
+        )
         ok = [False] * len(put)
         for j, done in zip(stored, listed):
             ok[j] = done
@@ -212,13 +233,20 @@ class SumObjects(Layout):
         """Data and checksum objects in one ``get_small`` call, verified bytes
         copied straight into G2: the backend's buffers are its own, so a
         call past its deadline writes nothing of ours."""
-        got = self._guard.call(self._backend.get_small,
-                               names + [n + SUM_SUFFIX for n in names], self._chunk,
-                               nbytes=len(names) * self._chunk)
+        got = self._guard.call(
+            self._backend.get_small,
+            names + [n + SUM_SUFFIX for n in names],
+            self._chunk,
+            nbytes=len(names) * self._chunk,
+        )
         ok, broken = [], []
-        for name, slot, value, want in zip(names, slots, got, got[len(names):]):
-            good = (value is not None and len(value) == self._chunk and want is not None
-                    and want == self.seal(name, value))
+        for name, slot, value, want in zip(names, slots, got, got[len(names) :]):
+            good = (
+                value is not None
+                and len(value) == self._chunk
+                and want is not None
+                and want == self.seal(name, value)
+            )
             # There, but short, long or different; or one of its two objects
             # gone (the other is an orphan).
             if (value is not None or want is not None) and not good:
@@ -229,16 +257,19 @@ class SumObjects(Layout):
         return ok, broken
 
 
-def layout_for(backend: ObjectBackend, guard: Guard, chunk: int, seal: Seal,
-               quarantine: Quarantine) -> Layout:
+def layout_for(
+    backend: ObjectBackend, guard: Guard, chunk: int, seal: Seal, quarantine: Quarantine
+) -> Layout:
     """The backend's layout; a clear error for flags no layout serves."""
     if backend.inline_sums:
         return InlineSums(backend, guard, chunk, seal, quarantine)
     if backend.owned_reads and backend.sum_objects:
         return SumObjects(backend, guard, chunk, seal)
-    raise TypeError(f"{type(backend).__name__}: a backend keeps checksums inline "
-                    "(inline_sums) or in checksum objects it reads with its data "
-                    "(sum_objects, owned_reads)")
+    raise TypeError(
+        f"{type(backend).__name__}: a backend keeps checksums inline "
+        "(inline_sums) or in checksum objects it reads with its data "
+        "(sum_objects, owned_reads)"
+    )
 
 
 class Pins:
@@ -273,13 +304,13 @@ class Pins:
             raise ValueError("pinning rewrites objects: G2 slots needed")
         ok: list[bool] = []
         for i in range(0, len(names), self.slice):
-            part = names[i:i + self.slice]
+            part = names[i : i + self.slice]
             try:
-                got = self._pin(part, None if slots is None else slots[i:i + self.slice], ttl_s)
+                got = self._pin(part, None if slots is None else slots[i : i + self.slice], ttl_s)
             except BackendDown as e:
                 logger.debug("sessionkv: G3 pin: %s", e)
                 break
-            except Exception:       # a backend bug fails the slice, never the engine
+            except Exception:  # a backend bug fails the slice, never the engine
                 logger.exception("sessionkv: G3 pin failed")
                 got = [False] * len(part)
             if self._lapses is not None:
@@ -306,10 +337,11 @@ class ObjectPins(Pins):
     needs_bytes = False
 
     def _pin(self, names, slots, ttl_s):
-        per = 2 if self._layout.listing else 1          # objects per chunk
-        got = self._guard.call(self._backend.pin,
-                               [o for n in names for o in self._layout.objects(n)], ttl_s, None)
-        return [all(got[i:i + per]) for i in range(0, len(got), per)]
+        per = 2 if self._layout.listing else 1  # objects per chunk
+        got = self._guard.call(
+            self._backend.pin, [o for n in names for o in self._layout.objects(n)], ttl_s, None
+        )
+        return [all(got[i : i + per]) for i in range(0, len(got), per)]
 
 
 class RewritePins(Pins):
@@ -328,18 +360,19 @@ class RewritePins(Pins):
 
     needs_bytes = True
 
-    def __init__(self, backend: ObjectBackend, guard: Guard, layout: Layout, clock,
-                 region: memoryview):
+    def __init__(
+        self, backend: ObjectBackend, guard: Guard, layout: Layout, clock, region: memoryview
+    ):
         super().__init__(backend, guard, layout, clock)
         self._region = region
-        self._chunk = layout._chunk         # a G2 slot's bytes
+        self._chunk = layout._chunk  # a G2 slot's bytes
         size = self._chunk + SUM.size
         self.slice = max(1, min(PIN_SLICE_CHUNKS, PIN_SLICE_BYTES // size))
         self._staging = Staging(self.slice, size)
         backend.register(self._staging.view)
 
     def _pin(self, names, slots, ttl_s):
-        if self._guard.down:        # fail now: a late call may hold the staging slots
+        if self._guard.down:  # fail now: a late call may hold the staging slots
             raise BackendDown("the breaker is open")
         size = self._chunk + SUM.size
         # Slots a concurrent pin holds come back within one call's deadline.
@@ -350,11 +383,16 @@ class RewritePins(Pins):
         try:
             objs = [self._staging.slot(t) for t in taken]
             for name, slot, obj in zip(names, slots, objs):
-                obj[:c] = self._region[slot * c:(slot + 1) * c]
+                obj[:c] = self._region[slot * c : (slot + 1) * c]
                 obj[c:] = self._layout.seal(name, obj[:c])
-            return self._guard.call(self._backend.pin, names, ttl_s, objs,
-                                    nbytes=len(objs) * size,
-                                    on_abandoned=lambda _: self._staging.give(taken))
+            return self._guard.call(
+                self._backend.pin,
+                names,
+                ttl_s,
+                objs,
+                nbytes=len(objs) * size,
+                on_abandoned=lambda _: self._staging.give(taken),
+            )
         except BackendDown as e:
             abandoned = e.abandoned
             raise
@@ -367,12 +405,15 @@ class RewritePins(Pins):
         self._staging.release()
 
 
-def pins_for(backend: ObjectBackend, guard: Guard, layout: Layout, clock,
-             region: memoryview) -> Pins:
+def pins_for(
+    backend: ObjectBackend, guard: Guard, layout: Layout, clock, region: memoryview
+) -> Pins:
     """The backend's pins; ``region``: G2, which rewriting pins read."""
     if not backend.pin_needs_bytes:
         return ObjectPins(backend, guard, layout, clock)
     if layout.listing:
-        raise TypeError(f"{type(backend).__name__}: pins that rewrite objects "
-                        "(pin_needs_bytes) need inline checksums, no checksum objects")
+        raise TypeError(
+            f"{type(backend).__name__}: pins that rewrite objects "
+            "(pin_needs_bytes) need inline checksums, no checksum objects"
+        )
     return RewritePins(backend, guard, layout, clock, region)

@@ -97,16 +97,25 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from sessionkv.tiers.g3.fingerprint import fingerprint, plain
 from sessionkv.tiers.g3.backend import SUM_SUFFIX, ObjectBackend, Seal, address_of, checksum
 from sessionkv.tiers.g3.backpressure import CascadeQueue
 from sessionkv.tiers.g3.events import StorageEvents
+from sessionkv.tiers.g3.fingerprint import fingerprint, plain
 from sessionkv.tiers.g3.io import BackendDown, Guard, Quarantine, Staging
 from sessionkv.tiers.g3.layout import layout_for, pins_for
 from sessionkv.tiers.g3.spec import spec_identity
 
-__all__ = ["SUM_SUFFIX", "BackendDown", "G3Tier", "Guard", "ObjectBackend", "Quarantine",
-           "Staging", "address_of", "checksum"]
+__all__ = [
+    "SUM_SUFFIX",
+    "BackendDown",
+    "G3Tier",
+    "Guard",
+    "ObjectBackend",
+    "Quarantine",
+    "Staging",
+    "address_of",
+    "checksum",
+]
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -125,7 +134,7 @@ MAX_MINE = 1 << 18
 # KV events: chunks announced stored at most, per G2 chunk (``StorageEvents``:
 # past it the oldest are reported removed; vLLM's tracker keeps a payload each).
 ANNOUNCED_PER_G2_CHUNK = 2
-ABANDONED_WAIT_S = 5.0              # shutdown waits this long for abandoned calls
+ABANDONED_WAIT_S = 5.0  # shutdown waits this long for abandoned calls
 # A copy (a cascade job or a hint move's wave) goes to the backend in calls of
 # at most this many bytes of chunks (one chunk at least). It bounds what a
 # backend holds of ours per call: Redis' replies to one pipeline are all in
@@ -137,7 +146,7 @@ BATCH_BYTES = 64 << 20
 class _Lookups(AsyncLookupManager):
     """vLLM's asynchronous lookups, asking the backend for checksum objects."""
 
-    def __init__(self, tier: "G3Tier"):
+    def __init__(self, tier: G3Tier):
         self._tier = tier
         super().__init__(tier_type=tier.tier_type)
 
@@ -156,7 +165,7 @@ class G3Tier(SecondaryTierManager):
 
     def __init__(
         self,
-        offloading_spec: "OffloadingSpec",
+        offloading_spec: OffloadingSpec,
         primary_kv_view: memoryview,
         tier_type: str,
         backend: ObjectBackend | None = None,
@@ -164,7 +173,7 @@ class G3Tier(SecondaryTierManager):
         io_threads: int = 2,
         timeout_s: float = 2.0,
         retry_s: float = 1.0,
-        backpressure_detector: "BackpressureDetector | None" = None,
+        backpressure_detector: BackpressureDetector | None = None,
         quarantine: Quarantine | None = None,
         observer: Observer | None = None,
         seal_key: bytes | None = None,
@@ -182,46 +191,69 @@ class G3Tier(SecondaryTierManager):
             self.quarantine = quarantine if quarantine is not None else Quarantine()
             self._observer = observer
             self._seal = Seal(seal_key)
-            self.rejected = 0           # objects there but unreadable or failing their seal
-            self._setup(offloading_spec, primary_kv_view, tier_type, backend, namespace,
-                        io_threads, timeout_s, retry_s, backpressure_detector)
+            self.rejected = 0  # objects there but unreadable or failing their seal
+            self._setup(
+                offloading_spec,
+                primary_kv_view,
+                tier_type,
+                backend,
+                namespace,
+                io_threads,
+                timeout_s,
+                retry_s,
+                backpressure_detector,
+            )
         except Exception:
             backend.close()
             raise
 
-    def _setup(self, offloading_spec, primary_kv_view, tier_type, backend, namespace,
-               io_threads, timeout_s, retry_s, backpressure_detector) -> None:
+    def _setup(
+        self,
+        offloading_spec,
+        primary_kv_view,
+        tier_type,
+        backend,
+        namespace,
+        io_threads,
+        timeout_s,
+        retry_s,
+        backpressure_detector,
+    ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if not namespace or "/" in namespace:
             raise ValueError(f"namespace must be a non-empty name without '/', got {namespace!r}")
-        for key, v in (("timeout_s", timeout_s), ("retry_s", retry_s),
-                       ("io_threads", io_threads)):
+        for key, v in (("timeout_s", timeout_s), ("retry_s", retry_s), ("io_threads", io_threads)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"{tier_type}: {key} must be a positive number, got {v!r}")
         self._chunk = primary_kv_view.strides[0]
-        self._region = primary_kv_view.cast("B") if (
-            primary_kv_view.ndim > 1 or primary_kv_view.format != "B") else primary_kv_view
+        self._region = (
+            primary_kv_view.cast("B")
+            if (primary_kv_view.ndim > 1 or primary_kv_view.format != "B")
+            else primary_kv_view
+        )
         self._identity = {**spec_identity(offloading_spec, self._chunk), "seal": self._seal.id}
         self._namespace = namespace
         self._prefix: str | None = None
         self._backend = backend
         # Call threads for every copy thread of both pools (one call each at a
         # time), the lookup thread and the doctor: a busy permit trips the breaker.
-        self.guard = Guard(tier_type, float(timeout_s), float(retry_s),
-                           threads=max(8, 2 * int(io_threads) + 2))
+        self.guard = Guard(
+            tier_type, float(timeout_s), float(retry_s), threads=max(8, 2 * int(io_threads) + 2)
+        )
         backend.register(self._region)
         backend.bind(namespace)
-        self._layout = layout_for(backend, self.guard, self._chunk, self._seal,
-                                  self.quarantine)
+        self._layout = layout_for(backend, self.guard, self._chunk, self._seal, self.quarantine)
         self._pins = pins_for(backend, self.guard, self._layout, time.monotonic, self._region)
-        self._pool = ThreadPoolExecutor(max_workers=int(io_threads),
-                                        thread_name_prefix=f"sessionkv-{tier_type}")
+        self._pool = ThreadPoolExecutor(
+            max_workers=int(io_threads), thread_name_prefix=f"sessionkv-{tier_type}"
+        )
         # Hint copies have their own lane: a moved session's next turn waits
         # for its Share, which must not queue behind the write-through
         # cascades of every request the old engine is decoding.
-        self._hint_pool = ThreadPoolExecutor(max_workers=int(io_threads),
-                                             thread_name_prefix=f"sessionkv-{tier_type}-hint")
-        self._pending: set[Future] = set()      # vLLM's jobs
+        self._hint_pool = ThreadPoolExecutor(
+            max_workers=int(io_threads), thread_name_prefix=f"sessionkv-{tier_type}-hint"
+        )
+        self._pending: set[Future] = set()  # vLLM's jobs
         # Hint copies and pins: outside vLLM's job table, they finish through
         # the Mover's wake-up of the control channel, so they must not keep an
         # idle engine stepping (``has_pending_work``), and a reset does not
@@ -230,17 +262,22 @@ class G3Tier(SecondaryTierManager):
         # (result, keys of a failed load, chunks of a cascade): collected by vLLM
         self._done: list[tuple[JobResult, list[OffloadKey], int]] = []
         # The default backpressure counts this tier's cascades (tiers/g3/backpressure.py).
-        self._cascades = backpressure_detector if isinstance(
-            backpressure_detector, CascadeQueue) else None
+        self._cascades = (
+            backpressure_detector if isinstance(backpressure_detector, CascadeQueue) else None
+        )
         # vLLM's KV events, when on: the chunks this tier stored and the
         # ones it learned are gone (``tiers/g3/events.py``), taken every step.
         events = getattr(offloading_spec, "kv_events_config", None)
-        self._events = StorageEvents(
-            ANNOUNCED_PER_G2_CHUNK * (len(self._region) // self._chunk),
-            getattr(backend, "lapse_s", None),
-        ) if events is not None and events.enable_kv_cache_events else None
-        self._failed: dict[str, float] = {}     # name -> until when it is a miss
-        self._own: OrderedDict[int, None] = OrderedDict()   # hash(name): chunks vouched for, LRU
+        self._events = (
+            StorageEvents(
+                ANNOUNCED_PER_G2_CHUNK * (len(self._region) // self._chunk),
+                getattr(backend, "lapse_s", None),
+            )
+            if events is not None and events.enable_kv_cache_events
+            else None
+        )
+        self._failed: dict[str, float] = {}  # name -> until when it is a miss
+        self._own: OrderedDict[int, None] = OrderedDict()  # hash(name): chunks vouched for, LRU
         self._lock = threading.Lock()
         self._lookups = _Lookups(self)
 
@@ -252,6 +289,7 @@ class G3Tier(SecondaryTierManager):
         hash root (``NONE_HASH``) is set after the engine built this tier."""
         if self._prefix is None:
             from vllm.v1.core import kv_cache_utils
+
             root = getattr(kv_cache_utils, "NONE_HASH", None)
             if root is None:
                 raise RuntimeError("vLLM's block hash root is not set: cannot name G3 objects")
@@ -292,7 +330,7 @@ class G3Tier(SecondaryTierManager):
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._lookups.flush()
-        if self._cascades is not None:      # vLLM collected the cascades that ended
+        if self._cascades is not None:  # vLLM collected the cascades that ended
             self._cascades.step_ended()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -313,8 +351,8 @@ class G3Tier(SecondaryTierManager):
     def get_finished_jobs(self) -> Iterable[JobResult]:
         with self._lock:
             done, self._done = self._done, []
-        for r, keys, cascaded in done:
-            if keys:                 # failed loads: no second promotion (vLLM #49176)
+        for _r, keys, cascaded in done:
+            if keys:  # failed loads: no second promotion (vLLM #49176)
                 self._lookups.mark_miss(keys)
             if cascaded and self._cascades is not None:
                 self._cascades.left(cascaded)
@@ -325,9 +363,16 @@ class G3Tier(SecondaryTierManager):
         learned gone (``tiers/g3/events.py``), medium STORAGE."""
         if self._events is None:
             return ()
-        return [OffloadingEvent(keys=keys, medium=self.medium, removed=removed,
-                                locality=self.locality, removal_expected=True)
-                for keys, removed in self._events.take()]
+        return [
+            OffloadingEvent(
+                keys=keys,
+                medium=self.medium,
+                removed=removed,
+                locality=self.locality,
+                removal_expected=True,
+            )
+            for keys, removed in self._events.take()
+        ]
 
     def has_pending_work(self) -> bool:
         """vLLM's jobs only (see ``_hint_work``)."""
@@ -360,15 +405,19 @@ class G3Tier(SecondaryTierManager):
         while self.guard.abandoned and time.monotonic() < until:
             time.sleep(0.05)
         if self.guard.abandoned:
-            logger.warning("sessionkv: G3 %s shutting down with %d backend calls still "
-                           "running past their deadline", self.tier_type, self.guard.abandoned)
+            logger.warning(
+                "sessionkv: G3 %s shutting down with %d backend calls still "
+                "running past their deadline",
+                self.tier_type,
+                self.guard.abandoned,
+            )
         self.guard.shutdown()
         self._backend.close()
         self._layout.close()
-        self._region.release()      # else the primary tier cannot unmap G2
+        self._region.release()  # else the primary tier cannot unmap G2
 
     def health(self) -> str:
-        """"" when the backend answers a lookup within the deadline, else why
+        """ "" when the backend answers a lookup within the deadline, else why
         not (for ``sessionkv doctor``). Blocks its caller up to the deadline."""
         try:
             self.guard.call(self._backend.exists, [self.prefix + "sessionkv-doctor" + SUM_SUFFIX])
@@ -418,6 +467,7 @@ class G3Tier(SecondaryTierManager):
                 run()
             finally:
                 self.quarantine.release(held)
+
         try:
             fut = self._hint_pool.submit(job)
         except BaseException:
@@ -427,57 +477,76 @@ class G3Tier(SecondaryTierManager):
             self._hint_work.add(fut)
         fut.add_done_callback(self._finished)
 
-    def _run(self, load: bool, job_id: int, keys: list[OffloadKey], names: list[str],
-             offsets: list[int]) -> None:
+    def _run(
+        self, load: bool, job_id: int, keys: list[OffloadKey], names: list[str], offsets: list[int]
+    ) -> None:
         start = time.monotonic()
         ok = self._copy(load, f"job {job_id}", keys, names, offsets, cascade=True)
         good = [k for k, o in zip(keys, ok) if o]
         failed_loads = [k for k, o in zip(keys, ok) if not o] if load else []
-        result = JobResult(job_id=job_id, success=len(good) == len(keys),
-                           successful_keys=good if len(good) < len(keys) else None,
-                           transfer_time=time.monotonic() - start,
-                           transfer_bytes=len(good) * self._chunk)
+        result = JobResult(
+            job_id=job_id,
+            success=len(good) == len(keys),
+            successful_keys=good if len(good) < len(keys) else None,
+            transfer_time=time.monotonic() - start,
+            transfer_bytes=len(good) * self._chunk,
+        )
         with self._lock:
             self._done.append((result, failed_loads, 0 if load else len(keys)))
         if self._events is not None and not load:
             self._events.stored(good)
 
-    def _copy(self, load: bool, what: str, keys: list[OffloadKey], names: list[str],
-              offsets: list[int], cascade: bool = False) -> list[bool]:
+    def _copy(
+        self,
+        load: bool,
+        what: str,
+        keys: list[OffloadKey],
+        names: list[str],
+        offsets: list[int],
+        cascade: bool = False,
+    ) -> list[bool]:
         """One load, or a store (``cascade``: vLLM's, else a hint's; see
         ``_store``), in calls of at most ``BATCH_BYTES``; ok per key, never raises.
         Once the backend is down, the rest of the copy fails without a call."""
         step, ok = max(1, BATCH_BYTES // self._chunk), []
         for i in range(0, len(keys), step):
             part = slice(i, i + step)
-            done, down = self._copy_batch(load, what, keys[part], names[part], offsets[part],
-                                          cascade)
+            done, down = self._copy_batch(
+                load, what, keys[part], names[part], offsets[part], cascade
+            )
             ok += done
             if down:
                 break
-        rest = keys[len(ok):]
+        rest = keys[len(ok) :]
         if rest:
             ok += [False] * len(rest)
             if self._observer is not None:
                 self._observer(load, rest, [False] * len(rest))
         return ok
 
-    def _copy_batch(self, load: bool, what: str, keys: list[OffloadKey], names: list[str],
-                    offsets: list[int], cascade: bool) -> tuple[list[bool], bool]:
+    def _copy_batch(
+        self,
+        load: bool,
+        what: str,
+        keys: list[OffloadKey],
+        names: list[str],
+        offsets: list[int],
+        cascade: bool,
+    ) -> tuple[list[bool], bool]:
         """One backend call's worth of ``_copy``: (ok per key, backend down).
         A load that failed with the backend up is remembered (a miss for a while)."""
         down = False
         try:
             ok = self._load(names, offsets) if load else self._store(names, offsets, cascade)
-        except BackendDown as e:    # the breaker covers it: no per-chunk memory
+        except BackendDown as e:  # the breaker covers it: no per-chunk memory
             logger.debug("sessionkv: G3 %s: %s", what, e)
             ok, down = [False] * len(keys), True
-        except Exception:           # a backend bug fails the copy, never the engine
+        except Exception:  # a backend bug fails the copy, never the engine
             logger.exception("sessionkv: G3 %s failed", what)
             ok = [False] * len(keys)
         if load and not down and not all(ok):
             self._remember_failed([n for n, o in zip(names, ok) if not o])
-            if self._events is not None:     # missing, or unlisted as unreadable
+            if self._events is not None:  # missing, or unlisted as unreadable
                 self._events.gone([k for k, o in zip(keys, ok) if not o])
         if self._observer is not None:
             self._observer(load, keys, ok)
@@ -490,8 +559,13 @@ class G3Tier(SecondaryTierManager):
         """Whether ``pin`` needs the chunks' G2 slots (the backend rewrites them)."""
         return self._pins.needs_bytes
 
-    def pin(self, keys: list[OffloadKey], ttl_s: float, chunk_ids: Sequence[int] | None,
-            done: Callable[[list[bool]], None]) -> None:
+    def pin(
+        self,
+        keys: list[OffloadKey],
+        ttl_s: float,
+        chunk_ids: Sequence[int] | None,
+        done: Callable[[list[bool]], None],
+    ) -> None:
         """Keep chunks' objects (data and checksum) from the backend's eviction
         for ``ttl_s``, on the I/O threads: by the backend's own mechanism
         (``ObjectBackend.pin``), ended by the backend or here when it lapses.
@@ -514,10 +588,17 @@ class G3Tier(SecondaryTierManager):
             if self._events is not None:
                 self._events.held([k for k, o in zip(keys, ok) if o], ttl_s)
             done(ok)
+
         self._hint_job(run, chunk_ids)
 
-    def move(self, load: bool, keys: list[OffloadKey], chunk_ids: Sequence[int],
-             done: Callable[[list[bool]], None], check: Sequence[OffloadKey] = ()) -> None:
+    def move(
+        self,
+        load: bool,
+        keys: list[OffloadKey],
+        chunk_ids: Sequence[int],
+        done: Callable[[list[bool]], None],
+        check: Sequence[OffloadKey] = (),
+    ) -> None:
         """Copy chunks between their G2 slots (``chunk_ids``, reserved by the
         caller) and this tier on the I/O threads, outside vLLM's job table
         (Demote, Prefetch, Share): a load when ``load``, else a store.
@@ -532,9 +613,10 @@ class G3Tier(SecondaryTierManager):
 
         def run():
             ok = self._copy(load, "move", keys, names, offsets) if keys else []
-            if self._events is not None and not load:       # Demote, Share: KV events
+            if self._events is not None and not load:  # Demote, Share: KV events
                 self._events.stored([k for k, o in zip(keys, ok) if o])
             done(ok + (self.listed(check) if check else []))
+
         self._hint_job(run, chunk_ids)
 
     def _remember_failed(self, names: list[str]) -> None:
@@ -548,7 +630,7 @@ class G3Tier(SecondaryTierManager):
                 del self._failed[next(iter(self._failed))]
 
     def _chunks(self, offsets: list[int]) -> list[memoryview]:
-        return [self._region[o:o + self._chunk] for o in offsets]
+        return [self._region[o : o + self._chunk] for o in offsets]
 
     def _store(self, names: list[str], offsets: list[int], cascade: bool) -> list[bool]:
         """Store chunks. vLLM's ``cascade`` asks first where the layout says
@@ -578,8 +660,11 @@ class G3Tier(SecondaryTierManager):
         todo = [i for i, h in enumerate(have) if not h]
         ok = list(have)
         if todo:
-            put = self._layout.put([names[i] for i in todo], [chunks[i] for i in todo],
-                                   [seal(names[i], chunks[i]) for i in todo])
+            put = self._layout.put(
+                [names[i] for i in todo],
+                [chunks[i] for i in todo],
+                [seal(names[i], chunks[i]) for i in todo],
+            )
             for i, done in zip(todo, put):
                 ok[i] = bool(done)
             # Written: asked and absent (or removed), or over whatever was there.
@@ -587,8 +672,9 @@ class G3Tier(SecondaryTierManager):
         return ok
 
     def _load(self, names: list[str], offsets: list[int]) -> list[bool]:
-        ok, broken = self._layout.load(names, self._chunks(offsets),
-                                       [o // self._chunk for o in offsets])
+        ok, broken = self._layout.load(
+            names, self._chunks(offsets), [o // self._chunk for o in offsets]
+        )
         self._vouch([n for n, o in zip(names, ok) if o])
         self._unlist(broken)
         return ok
@@ -620,7 +706,11 @@ class G3Tier(SecondaryTierManager):
         if broken:
             with self._lock:
                 self.rejected += len(broken)
-            logger.warning("sessionkv: %d G3 objects unreadable or failing their %s "
-                           "(%s...): recomputing, and unlisting them", len(broken),
-                           "MAC" if self._seal.key else "checksum", broken[0])
+            logger.warning(
+                "sessionkv: %d G3 objects unreadable or failing their %s "
+                "(%s...): recomputing, and unlisting them",
+                len(broken),
+                "MAC" if self._seal.key else "checksum",
+                broken[0],
+            )
             self._layout.forget_all(broken)

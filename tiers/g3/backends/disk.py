@@ -93,12 +93,12 @@ from vllm.v1.kv_offload.base import Locality
 
 from sessionkv.tiers.g3.tier import G3Tier, ObjectBackend
 
-HIGH_WATER = 0.9        # of max_bytes: a put past it wakes the evictor
-LOW_WATER = 0.8         # the evictor removes objects down to this
-RECOUNT_SLACK = 0.01    # of max_bytes: a scan this far off the count recounts
-STALE_TMP_S = 3600.0    # tmp/ files older than this are left by a crash: removed
-PUT_TRIES = 8           # a put that lost this many races for its name fails
-FANOUT = 256            # objects/<2 hex digits>/
+HIGH_WATER = 0.9  # of max_bytes: a put past it wakes the evictor
+LOW_WATER = 0.8  # the evictor removes objects down to this
+RECOUNT_SLACK = 0.01  # of max_bytes: a scan this far off the count recounts
+STALE_TMP_S = 3600.0  # tmp/ files older than this are left by a crash: removed
+PUT_TRIES = 8  # a put that lost this many races for its name fails
+FANOUT = 256  # objects/<2 hex digits>/
 MARK = "sessionkv-disk-tier"
 _FILES = ("usage", "usage.lock", "evict.lock", "count.lock", MARK)
 _DIRS = ("objects", "tmp")
@@ -119,19 +119,23 @@ def _open_tree(root: str) -> None:
     (see the module docstring's trust boundary). Creates what is missing."""
     try:
         os.makedirs(root, mode=0o700, exist_ok=True)
-        st = os.stat(root)          # the operator may point path at a link: followed once
+        st = os.stat(root)  # the operator may point path at a link: followed once
     except OSError as e:
         raise ValueError(f"DiskTier: cannot use path {root!r}: {e}") from e
     if not stat.S_ISDIR(st.st_mode):
         raise ValueError(f"DiskTier: path {root!r} is not a directory")
     if st.st_uid != os.geteuid():
-        raise ValueError(f"DiskTier: path {root!r} belongs to uid {st.st_uid}, not to this "
-                         f"engine's ({os.geteuid()}): give a directory of the engine's user")
+        raise ValueError(
+            f"DiskTier: path {root!r} belongs to uid {st.st_uid}, not to this "
+            f"engine's ({os.geteuid()}): give a directory of the engine's user"
+        )
     names = set(os.listdir(root))
     if MARK not in names and names - set(_FILES) - set(_DIRS):
         foreign = sorted(names - set(_FILES) - set(_DIRS))[:3]
-        raise ValueError(f"DiskTier: path {root!r} holds files that are not a DiskTier's "
-                         f"({', '.join(foreign)}): give an empty or new directory")
+        raise ValueError(
+            f"DiskTier: path {root!r} holds files that are not a DiskTier's "
+            f"({', '.join(foreign)}): give an empty or new directory"
+        )
     for name in names & set(_FILES + _DIRS):
         _check_own(os.path.join(root, name), dir_=name in _DIRS)
     objects = os.path.join(root, "objects")
@@ -142,7 +146,7 @@ def _open_tree(root: str) -> None:
     try:
         os.close(os.open(os.path.join(root, MARK), os.O_WRONLY | os.O_CREAT | _NOFOLLOW, 0o600))
         if stat.S_IMODE(st.st_mode) & 0o077:
-            os.chmod(root, 0o700)   # a tree made before the mark was 0755
+            os.chmod(root, 0o700)  # a tree made before the mark was 0755
     except OSError as e:
         raise ValueError(f"DiskTier: cannot use path {root!r}: {e}") from e
 
@@ -154,8 +158,10 @@ def _check_own(path: str, dir_: bool) -> None:
     kind = stat.S_ISDIR(st.st_mode) if dir_ else stat.S_ISREG(st.st_mode)
     if not kind or st.st_uid != os.geteuid():
         what = "directory" if dir_ else "regular file"
-        raise ValueError(f"DiskTier: {path!r} is not a {what} of this engine's user "
-                         f"(a link, or another user's): remove it or give another path")
+        raise ValueError(
+            f"DiskTier: {path!r} is not a {what} of this engine's user "
+            f"(a link, or another user's): remove it or give another path"
+        )
 
 
 def _mkdir_own(path: str) -> None:
@@ -171,10 +177,11 @@ class DiskBackend(ObjectBackend):
     """``ObjectBackend`` over a local directory (see the module docstring)."""
 
     inline_sums = True
-    sum_objects = False     # objects appear whole (rename): lookups stat the object
+    sum_objects = False  # objects appear whole (rename): lookups stat the object
 
-    def __init__(self, path: str, max_bytes: int,
-                 on_evict: Callable[[set[str]], None] | None = None):
+    def __init__(
+        self, path: str, max_bytes: int, on_evict: Callable[[set[str]], None] | None = None
+    ):
         """``on_evict``: told the paths (``path_of``) of the objects each of
         this backend's evictions removed, on the evictor's thread."""
         if not isinstance(path, str) or not path:
@@ -192,17 +199,18 @@ class DiskBackend(ObjectBackend):
         self._evict_lock = os.open(os.path.join(self.root, "evict.lock"), own, 0o600)
         self._count_path = os.path.join(self.root, "count.lock")
         self._count_lock = os.open(self._count_path, own, 0o600)
-        self.quarantined = 0                    # objects that were no regular file: removed
-        self._lock = threading.Lock()           # flock does not exclude this process's threads
-        self.evictions = 0                      # objects this backend's evictor removed
+        self.quarantined = 0  # objects that were no regular file: removed
+        self._lock = threading.Lock()  # flock does not exclude this process's threads
+        self.evictions = 0  # objects this backend's evictor removed
         self._on_evict = on_evict
         self._wake = threading.Event()
-        self._refused = False                   # a put was refused: evict even below HIGH_WATER
+        self._refused = False  # a put was refused: evict even below HIGH_WATER
         self._closed = False
-        self._evictor = threading.Thread(target=self._evict_loop, daemon=True,
-                                         name="sessionkv-disk-evict")
+        self._evictor = threading.Thread(
+            target=self._evict_loop, daemon=True, name="sessionkv-disk-evict"
+        )
         self._evictor.start()
-        self._wake.set()            # a first scan: counts what a crash left uncounted
+        self._wake.set()  # a first scan: counts what a crash left uncounted
 
     # ---- names and usage -----------------------------------------------------
 
@@ -260,12 +268,12 @@ class DiskBackend(ObjectBackend):
         size: True, None when it is not there, False on an error."""
         claimed = os.path.join(self._tmp, uuid.uuid4().hex)
         try:
-            os.rename(path, claimed)        # a link is renamed, never followed
+            os.rename(path, claimed)  # a link is renamed, never followed
         except FileNotFoundError:
             return None
         except OSError:
             return False
-        size = max(0, _regular_size(claimed))   # only regular files were counted
+        size = max(0, _regular_size(claimed))  # only regular files were counted
         _unlink(claimed)
         self._add_usage(-size)
         return True
@@ -316,7 +324,7 @@ class DiskBackend(ObjectBackend):
                 os.close(fd)
             for _ in range(PUT_TRIES):
                 try:
-                    os.link(tmp, final)       # fails if the name is there: never replaces
+                    os.link(tmp, final)  # fails if the name is there: never replaces
                     placed = True
                     break
                 except FileExistsError:
@@ -359,15 +367,17 @@ class DiskBackend(ObjectBackend):
             return -1
         try:
             st = os.fstat(fd)
-            if st.st_size == sum(len(p) for p in parts) and \
-                    os.preadv(fd, list(parts), 0) != st.st_size:
+            if (
+                st.st_size == sum(len(p) for p in parts)
+                and os.preadv(fd, list(parts), 0) != st.st_size
+            ):
                 return -1
             now = time.time()
             if st.st_mtime < now:
                 try:
                     os.utime(fd, (now, now))
                 except OSError:
-                    pass        # recency is best effort (another user's object)
+                    pass  # recency is best effort (another user's object)
             return st.st_size
         except OSError:
             return -1
@@ -405,11 +415,11 @@ class DiskBackend(ObjectBackend):
         return [_regular_size(self.path_of(n)) >= 0 for n in names]
 
     def register(self, buf: memoryview) -> None:
-        return              # reads and writes go straight from and into the buffer
+        return  # reads and writes go straight from and into the buffer
 
     # ---- pins --------------------------------------------------------------------
 
-    pin_lapses = True       # a pin is a future mtime: it ends by itself
+    pin_lapses = True  # a pin is a future mtime: it ends by itself
 
     def pin(self, names, ttl_s: float, values=None) -> list[bool]:
         until, out = time.time() + float(ttl_s), []
@@ -443,7 +453,7 @@ class DiskBackend(ObjectBackend):
             try:
                 self.evict(start=LOW_WATER if refused else HIGH_WATER)
             except OSError:
-                time.sleep(1.0)       # the directory went away or is unreadable: try later
+                time.sleep(1.0)  # the directory went away or is unreadable: try later
 
     def evict(self, target: float = LOW_WATER, start: float | None = None) -> int:
         """When ``usage`` is above ``start`` (default ``target``) of
@@ -488,7 +498,7 @@ class DiskBackend(ObjectBackend):
         for i in range(FANOUT):
             fan = os.path.join(self._objects, f"{i:02x}")
             if not os.path.isdir(fan) or os.path.islink(fan):
-                continue            # never made by this tier: not entered
+                continue  # never made by this tier: not entered
             with os.scandir(fan) as it:
                 for e in it:
                     try:
@@ -498,7 +508,7 @@ class DiskBackend(ObjectBackend):
                     if not stat.S_ISREG(st.st_mode):
                         continue
                     total += st.st_size
-                    if st.st_mtime <= now:              # pinned objects stay
+                    if st.st_mtime <= now:  # pinned objects stay
                         entries.append((st.st_mtime, e.path))
                     elif st.st_mtime > ahead:
                         entries.append((now, e.path))
@@ -524,8 +534,11 @@ class DiskBackend(ObjectBackend):
         with os.scandir(self._tmp) as it:
             for e in it:
                 try:
-                    if _is_tmp_name(e.name) and not e.is_dir(follow_symlinks=False) and \
-                            e.stat(follow_symlinks=False).st_mtime < now - STALE_TMP_S:
+                    if (
+                        _is_tmp_name(e.name)
+                        and not e.is_dir(follow_symlinks=False)
+                        and e.stat(follow_symlinks=False).st_mtime < now - STALE_TMP_S
+                    ):
                         _unlink(e.path)
                 except FileNotFoundError:
                     pass
@@ -577,7 +590,7 @@ class DiskTier(G3Tier):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, on_evict=self._evicted, **kwargs)
-        self.locality = Locality.LOCAL          # KV events: this host's storage
+        self.locality = Locality.LOCAL  # KV events: this host's storage
 
     def _evicted(self, paths: set[str]) -> None:
         """This backend's evictor removed ``paths``: the chunks announced in
@@ -585,7 +598,7 @@ class DiskTier(G3Tier):
         a name per announced chunk is hashed (``path_of``), as the scan that
         chose them read every object. Evictions by other engines' evictors
         on ``path`` are seen only by lookups here."""
-        events = self.__dict__.get("_events")       # None until built, or without events
+        events = self.__dict__.get("_events")  # None until built, or without events
         if events is not None:
             path_of, name = self._backend.path_of, self.name
             events.gone([k for k in events.keys() if path_of(name(k)) in paths])

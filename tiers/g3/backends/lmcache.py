@@ -53,15 +53,15 @@ from sessionkv.tiers.g3.tier import SUM_SUFFIX, G3Tier, ObjectBackend
 # Abandoned calls (past the tier's deadline) still end: the socket times out.
 SOCKET_TIMEOUT_S = 30.0
 MODEL = "sessionkv"
-QUICKACK = getattr(socket, "TCP_QUICKACK", 12)     # Linux
+QUICKACK = getattr(socket, "TCP_QUICKACK", 12)  # Linux
 
 # lmcache.v1.protocol: ClientCommand, ServerReturnCode.SUCCESS, MemoryFormat.BINARY,
 # DTYPE_TO_INT[torch.uint8], and the two header layouts.
 PUT, GET, HEALTH = 1, 2, 5
 SUCCESS = 200
 BINARY, UINT8 = 4, 6
-REQUEST = struct.Struct("iiiiiiiii150s")    # command length fmt dtype location shape*4 key
-REPLY = struct.Struct("iiiiiiiii")          # code length fmt dtype shape*4 location
+REQUEST = struct.Struct("iiiiiiiii150s")  # command length fmt dtype location shape*4 key
+REPLY = struct.Struct("iiiiiiiii")  # code length fmt dtype shape*4 location
 
 
 def parse_url(url: str) -> tuple[str, int]:
@@ -76,7 +76,7 @@ def header(command: int, name: str, length: int = 0) -> bytes:
     """A request header. The key is a ``CacheEngineKey`` string,
     ``model@world_size@worker_id@chunk_hash_hex@dtype``."""
     digest = hashlib.blake2b(name.encode(), digest_size=32).hexdigest()
-    key = f"{MODEL}@1@0@{digest}@uint8".encode().ljust(150)     # space-padded, as LMCache does
+    key = f"{MODEL}@1@0@{digest}@uint8".encode().ljust(150)  # space-padded, as LMCache does
     return REQUEST.pack(command, length, BINARY, UINT8, 0, length, 0, 0, 0, key)
 
 
@@ -123,7 +123,7 @@ class Replies:
     def take(self, n: int) -> bytes:
         self._have(n)
         self._pos += n
-        return bytes(self._buf[self._pos - n:self._pos])
+        return bytes(self._buf[self._pos - n : self._pos])
 
     def skip(self, n: int) -> None:
         """Read past the next ``n`` bytes, 64 KiB at a time (never held whole)."""
@@ -149,9 +149,9 @@ class Replies:
     def into(self, *views: memoryview) -> None:
         """Fill ``views``, in order, with the next bytes."""
         views = [v for v in views if len(v)]
-        while views and self._pos < len(self._buf):     # what is here already
+        while views and self._pos < len(self._buf):  # what is here already
             n = min(len(views[0]), len(self._buf) - self._pos)
-            views[0][:n] = self._buf[self._pos:self._pos + n]
+            views[0][:n] = self._buf[self._pos : self._pos + n]
             self._pos += n
             advance(views, n)
         if self._pos == len(self._buf):
@@ -199,6 +199,7 @@ class LMCacheBackend(ObjectBackend):
     def _get(self, names: Sequence[str], into) -> list:
         """Pipelined GETs; ``into(i, replies, length)`` reads item i's bytes
         (-1: none) and returns its result."""
+
         def go(sock):
             sock.sendall(b"".join(header(GET, n) for n in names))
             replies, out = Replies(sock), []
@@ -206,12 +207,14 @@ class LMCacheBackend(ObjectBackend):
                 code, length = replies.header()
                 out.append(into(i, replies, length if code == SUCCESS else -1))
             return out
+
         return self._exchange(go) if names else []
 
     def _put(self, names: Sequence[str], values: Sequence, sums: Sequence = ()) -> list[bool]:
         """Pipelined PUTs, then a HEALTH request: its reply says the server
         took every put. ``sums``: each value's checksum, after its bytes,
         and then each checksum object (the server stores in order)."""
+
         def go(sock):
             for n, v, s in zip(names, values, sums or [b""] * len(names)):
                 send_all(sock, header(PUT, n, len(v) + len(s)), v, s)
@@ -219,6 +222,7 @@ class LMCacheBackend(ObjectBackend):
                 send_all(sock, header(PUT, n + SUM_SUFFIX, len(s)), s)
             sock.sendall(header(HEALTH, MODEL))
             return Replies(sock).header()[0] == SUCCESS
+
         if not names:
             return []
         return [self._exchange(go)] * len(names)
@@ -226,13 +230,14 @@ class LMCacheBackend(ObjectBackend):
     # ---- ObjectBackend ------------------------------------------------------------
 
     def register(self, buf: memoryview) -> None:
-        return              # no registration: chunks go through the socket
+        return  # no registration: chunks go through the socket
 
     def exists(self, names: Sequence[str]) -> list[bool]:
         def there(i, r, length):
             if length > 0:
                 r.skip(length)
             return length > 0
+
         return self._get(names, there)
 
     def put_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
@@ -243,15 +248,18 @@ class LMCacheBackend(ObjectBackend):
 
     inline_sums = True
 
-    def put_summed(self, names: Sequence[str], bufs: Sequence[memoryview],
-                   sums: Sequence[memoryview]) -> list[bool]:
+    def put_summed(
+        self, names: Sequence[str], bufs: Sequence[memoryview], sums: Sequence[memoryview]
+    ) -> list[bool]:
         return self._put(names, bufs, sums)
 
-    def get_summed(self, names: Sequence[str], bufs: Sequence[memoryview],
-                   sums: Sequence[memoryview]) -> list[int]:
+    def get_summed(
+        self, names: Sequence[str], bufs: Sequence[memoryview], sums: Sequence[memoryview]
+    ) -> list[int]:
         def into(i, r, length):
             size = self._read(r, length, bufs[i], sums[i])
             return size - len(sums[i]) if size >= len(sums[i]) else -1
+
         return self._get(names, into)
 
     @staticmethod
@@ -260,7 +268,7 @@ class LMCacheBackend(ObjectBackend):
         read past them; the object's size, or -1 (none, or empty: removed)."""
         if length == sum(len(v) for v in views):
             replies.into(*views)
-        elif length > 0:        # the wrong size: read past, never held
+        elif length > 0:  # the wrong size: read past, never held
             replies.skip(length)
         return length if length > 0 else -1
 
@@ -274,6 +282,7 @@ class LMCacheBackend(ObjectBackend):
             if length > 0:
                 r.skip(length)
             return None
+
         return self._get(names, small)
 
     def remove(self, names: Sequence[str]) -> list[bool]:

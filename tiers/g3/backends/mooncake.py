@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+
 from sessionkv.tiers.g3.tier import G3Tier, ObjectBackend, address_of
 
 # Mooncake ErrorCodes (mooncake-store/include/types.h).
@@ -61,12 +62,14 @@ class MooncakeBackend(ObjectBackend):
         from mooncake.store import MooncakeDistributedStore
 
         self._store = MooncakeDistributedStore()
-        rc = self._store.setup(local_hostname, metadata_server, 0, local_buffer_bytes,
-                               protocol, device_name, master)
+        rc = self._store.setup(
+            local_hostname, metadata_server, 0, local_buffer_bytes, protocol, device_name, master
+        )
         if rc != 0:
             raise ConnectionError(
                 f"Mooncake Store setup failed (rc {rc}): master {master}, metadata "
-                f"{metadata_server}, local_hostname {local_hostname}, protocol {protocol}")
+                f"{metadata_server}, local_hostname {local_hostname}, protocol {protocol}"
+            )
 
     def register(self, buf: memoryview) -> None:
         rc = self._store.register_buffer(address_of(buf), len(buf))
@@ -81,28 +84,32 @@ class MooncakeBackend(ObjectBackend):
     def put_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[bool]:
         if not names:
             return []
-        rcs = self._store.batch_put_from(list(names), [address_of(b) for b in bufs],
-                                         [len(b) for b in bufs])
+        rcs = self._store.batch_put_from(
+            list(names), [address_of(b) for b in bufs], [len(b) for b in bufs]
+        )
         return [rc == 0 or rc == OBJECT_ALREADY_EXISTS for rc in rcs]
 
     def get_chunks(self, names: Sequence[str], bufs: Sequence[memoryview]) -> list[int]:
         if not names:
             return []
-        rcs = self._store.batch_get_into(list(names), [address_of(b) for b in bufs],
-                                         [len(b) for b in bufs])
+        rcs = self._store.batch_get_into(
+            list(names), [address_of(b) for b in bufs], [len(b) for b in bufs]
+        )
         return [rc if rc > 0 else -1 for rc in rcs]
 
     inline_sums = True
-    sum_objects = False     # Mooncake shows an object only once whole: lookups ask for it
-    put_replaces = False    # a put keeps an object already there (0.3.13 answers 0)
+    sum_objects = False  # Mooncake shows an object only once whole: lookups ask for it
+    put_replaces = False  # a put keeps an object already there (0.3.13 answers 0)
 
-    def put_summed(self, names: Sequence[str], bufs: Sequence[memoryview],
-                   sums: Sequence[memoryview]) -> list[bool]:
+    def put_summed(
+        self, names: Sequence[str], bufs: Sequence[memoryview], sums: Sequence[memoryview]
+    ) -> list[bool]:
         rcs = self._scatter_gather(self._store.batch_put_from_multi_buffers, names, bufs, sums)
         return [rc == 0 or rc == OBJECT_ALREADY_EXISTS for rc in rcs]
 
-    def get_summed(self, names: Sequence[str], bufs: Sequence[memoryview],
-                   sums: Sequence[memoryview]) -> list[int]:
+    def get_summed(
+        self, names: Sequence[str], bufs: Sequence[memoryview], sums: Sequence[memoryview]
+    ) -> list[int]:
         rcs = self._scatter_gather(self._store.batch_get_into_multi_buffers, names, bufs, sums)
         return [rc - len(s) if rc >= len(s) else -1 for rc, s in zip(rcs, sums)]
 
@@ -111,8 +118,11 @@ class MooncakeBackend(ObjectBackend):
         """One object per name: its buffer, then its checksum (two parts)."""
         if not names:
             return []
-        return call(list(names), [[address_of(b), address_of(s)] for b, s in zip(bufs, sums)],
-                    [[len(b), len(s)] for b, s in zip(bufs, sums)])
+        return call(
+            list(names),
+            [[address_of(b), address_of(s)] for b, s in zip(bufs, sums)],
+            [[len(b), len(s)] for b, s in zip(bufs, sums)],
+        )
 
     def put_small(self, names: Sequence[str], values: Sequence[bytes]) -> list[bool]:
         if not names:
@@ -126,14 +136,17 @@ class MooncakeBackend(ObjectBackend):
         lookups go through ``get_summed`` into fixed buffers and ``exists``)."""
         if not names:
             return []
-        return [v if v and (limit is None or len(v) <= limit) else None
-                for v in self._store.get_batch(list(names))]
+        return [
+            v if v and (limit is None or len(v) <= limit) else None
+            for v in self._store.get_batch(list(names))
+        ]
 
     def remove(self, names: Sequence[str]) -> list[bool]:
         if not names:
             return []
-        return [rc == 0 or rc == OBJECT_NOT_FOUND
-                for rc in self._store.batch_remove(list(names), True)]
+        return [
+            rc == 0 or rc == OBJECT_NOT_FOUND for rc in self._store.batch_remove(list(names), True)
+        ]
 
     # Mooncake pins when an object is put or upserted (a soft pin with its own
     # TTL; the master must run with --allow_evict_soft_pinned_objects=false),
@@ -144,16 +157,19 @@ class MooncakeBackend(ObjectBackend):
     # 16 MiB). Never hard pins: they do not expire.
     pin_needs_bytes = True
 
-    def pin(self, names: Sequence[str], ttl_s: float,
-            values: Sequence[memoryview] | None) -> list[bool]:
+    def pin(
+        self, names: Sequence[str], ttl_s: float, values: Sequence[memoryview] | None
+    ) -> list[bool]:
         if not names:
             return []
         from mooncake.store import ReplicateConfig, SoftPinAction
+
         cfg = ReplicateConfig()
         cfg.soft_pin_action = SoftPinAction.ENABLE
         cfg.soft_pin_ttl_ms = max(1, int(ttl_s * 1000))
-        rcs = self._store.batch_upsert_from(list(names), [address_of(v) for v in values],
-                                            [len(v) for v in values], cfg)
+        rcs = self._store.batch_upsert_from(
+            list(names), [address_of(v) for v in values], [len(v) for v in values], cfg
+        )
         return [rc == 0 for rc in rcs]
 
     def close(self) -> None:

@@ -46,19 +46,21 @@ logger = init_logger(__name__)
 
 # Abandoned calls (past the tier's deadline) still end: the socket times out.
 SOCKET_TIMEOUT_S = 30.0
-LEASES = "pin-leases"           # <namespace>/pin-leases: pinned object -> its pins' end (server time)
-SWEEP_BATCH = 1000              # ended leases released per sweep call
-MAX_SWEEPS = 1000               # calls of an engine start's sweep (a million leases)
+LEASES = "pin-leases"  # <namespace>/pin-leases: pinned object -> its pins' end (server time)
+SWEEP_BATCH = 1000  # ended leases released per sweep call
+MAX_SWEEPS = 1000  # calls of an engine start's sweep (a million leases)
 # A lapse ends leases up to this much past the engine's own expiry: the
 # server's lease began before the pin call returned, so it ends first.
 LAPSE_SLACK_S = 1.0
-BUFFER_CUTOFF = 6000    # redis-py's default: smaller arguments are joined into one piece
+BUFFER_CUTOFF = 6000  # redis-py's default: smaller arguments are joined into one piece
 
 _NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) + tonumber(t[2]) / 1e6 "
 
 # KEYS[1] the lease set, KEYS[2..] objects; ARGV[1] the pin's TTL. 1 per
 # object that exists (now persistent, its lease at least now + TTL), else 0.
-_PIN = _NOW + """
+_PIN = (
+    _NOW
+    + """
 local out = {}
 for i = 2, #KEYS do
   if redis.call('EXISTS', KEYS[i]) == 1 then
@@ -71,11 +73,14 @@ for i = 2, #KEYS do
 end
 return out
 """
+)
 
 # KEYS[1] the lease set, KEYS[2..] objects; ARGV[1] the objects' TTL,
 # ARGV[i] how long KEYS[i]'s pin of this engine had left. Ends the pins whose
 # lease ends by then (none longer), giving back the TTL.
-_UNPIN = _NOW + """
+_UNPIN = (
+    _NOW
+    + """
 local ended = 0
 for i = 2, #KEYS do
   local s = redis.call('ZSCORE', KEYS[1], KEYS[i])
@@ -87,10 +92,13 @@ for i = 2, #KEYS do
 end
 return ended
 """
+)
 
 # KEYS[1] the lease set; ARGV[1] the objects' TTL, ARGV[2] how many. Ends
 # leases that ended (a crashed engine's); the number ended.
-_SWEEP = _NOW + """
+_SWEEP = (
+    _NOW
+    + """
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
 for _, n in ipairs(due) do
   redis.call('ZREM', KEYS[1], n)
@@ -98,6 +106,7 @@ for _, n in ipairs(due) do
 end
 return #due
 """
+)
 
 
 def _leases(name: str) -> str:
@@ -116,7 +125,7 @@ def _driver_info(redis) -> dict:
     ``importlib.metadata``), enough to trip the breaker."""
     try:
         from redis.driver_info import DriverInfo
-    except ImportError:         # redis-py before 8: the older keyword
+    except ImportError:  # redis-py before 8: the older keyword
         return {"lib_version": redis.__version__}
     return {"driver_info": DriverInfo(lib_version=redis.__version__)}
 
@@ -124,10 +133,11 @@ def _driver_info(redis) -> dict:
 class RedisBackend(ObjectBackend):
     """``ObjectBackend`` over a Redis server (one connection pool, thread-safe)."""
 
-    owned_reads = True      # replies are new bytes objects: loads need no staging
+    owned_reads = True  # replies are new bytes objects: loads need no staging
 
-    def __init__(self, url: str = "redis://127.0.0.1:6379/0", ttl_s: int = 3600,
-                 max_connections: int = 16):
+    def __init__(
+        self, url: str = "redis://127.0.0.1:6379/0", ttl_s: int = 3600, max_connections: int = 16
+    ):
         import redis
         from redis.connection import Encoder, PythonRespSerializer
 
@@ -137,9 +147,14 @@ class RedisBackend(ObjectBackend):
         # Stateless, so one packer serves every connection of the pool.
         packer = PythonRespSerializer(BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode)
         self._redis = redis.Redis.from_url(
-            url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S,
-            max_connections=max_connections, health_check_interval=0, command_packer=packer,
-            **_driver_info(redis))
+            url,
+            socket_timeout=SOCKET_TIMEOUT_S,
+            socket_connect_timeout=SOCKET_TIMEOUT_S,
+            max_connections=max_connections,
+            health_check_interval=0,
+            command_packer=packer,
+            **_driver_info(redis),
+        )
         # One connection made now, at engine start and outside any deadline:
         # the first one's handshake ran 9-11 s inside an engine's first
         # guarded call (a call thread starved of the GIL while the scheduler
@@ -164,7 +179,7 @@ class RedisBackend(ObjectBackend):
             for _ in range(MAX_SWEEPS):
                 if self.sweep(f"{namespace}/x") < SWEEP_BATCH:
                     return
-        except Exception as e:      # down, or a key this user may not touch
+        except Exception as e:  # down, or a key this user may not touch
             logger.warning("sessionkv: Redis lease sweep of %s failed: %r", namespace, e)
 
     @property
@@ -174,7 +189,7 @@ class RedisBackend(ObjectBackend):
         return float(self._ttl)
 
     def register(self, buf: memoryview) -> None:
-        return              # no registration: the client sends from the buffer
+        return  # no registration: the client sends from the buffer
 
     def _pipeline(self, fill) -> list:
         pipe = self._redis.pipeline(transaction=False)
@@ -215,10 +230,12 @@ class RedisBackend(ObjectBackend):
             return []
         if limit is None:
             got = self._pipeline(lambda p: [p.get(n) for n in names])
-        else:           # one byte past the limit tells a longer object, unread
+        else:  # one byte past the limit tells a longer object, unread
             got = self._pipeline(lambda p: [p.getrange(n, 0, limit) for n in names])
-        return [v if isinstance(v, bytes) and v and (limit is None or len(v) <= limit) else None
-                for v in got]
+        return [
+            v if isinstance(v, bytes) and v and (limit is None or len(v) <= limit) else None
+            for v in got
+        ]
 
     def remove(self, names: Sequence[str]) -> list[bool]:
         if not names:
@@ -232,12 +249,13 @@ class RedisBackend(ObjectBackend):
     def pin(self, names: Sequence[str], ttl_s: float, values: Sequence | None) -> list[bool]:
         # In parts: a script holds the server while it runs.
         import redis
+
         out = []
         for i in range(0, len(names), SWEEP_BATCH):
-            part = list(names[i:i + SWEEP_BATCH])
+            part = list(names[i : i + SWEEP_BATCH])
             try:
                 got = self._pin(keys=[_leases(part[0]), *part], args=[float(ttl_s)])
-            except redis.exceptions.ResponseError as e:     # refused (an ACL): not pinned
+            except redis.exceptions.ResponseError as e:  # refused (an ACL): not pinned
                 logger.warning("sessionkv: Redis refused a pin: %s", e)
                 got = [0] * len(part)
             out += [r == 1 for r in got]
@@ -245,8 +263,8 @@ class RedisBackend(ObjectBackend):
 
     def unpin(self, names: Sequence[str], left_s: Sequence[float]) -> None:
         for i in range(0, len(names), SWEEP_BATCH):
-            left = [max(0.0, s) + LAPSE_SLACK_S for s in left_s[i:i + SWEEP_BATCH]]
-            part = list(names[i:i + SWEEP_BATCH])
+            left = [max(0.0, s) + LAPSE_SLACK_S for s in left_s[i : i + SWEEP_BATCH]]
+            part = list(names[i : i + SWEEP_BATCH])
             self._unpin(keys=[_leases(part[0]), *part], args=[self._ttl, *left])
         if names:
             self.sweep(names[0])
