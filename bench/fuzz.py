@@ -40,7 +40,7 @@ from sessionkv import control as wire
 from sessionkv.client import ControlError, HintClient
 from sessionkv.config import load_policy_file, parse_policy
 from sessionkv.connectors.metrics import SessionStats
-from sessionkv.engine.executor import read_request
+from sessionkv.engine.requests import read_request
 from sessionkv.events import EventLog
 from sessionkv.events import decode as decode_event
 from sessionkv.hints import (

@@ -25,6 +25,7 @@ method here expects its caller to hold the lock.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection, Iterable
 
 from vllm.v1.kv_offload.base import (
@@ -50,11 +51,12 @@ from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers import compat
 from sessionkv.tiers.g2.tier import SessionPrimaryTier
 from sessionkv.tiers.g3.tier import G3Tier
-from sessionkv.types import Tier
+from sessionkv.types import Tier, TierName
 
 # Tier names as events and stats carry them, read once: an enum member's
 # ``name`` is a property call (two per G1 -> G2 store, 16 stores a decode step).
-_G1, _G2 = Tier.G1.name, Tier.G2.name
+_G1: TierName = Tier.G1.name
+_G2: TierName = Tier.G2.name
 
 
 class VllmTiering(compat.CascadeGate, compat.ParkedCascades, TieringOffloadingManager):
@@ -112,7 +114,7 @@ class SessionTierManager(OffloadingManager):
             if secondary_tiers
             else primary_tier
         )
-        self.lock = compat.manager_lock(self.vllm)
+        self._lock = compat.manager_lock(self.vllm)
         self.index = index
         self.event_log = event_log
         self.stats = SessionStats(
@@ -133,6 +135,12 @@ class SessionTierManager(OffloadingManager):
             self.stats,
             self.lock,
         )
+
+    @property
+    def lock(self) -> threading.Lock:
+        """The one lock: vLLM's tiering manager's on 0.33 (a property of
+        vLLM's ``OffloadingManager`` there), ours otherwise."""
+        return self._lock
 
     def shutdown(self) -> None:
         self.service.drain()
@@ -218,7 +226,12 @@ class SessionTierManager(OffloadingManager):
         return self.vllm.config_info()
 
     def _transferred(
-        self, src: str, dst: str, keys: Collection[OffloadKey], ok: bool, req_context: ReqContext
+        self,
+        src: TierName,
+        dst: TierName,
+        keys: Collection[OffloadKey],
+        ok: bool,
+        req_context: ReqContext,
     ) -> None:
         """A G1<->G2 copy ended (tier names): counted, and logged when there is
         a log. Without one no event is built (a decode step stores a block of

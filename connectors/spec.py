@@ -15,6 +15,7 @@ scheduler-side part and hands each its collaborators as constructor arguments.
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 from vllm.platforms import current_platform
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingWorker
@@ -63,7 +64,7 @@ class SessionTierSpec(TieringOffloadingSpec):
         eviction = self.sessionkv.policy.g2.eviction
         if eviction == "session":
             self.eviction_policy = SessionCachePolicy.__name__
-            self.cache_policy_module_path = SessionCachePolicy.__module__
+            self.cache_policy_module_path: str | None = SessionCachePolicy.__module__
         else:
             self.eviction_policy = eviction
             self.cache_policy_module_path = None
@@ -190,7 +191,9 @@ class SessionTierSpec(TieringOffloadingSpec):
             if "backpressure" not in tier_config:  # vLLM merged in the user's, if any
                 tier_config["backpressure"] = {
                     "backpressure_cls": f"{CascadeQueue.__module__}.{CascadeQueue.__name__}",
-                    "max_chunks": default_max_chunks(self.num_chunks, view.strides[0], BATCH_BYTES),
+                    "max_chunks": default_max_chunks(
+                        self.num_chunks, cast(tuple[int, ...], view.strides)[0], BATCH_BYTES
+                    ),
                 }
         return SecondaryTierFactory.create_secondary_tier(tier_config, view, self)
 

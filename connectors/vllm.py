@@ -42,7 +42,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -64,14 +64,15 @@ from sessionkv.connectors.manager import SessionTierManager
 from sessionkv.connectors.probe import Probe, make_probe
 from sessionkv.connectors.spec import SessionTierSpec, has_device_worker
 from sessionkv.engine.control import ControlChannel
-from sessionkv.engine.executor import Turn, read_request
+from sessionkv.engine.requests import read_request
+from sessionkv.engine.waits import Turn
 from sessionkv.events import Association, Op
 from sessionkv.hints import HintOutcome, KvHint, Status, is_id
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.report import RequestReport
 from sessionkv.tiers import compat
 from sessionkv.tiers.g3.spec import IDENTITY_KEY
-from sessionkv.types import Tier
+from sessionkv.types import Tier, TierName
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -563,7 +564,7 @@ class SessionTierConnector(OffloadingConnector):
                 Association(
                     session_id=tr.session,
                     op=Op.EXTEND,
-                    tier=tier.name,
+                    tier=cast(TierName, tier.name),
                     blocks=n_blocks,
                     frontier=tr.keys[n_blocks - 1],
                 )

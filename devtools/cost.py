@@ -9,16 +9,32 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout (devtools/ runs from it)
 
 
 def lines_run(fn: Callable[[], object], files: tuple[str, ...]) -> int:
-    """Python lines executed in files whose names end with one of ``files``
-    while ``fn()`` runs."""
+    """Python lines executed in the files ``files`` names while ``fn()`` runs:
+    a name ending in ``.py`` is a file path's end, one ending in ``/`` a
+    folder of this checkout (``"engine/"``: every file under it). Each must name a loaded
+    module's file, so that a renamed file fails the count instead of
+    counting nothing."""
+    ends = tuple(f for f in files if not f.endswith("/"))
+    folders = tuple(f"{ROOT}/{f}" for f in files if f.endswith("/"))
+
+    def ours(path: str) -> bool:
+        return path.endswith(ends) or path.startswith(folders)
+
+    loaded = [getattr(m, "__file__", None) or "" for m in list(sys.modules.values())]
+    unknown = [f for f in files if not any(ours(p) and (f in p) for p in loaded)]
+    if unknown:
+        raise ValueError(f"lines_run: no loaded module's file is in {unknown}")
     n = 0
 
     def tracer(frame, event, arg):
         nonlocal n
-        if not frame.f_code.co_filename.endswith(files):
+        if not ours(frame.f_code.co_filename):
             return None
         if event == "line":
             n += 1

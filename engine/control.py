@@ -40,13 +40,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
 
 from sessionkv import control as wire
-from sessionkv.engine.executor import TokenBuckets
+from sessionkv.engine.requests import TokenBuckets
 from sessionkv.engine.service import SessionService
 from sessionkv.events import Via
 from sessionkv.events import encode as encode_event
@@ -200,7 +200,7 @@ class ControlChannel:
             tag = wire.mac(wire.EVENT_DOMAIN, payload, self._secret)
             try:
                 self._pub.send_multipart(
-                    [ev.__struct_config__.tag.encode(), payload, tag], zmq.NOBLOCK
+                    [cast(str, ev.__struct_config__.tag).encode(), payload, tag], zmq.NOBLOCK
                 )
             except zmq.Again:  # a slow subscriber catches up with op "events"
                 pass

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from sessionkv.client import ControlError, HintClient
-from sessionkv.hints import HintOutcome, KvHint, Status, envelope, hint_action
+from sessionkv.hints import HashesTarget, HintOutcome, KvHint, Status, envelope, hint_action
 
 logger = logging.getLogger(__name__)
 MAX_FETCHES = 2
@@ -56,6 +56,7 @@ class Fetcher:
     def start(self, hint: KvHint) -> HintOutcome:
         """Queue the fetch of a ``HashesTarget`` hint with a ``source``; its
         first outcome (``deferred``)."""
+        assert isinstance(hint.target, HashesTarget)  # the executor sends only these
         asked = len(hint.target.block_hashes)
         self._pool.submit(self._run, hint, asked)
         return self._outcome(hint, Status.DEFERRED, f"fetching from {hint.source}", asked)
@@ -80,6 +81,7 @@ class Fetcher:
 
     def _steps(self, hint: KvHint, asked: int) -> tuple[Status, str] | None:
         """Steps 1-3; what failed, or None once the Prefetch started."""
+        assert hint.source is not None and isinstance(hint.target, HashesTarget)  # start's
         with HintClient(hint.source, self._secret, timeout_s=self._timeout_s) as src:
             keys = src.resolve(list(hint.target.block_hashes))
             if not keys:

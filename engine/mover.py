@@ -72,12 +72,14 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import cast
 
 from sessionkv.events import Outcome, Transfer, Via, Wake
 from sessionkv.hints import Action, HintOutcome, Status
 from sessionkv.tiers.compat import LookupResult, OffloadKey, ReqContext
 from sessionkv.tiers.g3.tier import G3Tier
-from sessionkv.types import Tier
+from sessionkv.types import Tier, TierName
 
 logger = logging.getLogger(__name__)
 MAX_MOVES = 4
@@ -275,7 +277,7 @@ class Mover:
             move.is_load,
             move.keys,
             chunk_ids,
-            lambda ok, m=move: self._copied(m, ok),
+            partial(self._copied, move),
             check=move.check,
         )
         return True
@@ -294,7 +296,7 @@ class Mover:
         move.reserved = chunk_ids is not None
         self._reserved += len(move.keys)
         move.ok = None
-        self._tier.pin(move.keys, move.ttl_s, chunk_ids, lambda ok, m=move: self._copied(m, ok))
+        self._tier.pin(move.keys, move.ttl_s, chunk_ids, partial(self._copied, move))
         return True
 
     def apply(self) -> None:
@@ -376,8 +378,8 @@ class Mover:
             src, dst = (Tier.G3, Tier.G2) if move.is_load else (Tier.G2, Tier.G3)
             self._emit(
                 Transfer(
-                    src=src.name,
-                    dst=dst.name,
+                    src=cast(TierName, src.name),
+                    dst=cast(TierName, dst.name),
                     keys=move.good,
                     ok=not move.bad,
                     req_id=move.ctx.req_id,

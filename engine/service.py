@@ -29,12 +29,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 from sessionkv.config import SessionKVConfig
-from sessionkv.engine.executor import HintExecutor, Turn
+from sessionkv.engine.executor import HintExecutor
 from sessionkv.engine.fetch import Fetcher
 from sessionkv.engine.mover import Mover
+from sessionkv.engine.waits import Turn
 from sessionkv.events import Association, EventLog, Eviction, Op, Outcome, Via, Wake
 from sessionkv.hints import Action, HintOutcome, KvHint, SessionTarget, Status
 from sessionkv.index.prefix_index import SessionPrefixIndex
@@ -221,7 +222,9 @@ class SessionService:
             self.emit_outcomes(outcomes, Via.CONTROL, session, client)
             return outcomes
 
-    def end_session(self, session: str, reason: str = "hint", now: float = 0.0) -> bool:
+    def end_session(
+        self, session: str, reason: Literal["", "hint", "idle"] = "hint", now: float = 0.0
+    ) -> bool:
         """End a session: the index forgets its branches, its pins and retains
         are released. Whether it was live."""
         with self.lock:
@@ -245,9 +248,11 @@ class SessionService:
 
     def _fetched(self, hint: KvHint, keys: list[bytes], asked: int) -> None:
         """A kv.fetch's source published ``keys``: prefetch them here."""
+        mover = self.mover
+        assert mover is not None  # a fetcher exists only with a mover
         with self.lock:
-            self.mover.begin_hold()
-            first = self.mover.start(
+            mover.begin_hold()
+            first = mover.start(
                 Action.PREFETCH, hint.hint_id, keys, asked, None, name=hint.action.action_type
             )
             if first.status is not Status.DEFERRED:

@@ -10,7 +10,10 @@ from sessionkv.devtools.cost import lines_run
 from sessionkv.devtools.hint_cases import expected_count
 from sessionkv.devtools.keys import block_key
 from sessionkv.engine import executor as hint_executor
-from sessionkv.engine.executor import WAIT_S, HintExecutor, Turn, read_request_hints
+from sessionkv.engine import waits
+from sessionkv.engine.executor import HintExecutor
+from sessionkv.engine.requests import read_request_hints
+from sessionkv.engine.waits import WAIT_S, Turn
 from sessionkv.hints import SIG_PARAM, Status, sign
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers.g2.policy import SessionCachePolicy
@@ -322,7 +325,7 @@ def _pinned_sessions(others: int):
 def test_a_pin_and_a_session_end_cost_their_own_pins_not_everyones():
     # Issue "production scale": expiring 1,000 sessions with 16k pins live
     # took 1.56 s, each release and each Pin scanning every live pin.
-    FILES = ("hint_executor.py", "g2_policy.py")
+    FILES = ("engine/", "tiers/g2/")
 
     def costs(others):
         ex = _pinned_sessions(others)
@@ -349,9 +352,7 @@ def test_status_lists_the_pins_of_the_sessions_it_shows_at_their_cost():
     for others in (10, 2000):
         ex, got = _pinned_sessions(others), []
         costs.append(
-            lines_run(
-                lambda: got.append(ex.pins(["me", "nobody"])), ("hint_executor.py", "g2_policy.py")
-            )
+            lines_run(lambda: got.append(ex.pins(["me", "nobody"])), ("engine/", "tiers/g2/"))
         )
         ((p,),) = got
         assert (p["session_id"], p["hint_id"], p["chunks"]) == ("me", "h0", 3)
@@ -443,7 +444,7 @@ def test_a_turns_waits_end_on_failed_stores_and_at_their_deadline():
 
 
 def test_waiting_chunks_are_bounded(monkeypatch):
-    monkeypatch.setattr(hint_executor, "MAX_WAITING_CHUNKS", 1)
+    monkeypatch.setattr(waits, "MAX_WAITING_CHUNKS", 1)
     ex, policy, keys, _, told = _turn_setup()
     o = _turn_pin(ex, keys)
     assert (o.status, o.blocks_affected) == (Status.CLIPPED, 4)
@@ -457,7 +458,8 @@ def test_a_large_pin_or_retain_acts_a_slice_per_hold_and_reports_what_it_lost(mo
     # Issue 52: a Pin or Retain acted on all of its G2 chunks in one hold of
     # the lock (a 16,384-chunk Pin: 81 ms in the policy alone). Now a slice
     # at once, the rest a slice per step(), with wake() while some are left.
-    monkeypatch.setattr(hint_executor, "G2_SLICE_CHUNKS", 4)
+    monkeypatch.setattr(hint_executor, "G2_SLICE_CHUNKS", 4)  # the first slice
+    monkeypatch.setattr(waits, "G2_SLICE_CHUNKS", 4)  # the later ones (step)
     keys = [block_key(f"big{i}") for i in range(10)]
     idx = SessionPrefixIndex()
     idx.admit("s", keys, Tier.G2)

@@ -24,7 +24,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.request import Request
 
-from sessionkv.engine import executor as hint_executor
+from sessionkv.engine import waits
 from sessionkv.events import Outcome, Transfer, Via
 from sessionkv.hints import sign
 
@@ -185,7 +185,7 @@ def test_a_turns_share_copies_its_last_chunks_once_they_are_stored(tmp_path, mon
 def test_a_share_whose_target_does_not_fit_the_bound_starts_at_once(tmp_path, monkeypatch):
     """A waiting copy keeps its target: with room for fewer chunks than the
     turn has, the Share copies what G2 holds now, as before."""
-    monkeypatch.setattr(hint_executor, "MAX_WAITING_CHUNKS", 3)
+    monkeypatch.setattr(waits, "MAX_WAITING_CHUNKS", 3)
     sched = make(tmp_path, monkeypatch, True, 1)
     try:
         manager = sched.connector.manager
@@ -245,8 +245,8 @@ def test_a_pins_g3_side_waits_for_copies_that_end_out_of_order(tmp_path):
     from sessionkv.devtools.engines import MODELS
     from sessionkv.devtools.g3_spec import standalone_spec
     from sessionkv.devtools.keys import block_key
-    from sessionkv.engine.executor import Turn
     from sessionkv.engine.service import G3Copies
+    from sessionkv.engine.waits import Turn
     from sessionkv.events import EventLog
     from sessionkv.hints import Action
     from sessionkv.index.prefix_index import SessionPrefixIndex

@@ -9,7 +9,7 @@ import uuid
 from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 
 from sessionkv.connectors.metrics import SessionStats
-from sessionkv.engine.executor import TOO_BIG, read_request
+from sessionkv.engine.requests import TOO_BIG, read_request
 from sessionkv.events import Outcome
 from sessionkv.hints import ACTION_VERSION, MAX_ACTIONS, MAX_KEYS, PROTOCOL_VERSION, sign
 

@@ -8,7 +8,7 @@ import pytest
 
 from sessionkv import control as wire
 from sessionkv.client import ControlError, HintClient
-from sessionkv.engine.executor import read_request_hints
+from sessionkv.engine.requests import read_request_hints
 from sessionkv.events import Outcome
 from sessionkv.hints import (
     PROTOCOL_VERSION,

@@ -556,7 +556,7 @@ def test_evict_with_every_chunk_retained_costs_the_same_at_any_size():
         for i in range(0, n, 100):
             p.retain([block_key(j) for j in range(i, i + 100)], 1 + i // 100 % 7, None)
         p.evict(1, set())  # settle the heaps
-        return lines_run(lambda: p.evict(1, set()), ("g2_policy.py",))
+        return lines_run(lambda: p.evict(1, set()), ("tiers/g2/",))
 
     small, large = lines(500), lines(20_000)
     assert large <= small + 20, (small, large)
@@ -575,7 +575,7 @@ def test_using_plain_chunks_never_stalls_on_a_pass_over_them():
         for i in range(n):
             compat.insert(p, block_key(i), ready(i))
         return max(
-            lines_run(lambda k=block_key(i * 7 % n): p.touch([k], CTX), ("g2_policy.py",))
+            lines_run(lambda k=block_key(i * 7 % n): p.touch([k], CTX), ("tiers/g2/",))
             for i in range(3 * n)
         )
 
