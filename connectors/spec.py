@@ -172,8 +172,8 @@ class SessionTierSpec(TieringOffloadingSpec):
         objects with a MAC when the policy names a cluster secret, and,
         unless the user gave a ``backpressure`` (vLLM's key, top-level or
         per tier), drops cascades while it carries a backlog of an eighth of
-        G2 (``tiers/g3/backpressure.py``; measured in bench/README.md,
-        "Defaults a GPU fleet can run")."""
+        G2 (``tiers/g3/backpressure.py``; measured in
+        bench/results/2026-12-07-g3-backpressure.md)."""
         if issubclass(SecondaryTierFactory.get_tier_class(tier_config), G3Tier):
             for key in ("quarantine", "observer", "seal_key"):
                 if key in tier_config:

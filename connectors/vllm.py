@@ -144,8 +144,8 @@ def bind_spec(extra: dict[str, Any]) -> None:
     """Point vLLM's offloading config at our spec, in place. Every process that
     reads the config (scheduler, workers, the API server's metrics) must see it.
     ``offload_prompt_only`` stays vLLM's (default true: a turn's output is
-    stored with the next turn's prompt, if that carries it; bench/README.md,
-    "Defaults a GPU fleet can run")."""
+    stored with the next turn's prompt, if that carries it;
+    bench/results/2026-12-07-offload-defaults.md)."""
     for key, ours in (("spec_name", SPEC_NAME), ("spec_module_path", SPEC_MODULE)):
         if extra.get(key, ours) != ours:
             raise ValueError(

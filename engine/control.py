@@ -11,7 +11,7 @@ no steps, so this thread applies hints itself, under the session service's lock:
 metadata (pins, priorities, TTLs, session ends), and the start and finish of
 Demote/Prefetch/Share copies (``engine.mover``: reservations through the
 primary tier, the copy itself on the G3 tier's threads); it never calls
-``lookup`` (ARCHITECTURE.md, "Threads"). The reply is sent after the hint took
+``lookup`` (docs/design/architecture.md, "State and threads"). The reply is sent after the hint took
 effect: a request sent after the reply sees it.
 
 Authentication at the socket (``sessionkv.control``): both sockets are

@@ -1,7 +1,7 @@
 """Hint-driven copies between G2 and G3: Demote, Prefetch, Share.
 
 These run outside vLLM's job table, so they work on an idle engine
-(ARCHITECTURE.md, "Threads"), in waves of three phases:
+(docs/design/architecture.md, "State and threads"), in waves of three phases:
 
 1. ``start`` (under the tier manager's lock): reserve through the primary tier
    (``prepare_read`` pins the G2 chunks a store copies from; ``prepare_write``

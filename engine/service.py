@@ -8,7 +8,7 @@ the tiers it is given (G2 and the first G3 tier); the connector's
 ``OffloadingManager`` adapter (``connectors/manager.py``) calls it around
 vLLM's manager calls. It imports no vLLM.
 
-Threading (docs/design/architecture.md, "Threads"): ``lock`` is the one lock,
+Threading (docs/design/architecture.md, "State and threads"): ``lock`` is the one lock,
 a plain ``threading.Lock`` given by the adapter (vLLM 0.33's tiering manager
 lock, or our own), never taken twice by one thread. The scheduler thread
 holds it for each ``schedule()`` pass and calls the "scheduler side" methods
