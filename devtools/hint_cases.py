@@ -3,6 +3,7 @@ and a deterministic generator of hostile (but valid JSON) envelopes."""
 
 import random
 from collections.abc import Mapping
+from typing import Any
 
 from sessionkv.hints import MAX_ACTIONS, PROTOCOL_VERSION
 
@@ -24,7 +25,7 @@ def expected_count(envelope, kvcr_hint=None) -> int:
 ACTIONS = ["kv.pin", "kv.retain", "kv.demote", "kv.prefetch", "kv.share", "kv.evict", "", None, 7]
 # vLLM answers 400 to integers outside [-2**63, 2**64) before any connector
 # sees them, so the live-engine cases stay inside; the in-process fuzz goes beyond.
-JUNK = [
+JUNK: list[Any] = [
     None,
     True,
     -1,

@@ -9,12 +9,15 @@ HTTP ``/collective_rpc`` endpoint can call it too.
 """
 
 import json
+from typing import Any
 
 import torch
 from vllm.v1.kv_cache_interface import group_kernel_blocks
 
 
 class KVPoisonExtension:
+    model_runner: Any  # the vLLM worker's, which this class extends
+
     def poison_kv(self, block_ids: str = "null", seed: str = "0") -> int:
         """Fill the given G1 blocks (JSON list; null = all) of every layer with
         seeded random values. Returns how many blocks were poisoned."""

@@ -40,6 +40,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -193,22 +194,23 @@ class SessionPrefixIndex:
             else ()
         )
         relinked, moved = tree.attach(chain, slots, root, base)
+        linked = cast("list[int]", slots)  # ``attach`` linked every missing key
         if moved:
             self._merge_branches(moved)
         if tier is not None and start < n:
-            tree.set_one(tier, slots[start:] if start else slots)
+            tree.set_one(tier, linked[start:] if start else linked)
         # The deepest resident key: the tail, unless keys were linked without a copy.
         total = tree.total
         tail = n - 1
-        while tail >= 0 and total[slots[tail]] == 0:
+        while tail >= 0 and total[linked[tail]] == 0:
             tail -= 1
         if tail < n - 1:
-            tree.prune(slots[-1], self._frontier_of)
+            tree.prune(linked[-1], self._frontier_of)
         if session is not None:
             self._touch_session(session, now)
             if tail >= 0:
-                self._extend_branch(session, slots, tail, base, root)
-        for s in [*relinked, *(slots[i] for i in uncopied)]:  # linked in with no copy
+                self._extend_branch(session, linked, tail, base, root)
+        for s in [*relinked, *(linked[i] for i in uncopied)]:  # linked in with no copy
             if tree.keys[s] is not None and total[s] == 0:
                 tree.prune(s, self._frontier_of)
 
@@ -243,7 +245,7 @@ class SessionPrefixIndex:
         return st
 
     def _extend_branch(
-        self, session: str, slots: list, tail: int, base: int = 0, above: int = NONE
+        self, session: str, slots: list[int], tail: int, base: int = 0, above: int = NONE
     ) -> None:
         """Make ``slots[tail]`` a frontier of the session, unless a branch
         already covers it; frontiers on the chain above it are superseded.
@@ -312,7 +314,9 @@ class SessionPrefixIndex:
         counts never go below zero. Unknown keys are ignored."""
         self._update(tier, keys, delta, absolute=False)
 
-    def _update(self, tier: Tier, keys: Sequence[bytes], value, absolute: bool) -> None:
+    def _update(
+        self, tier: Tier, keys: Sequence[bytes], value: int | Sequence[int], absolute: bool
+    ) -> None:
         slots = list(map(self._tree.slot.get, keys))
         if isinstance(value, int):
             pairs = [(s, value) for s in slots if s is not None]
@@ -339,12 +343,13 @@ class SessionPrefixIndex:
                 if a != NONE:
                     self._add_frontier(session, st, a)
         # Deepest first (stable): a step's evictions in Python, a reset's in numpy.
+        order: list[int]
         if len(gone) <= FEW_KEYS:
             depth = tree.depth
             order = sorted(gone, key=lambda s: -depth[s])
         else:
-            order = np.asarray(gone, np.int64)
-            order = order[np.argsort(-view(tree.depth)[order], kind="stable")].tolist()
+            idx = np.asarray(gone, np.int64)
+            order = idx[np.argsort(-view(tree.depth)[idx], kind="stable")].tolist()
         keys = tree.keys
         for s in order:
             if keys[s] is not None:
@@ -404,7 +409,7 @@ class SessionPrefixIndex:
         if self._idle_timeout_s is None:
             return []
         limit = now - self._idle_timeout_s
-        idle = []
+        idle: list[str] = []
         for s, st in self._sessions.items():  # oldest first
             if st.last_access >= limit or len(idle) == max_sessions:
                 break
@@ -459,7 +464,7 @@ class SessionPrefixIndex:
         if self._g1_probe is None:
             return
         slots = list(slots)
-        keys_of = self._tree.keys
+        keys_of = cast("list[bytes]", self._tree.keys)  # nodes and G1 holders are live
         keys = [keys_of[s] for s in slots]
         if not keys:
             return
@@ -480,7 +485,8 @@ class SessionPrefixIndex:
         if st is None:
             return None
         self._refresh_g1(self._tree.paths(st.frontiers))
-        return sorted(self._tree.keys[f] for f in st.frontiers)
+        keys = cast("list[bytes]", self._tree.keys)  # frontiers are live
+        return sorted(keys[f] for f in st.frontiers)
 
     def deepest_branch(self, session: str) -> bytes | None:
         """The frontier key of the session's deepest branch (None when it has
@@ -538,7 +544,9 @@ class SessionPrefixIndex:
         events' block hashes, KVCR's ``kv.fetch``); unknown aliases are
         dropped. Completes the alias map first (``build_aliases``)."""
         self._tree.build_aliases()
-        slot_of, keys = self._tree.alias.get, self._tree.keys
+        alias = self._tree.alias
+        assert alias is not None  # built by the call above
+        slot_of, keys = alias.get, cast("list[bytes]", self._tree.keys)  # aliased slots are live
         return self.resolve_keys([keys[s] for s in map(slot_of, aliases) if s is not None])
 
     def sessions_of(self, key: bytes) -> list[str]:
@@ -561,9 +569,10 @@ class SessionPrefixIndex:
         tree = self._tree
         slots = self._members(st)
         idx = np.fromiter(slots, np.int64, len(slots))
+        keys = cast("list[bytes]", tree.keys)  # frontiers are live
         return SessionSummary(
             session_id=session,
-            frontiers=sorted(tree.keys[f] for f in st.frontiers),
+            frontiers=sorted(keys[f] for f in st.frontiers),
             blocks=int(np.count_nonzero(view(tree.total)[idx])),
             per_tier={t: int(np.count_nonzero(view(tree.copies[t])[idx])) for t in TIERS},
             last_access=st.last_access,

@@ -46,8 +46,10 @@ from __future__ import annotations
 from array import array
 from collections.abc import Container, Iterable, Sequence
 from itertools import compress
+from typing import Any, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from sessionkv.index.views import Resolved, alias64, aliases64
 from sessionkv.types import TIERS, Tier
@@ -60,7 +62,7 @@ FEW_KEYS = 16
 _DTYPES = {"i": np.int32, "H": np.uint16, "I": np.uint32}
 
 
-def view(a: array) -> np.ndarray:
+def view(a: array[int]) -> npt.NDArray[Any]:
     """A numpy view of one of the tree's arrays, no copy. Local only: an
     array exporting a view cannot grow (``BufferError``), so drop it first."""
     return np.frombuffer(a, _DTYPES[a.typecode])
@@ -115,7 +117,7 @@ class BlockTree:
         return reuse[::-1] + list(range(start, start + fresh))
 
     def attach(
-        self, chain: Sequence[bytes], slots: list, root: int = NONE, base: int = 0
+        self, chain: Sequence[bytes], slots: list[int | None], root: int = NONE, base: int = 0
     ) -> tuple[list[int], list[tuple[int, int]]]:
         """Make ``chain`` a path of the tree: ``chain[0]`` a child of ``root``
         (the tree's root by default) at depth ``base``, each key a child of
@@ -173,21 +175,24 @@ class BlockTree:
         lo, n = self._aliased, len(self.keys)
         hi = n if max_slots is None else min(n, lo + max_slots)
         live = [s for s in range(lo, hi) if self.keys[s] is not None]
-        self.alias.update(zip(aliases64([self.keys[s] for s in live]), live))
+        self.alias.update(zip(aliases64(cast("list[bytes]", [self.keys[s] for s in live])), live))
         self._aliased = hi
         return hi == n
 
-    def _misparented(self, slots: list, m: int, root: int) -> list[int]:
+    def _misparented(self, slots: list[int | None], m: int, root: int) -> list[int]:
         """The positions ``j < m`` whose node is not a child of the chain's
         previous one (``root`` for the first): a spliced link to repair. A
         known node after a missing one counts."""
         if m > FEW_KEYS and None not in slots[:m]:
             idx = np.array(slots[:m], np.int64)
-            prev = np.empty(m, np.int64)
-            prev[0] = root
-            prev[1:] = idx[:-1]
-            return np.flatnonzero(view(self.parent)[idx] != prev).tolist()
-        parent, out, prev = self.parent, [], root
+            prevs = np.empty(m, np.int64)
+            prevs[0] = root
+            prevs[1:] = idx[:-1]
+            found: list[int] = np.flatnonzero(view(self.parent)[idx] != prevs).tolist()
+            return found
+        parent = self.parent
+        out: list[int] = []
+        prev: int | None = root
         for j in range(m):
             s = slots[j]
             if s is not None and (prev is None or parent[s] != prev):
@@ -196,15 +201,19 @@ class BlockTree:
         return out
 
     def _repair(
-        self, chain: Sequence[bytes], slots: list, bad: list[int], root: int, base: int
+        self, chain: Sequence[bytes], slots: list[int | None], bad: list[int], root: int, base: int
     ) -> tuple[list[int], list[tuple[int, int]]]:
         """``attach`` off its common path: missing keys anywhere, spliced links."""
         n, parent, depth = len(chain), self.parent, self.depth
         for j in bad:  # validate before changing anything
-            above = next((slots[i] for i in range(j - 1, -1, -1) if slots[i] is not None), root)
-            x = parent[slots[j]]
+            # ``bad`` names known keys only (``_misparented``), as is ``above``.
+            known = cast(int, slots[j])
+            above = cast(
+                int, next((slots[i] for i in range(j - 1, -1, -1) if slots[i] is not None), root)
+            )
+            x = parent[known]
             if (
-                depth[slots[j]] != base + j
+                depth[known] != base + j
                 or x != NONE
                 and (above == NONE or self.ancestor_at(above, depth[x]) != x)
             ):
@@ -212,7 +221,8 @@ class BlockTree:
                     "chain holds a known key that is not the child of the "
                     "key before it, nor of a spliced-out one: not a prefix chain"
                 )
-        relinked, i = [], 0
+        relinked: list[int] = []
+        i = 0
         while i < n:  # link each run of missing keys
             if slots[i] is not None:
                 i += 1
@@ -222,21 +232,23 @@ class BlockTree:
                 j += 1
             self._link_run(chain, slots, i, j, root, base)
             if j < n:
-                relinked.extend(slots[i:j])
+                relinked.extend(cast("list[int]", slots[i:j]))
             i = j
-        moved = []
+        filled = cast("list[int]", slots)  # every missing key is linked now
+        moved: list[tuple[int, int]] = []
         for j in bad:
-            moved.append((slots[j], parent[slots[j]]))
-            self._reparent(slots[j], slots[j - 1] if j else root)
+            moved.append((filled[j], parent[filled[j]]))
+            self._reparent(filled[j], filled[j - 1] if j else root)
         return relinked, moved
 
     def _link_run(
-        self, chain: Sequence[bytes], slots: list, i: int, j: int, root: int, base: int
+        self, chain: Sequence[bytes], slots: list[int | None], i: int, j: int, root: int, base: int
     ) -> None:
         """Link ``chain[i:j]`` (all missing) below ``slots[i - 1]`` (``root`` when i == 0)."""
         fresh = not self._free  # new slots are the list's end
         new = self._alloc(j - i)
-        parent = slots[i - 1] if i else root
+        # ``slots[i - 1]`` is known or linked already: runs link left to right.
+        parent = cast(int, slots[i - 1]) if i else root
         if len(new) <= FEW_KEYS:
             self._link_few(new, parent, base + i)
         else:
@@ -329,11 +341,11 @@ class BlockTree:
 
     def _drop(self, s: int) -> None:
         """Free ``s``, which has no copy and no child left (``add_leaf`` relies on it)."""
-        keys = self.keys
+        keys = cast("list[bytes]", self.keys)  # ``s`` is live: its key is set
         del self.slot[keys[s]]
         if self.alias is not None and self.alias.get(a := alias64(keys[s])) == s:
             del self.alias[a]
-        keys[s] = None
+        self.keys[s] = None
         self.parent[s] = NONE
         self._free.append(s)
 
@@ -425,7 +437,7 @@ class BlockTree:
             total[s] = total[s] - old + new
         return sorted(s for s, had in before.items() if had and total[s] == 0)
 
-    def _recount(self, idx: np.ndarray) -> None:
+    def _recount(self, idx: npt.NDArray[np.int64]) -> None:
         total = np.zeros(len(idx), np.uint32)
         for row in self.copies:
             total += view(row)[idx]
@@ -477,9 +489,10 @@ class BlockTree:
         if s is None:
             return []
         out: list[bytes] = []
+        keys = cast("list[bytes]", self.keys)  # indexed nodes are live
         parent, depth, lo = self.parent, self.depth, self.depth[s] - n
         while s != NONE and depth[s] > lo:
-            out.append(self.keys[s])
+            out.append(keys[s])
             s = parent[s]
         return out[::-1]
 
@@ -501,21 +514,21 @@ class BlockTree:
         slot has no copy, so ``total`` alone says resident); only runs of
         equal depth (branches) are sorted by key in Python: a hint's
         resolution runs in one hold of the lock."""
-        keys_of = self.keys
+        keys_of = cast("list[bytes]", self.keys)  # resident slots are live
         idx = np.fromiter(slots, dtype=np.int64)
         idx = idx[view(self.total)[idx] != 0]
         dep = view(self.depth)[idx]
         order = np.argsort(dep, kind="stable")
         idx, dep = idx[order], dep[order]
-        slots = idx.tolist()
+        ordered: list[int] = idx.tolist()
         ties = np.flatnonzero(dep[1:] == dep[:-1])
         if ties.size:  # equal depths: by key, as before
             bounds = np.flatnonzero(np.diff(dep) != 0) + 1
-            for a, b in zip([0, *bounds.tolist()], [*bounds.tolist(), len(slots)]):
+            for a, b in zip([0, *bounds.tolist()], [*bounds.tolist(), len(ordered)]):
                 if b - a > 1:
-                    slots[a:b] = sorted(slots[a:b], key=keys_of.__getitem__)
-            idx = np.asarray(slots, dtype=np.int64)
-        keys = [keys_of[s] for s in slots]
+                    ordered[a:b] = sorted(ordered[a:b], key=keys_of.__getitem__)
+            idx = np.asarray(ordered, dtype=np.int64)
+        keys = [keys_of[s] for s in ordered]
         per_tier = {
             t: list(compress(keys, (view(self.copies[t])[idx] > 0).tolist())) for t in TIERS
         }

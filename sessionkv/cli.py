@@ -47,7 +47,7 @@ def _hint(args: argparse.Namespace, client: HintClient) -> int:
     if args.verb == "end-session":
         outcome = client.end_session(args.session)
     else:
-        target = {}
+        target: dict[str, bytes | list[bytes]] = {}
         if args.keys:
             target["keys"] = [bytes.fromhex(k) for k in args.keys]
         for name in ("branch", "boundary"):
@@ -143,7 +143,7 @@ def _router(args: argparse.Namespace) -> int:
         print(f"sessionkv router: {e}", file=sys.stderr)
         return 2
     if args.admin_token:
-        from sessionkv.router.app import admin_token
+        from sessionkv.router.auth import admin_token
 
         print(admin_token(cfg.secret))
         return 0

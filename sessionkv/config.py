@@ -17,7 +17,7 @@ while the engine starts, never later. Nothing here reads the environment.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,7 +204,7 @@ def _fraction(value: Any, where: str) -> float:
 def _parse_limits(raw: Any, source: str) -> Limits:
     raw = mapping_of(raw, f"{source}: limits")
     d = Limits()
-    kinds = {
+    kinds: dict[str, Callable[[Any, str], Any]] = {  # a float or an int per field
         "max_ttl_s": _positive_number,
         "max_blocks_per_hint": _positive_int,
         "pin_fraction_session": _fraction,

@@ -124,7 +124,7 @@ def curve_keys(secret: bytes) -> CurveKeys:
     return CurveKeys(zmq.curve_public(server), server, zmq.curve_public(client), client)
 
 
-def secure_server(sock: zmq.Socket, secret: bytes) -> None:
+def secure_server(sock: zmq.Socket[Any], secret: bytes) -> None:
     """Make ``sock`` (before it binds) a CURVE server whose handshakes the
     context's ZAP handler decides; with no handler every handshake fails."""
     keys = curve_keys(secret)
@@ -135,7 +135,7 @@ def secure_server(sock: zmq.Socket, secret: bytes) -> None:
     sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
 
-def secure_client(sock: zmq.Socket, secret: bytes) -> None:
+def secure_client(sock: zmq.Socket[Any], secret: bytes) -> None:
     """Make ``sock`` (before it connects) a CURVE client of the engines."""
     keys = curve_keys(secret)
     sock.curve_serverkey = keys.server_public
@@ -209,7 +209,8 @@ class _ReplyIn(ControlReply, kw_only=True):
     """A reply as a client reads it: each event decoded on its own, so one of
     a kind or shape this client does not know (a newer engine) is skipped."""
 
-    events: list[msgspec.Raw] = []
+    # Raw in place of the base's decoded events, by design (read only here).
+    events: list[msgspec.Raw] = []  # type: ignore[assignment]
 
 
 request_encoder = msgspec.msgpack.Encoder()

@@ -309,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         findings += shm_findings(g2, args.local_engines)
     if args.engine:
-        with open(args.secret_file, "rb") as f:
-            secret = f.read().strip()
+        with open(args.secret_file, "rb") as fh:
+            secret = fh.read().strip()
         answers, asked = ask(args.engine, secret, args.timeout)
         findings += asked + compare(answers)
     for f in findings:

@@ -114,7 +114,7 @@ class Wake:
     before it works. The event log's publisher and the engine's hint work
     (``SessionTierManager.wake``: copies ended, a hold left work) use one each."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
         os.set_blocking(self._w, False)

@@ -35,7 +35,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from enum import Enum
-from typing import Any
+from typing import Any, Literal, overload
 
 import msgspec
 
@@ -247,6 +247,10 @@ def _hex_key(value: Any, where: str) -> bytes:
         raise ValueError(f"{where} must be a hex key") from None
 
 
+@overload
+def _number(value: Any, where: str, integer: Literal[True]) -> int | None: ...
+@overload
+def _number(value: Any, where: str, integer: Literal[False] = False) -> float | None: ...
 def _number(value: Any, where: str, integer: bool = False) -> float | int | None:
     if value is None:
         return None
@@ -255,7 +259,8 @@ def _number(value: Any, where: str, integer: bool = False) -> float | int | None
         raise ValueError(f"{where} must be a {'integer' if integer else 'number'}")
     if value < 0:
         raise ValueError(f"{where} must be >= 0")
-    return value
+    number: float | int = value  # checked above
+    return number
 
 
 def _target(payload: Mapping[str, Any], session_id: str | None) -> Target:

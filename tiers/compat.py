@@ -69,7 +69,7 @@ import inspect
 import threading
 import time
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     OffloadingConnectorScheduler,
@@ -79,6 +79,14 @@ from vllm.v1.kv_offload.tiering.manager import (
     CPUPrimaryTierOffloadingManager,
     TieringOffloadingManager,
 )
+
+if TYPE_CHECKING:
+    # The mixins' bases as a type checker reads them (object at run time):
+    # the classes they are mixed into, whose methods their super() calls reach.
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as _CPUManagerBase
+    from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager as _TieringBase
+else:
+    _CPUManagerBase = _TieringBase = object
 
 __all__ = [
     "LookupResult",
@@ -208,7 +216,7 @@ def insert(policy: Any, key: bytes, chunk: Any, req_context: ReqContext | None =
         policy.insert(key, chunk)
 
 
-class QuarantinedSlots:
+class QuarantinedSlots(_CPUManagerBase):
     """Mixin for a ``CPUOffloadingManager`` subclass with a ``quarantine``
     (``tiers/g3/io.Quarantine``): a held slot is parked instead of freed, and
     comes back to the free list once released."""
@@ -234,7 +242,7 @@ class QuarantinedSlots:
         self._free_list[:] = [c for c in reversed(range(num_chunks)) if c not in held]
 
 
-class CascadeGate:
+class CascadeGate(_TieringBase):
     """Mixin for a ``TieringOffloadingManager`` subclass: G2 -> G3 cascades
     only when ``cascades()`` says so."""
 
@@ -245,7 +253,7 @@ class CascadeGate:
         return self.cascades() and super()._should_store_to_tier(tier, num_blocks)
 
 
-class ParkedCascades:
+class ParkedCascades(_TieringBase):
     """Mixin for a ``TieringOffloadingManager`` subclass: vLLM's end-of-step
     retry of parked request-level cascades (``_flush_pending_cascades``)
     runs only after something was parked. vLLM walks every request's state

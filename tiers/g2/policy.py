@@ -104,6 +104,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
@@ -123,6 +124,10 @@ SHIFT = 48 if BY_POSITION else 0  # positions (tokens) below 2**48
 LOW = (1 << SHIFT) - 1
 # where a level-0 least was found (``_least``)
 _HEAP, _RUN, _GROUP = 0, 1, 2
+# A level's order: the rank (an int) below PIN_LEVEL, (pinned_at, rank) at it.
+# Orders are compared within one level only, so each level has one type, which
+# a type checker cannot tell from the level: Any.
+_Order = Any
 
 
 @dataclass(slots=True)
@@ -155,8 +160,8 @@ class SessionCachePolicy(CachePolicy):
         self._clipped: list[OffloadKey] = []
         self._unpinned: set[OffloadKey] = set()  # see take_unpinned
         # evictable key -> (level, order) of its one valid heap entry
-        self._at: dict[OffloadKey, tuple[int, object]] = {}
-        self._heaps: dict[int, list[tuple[object, OffloadKey]]] = {}
+        self._at: dict[OffloadKey, tuple[int, _Order]] = {}
+        self._heaps: dict[int, list[tuple[_Order, OffloadKey]]] = {}
         self._size: dict[int, int] = {}  # level -> evictable keys in it
         self._levels: list[int] = []  # sorted levels with a key
         # level-0 keys with a rank of their own filed in rank order, key ->
@@ -183,7 +188,7 @@ class SessionCachePolicy(CachePolicy):
 
     # ------------------------------------------------------------ the levels
 
-    def _place(self, k: OffloadKey) -> tuple[int, object]:
+    def _place(self, k: OffloadKey) -> tuple[int, _Order]:
         if not self._pins and not self._retains:  # no hints: every chunk is plain
             return 0, self._rank[k]
         pin = self._pins.get(k)
@@ -263,7 +268,7 @@ class SessionCachePolicy(CachePolicy):
         if old is not None:
             self._leave(k, old)
 
-    def _leave(self, k: OffloadKey, where: tuple[int, object]) -> None:
+    def _leave(self, k: OffloadKey, where: tuple[int, _Order]) -> None:
         """``k`` leaves its ``where`` (its heap entry goes stale, its run or
         group entry goes)."""
         level = where[0]
@@ -276,7 +281,7 @@ class SessionCachePolicy(CachePolicy):
         if group is not None and group.pop(k, None) is not None and not group:
             del self._groups[r]
 
-    def _least(self, level: int) -> tuple[object, OffloadKey, int] | None:
+    def _least(self, level: int) -> tuple[_Order, OffloadKey, int] | None:
         """The least valid entry of ``level`` in (order, key) order and where
         it is (``_HEAP``, ``_RUN``, ``_GROUP``), stale heap tops dropped on
         the way; None when empty."""
@@ -292,10 +297,13 @@ class SessionCachePolicy(CachePolicy):
             return self._least_plain(heap)
         return (heap[0][0], heap[0][1], _HEAP) if heap else None
 
-    def _least_plain(self, heap: list) -> tuple[int, OffloadKey, int] | None:
+    def _least_plain(
+        self, heap: list[tuple[_Order, OffloadKey]]
+    ) -> tuple[_Order, OffloadKey, int] | None:
         """``_least`` of level 0 when a group is in it: the least of the
         heap's top (valid), the run's front and the first group's front."""
-        o = k = None
+        o: _Order = None
+        k: OffloadKey | None = None
         where = _HEAP
         if heap:
             o, k = heap[0]
@@ -607,8 +615,8 @@ class SessionCachePolicy(CachePolicy):
                 if least[2] == _HEAP:
                     heapq.heappop(self._heaps[level])
                 return [self._evicted(least[1])]
-        chosen: list[tuple[int, tuple[object, OffloadKey]]] = []
-        skipped: list[tuple[int, tuple[object, OffloadKey]]] = []  # protected ones
+        chosen: list[tuple[int, tuple[_Order, OffloadKey]]] = []
+        skipped: list[tuple[int, tuple[_Order, OffloadKey]]] = []  # protected ones
         seen: set[OffloadKey] = set()
         for level in self._levels:
             while len(chosen) < n:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from vllm.v1.kv_offload.base import OffloadKey, PrepareStoreOutput, ReqContext
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
@@ -103,7 +103,7 @@ class SessionPrimaryTier(CPUPrimaryTierOffloadingManager):
     def index(self) -> SessionPrefixIndex:
         return self._index
 
-    def set_copies(self, tier: Tier, chunk_keys: Collection[OffloadKey], copies: int) -> None:
+    def set_copies(self, tier: Tier, chunk_keys: Sequence[OffloadKey], copies: int) -> None:
         """Index the copies in ``tier`` of every block these chunks hold. G3
         copies are known for the ``G3_KNOWN_PER_G2_CHUNK`` x G2 chunks seen
         last: recording more forgets the oldest."""

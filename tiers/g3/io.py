@@ -177,7 +177,7 @@ class Quarantine:
     ``reclaim`` and ``reset`` from the primary tier's owner (under its lock).
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: dict[int, int] = {}  # slot -> calls holding it
         self._parked: set[int] = set()  # held slots G2 has freed
@@ -244,7 +244,8 @@ class Staging:
 
     def __init__(self, slots: int, chunk: int):
         self.buffer = np.empty((slots, chunk), np.uint8)
-        self._view = memoryview(self.buffer).cast("B")
+        # numpy's stubs give ndarray ``__buffer__`` on Python 3.12+ only.
+        self._view = memoryview(self.buffer).cast("B")  # type: ignore[arg-type]
         self._chunk = chunk
         self._free = list(range(slots))
         self._cond = threading.Condition()

@@ -50,7 +50,9 @@ class Layout:
     """Where a chunk's checksum lives. ``listing``: the suffix lookups and
     stores ask about (the checksum object, or "" for the data object)."""
 
-    cascade_asks: ClassVar[bool]
+    # Whether cascades ask before a put: each layout's default (a class
+    # attribute), then the instance's own (``__init__``).
+    cascade_asks: bool
 
     def __init__(self, backend: ObjectBackend, guard: Guard, chunk: int, seal: Seal):
         self._backend = backend
@@ -159,7 +161,7 @@ class InlineSums(Layout):
                 out += [False if fill else (None, b"")] * len(part)  # not read
                 continue
             sums = [self.sums.slot(t) for t in taken]
-            if fill:
+            if values is not None:  # ``fill``
                 for slot, value in zip(sums, values[i : i + step]):
                     slot[:] = value
             self._quarantine.hold(hold)
@@ -178,7 +180,8 @@ class InlineSums(Layout):
                     bufs,
                     sums,
                     nbytes=len(part) * self._chunk,
-                    on_abandoned=lambda _, end=end: end(True),
+                    # mypy types no lambda with a default against Callable[[Any], None]
+                    on_abandoned=lambda _, end=end: end(True),  # type: ignore[misc]
                 )
                 out += got if fill else [(size, bytes(s)) for size, s in zip(got, sums)]
             except BackendDown as e:

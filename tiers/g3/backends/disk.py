@@ -395,7 +395,7 @@ class DiskBackend(ObjectBackend):
         return [self._read(n, (b,)) for n, b in zip(names, bufs)]
 
     def get_small(self, names, limit: int | None = None) -> list[bytes | None]:
-        out = []
+        out: list[bytes | None] = []
         for n in names:
             fd = self._open_object(self.path_of(n))
             if fd is None:

@@ -148,16 +148,16 @@ class Replies:
 
     def into(self, *views: memoryview) -> None:
         """Fill ``views``, in order, with the next bytes."""
-        views = [v for v in views if len(v)]
-        while views and self._pos < len(self._buf):  # what is here already
-            n = min(len(views[0]), len(self._buf) - self._pos)
-            views[0][:n] = self._buf[self._pos : self._pos + n]
+        left = [v for v in views if len(v)]
+        while left and self._pos < len(self._buf):  # what is here already
+            n = min(len(left[0]), len(self._buf) - self._pos)
+            left[0][:n] = self._buf[self._pos : self._pos + n]
             self._pos += n
-            advance(views, n)
+            advance(left, n)
         if self._pos == len(self._buf):
             self._buf, self._pos = bytearray(), 0
-        while views:
-            advance(views, recv_some(self._sock, views))
+        while left:
+            advance(left, recv_some(self._sock, left))
 
 
 def send_all(sock: socket.socket, *parts) -> None:

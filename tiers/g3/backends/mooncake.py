@@ -167,6 +167,7 @@ class MooncakeBackend(ObjectBackend):
         cfg = ReplicateConfig()
         cfg.soft_pin_action = SoftPinAction.ENABLE
         cfg.soft_pin_ttl_ms = max(1, int(ttl_s * 1000))
+        assert values is not None  # pin_needs_bytes: the tier's RewritePins passes them
         rcs = self._store.batch_upsert_from(
             list(names), [address_of(v) for v in values], [len(v) for v in values], cfg
         )

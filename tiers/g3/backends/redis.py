@@ -139,14 +139,17 @@ class RedisBackend(ObjectBackend):
         self, url: str = "redis://127.0.0.1:6379/0", ttl_s: int = 3600, max_connections: int = 16
     ):
         import redis
-        from redis.connection import Encoder, PythonRespSerializer
+
+        # types-redis 4.6's stubs, which mypy reads before redis 8's own
+        # types, know neither the serializer nor ``command_packer``.
+        from redis.connection import Encoder, PythonRespSerializer  # type: ignore[attr-defined]
 
         if isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or ttl_s <= 0:
             raise ValueError(f"RedisTier: ttl_s must be a positive integer, got {ttl_s!r}")
         self._ttl = ttl_s
         # Stateless, so one packer serves every connection of the pool.
         packer = PythonRespSerializer(BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode)
-        self._redis = redis.Redis.from_url(
+        self._redis = redis.Redis.from_url(  # type: ignore[call-overload]  # stubs: above
             url,
             socket_timeout=SOCKET_TIMEOUT_S,
             socket_connect_timeout=SOCKET_TIMEOUT_S,
