@@ -17,7 +17,7 @@ dropped: only the router signs). Responses pass through unchanged, with
 Lifecycle to hints (``policy`` in router.yaml):
 
 - every turn start, turn end and session end goes to the hint policy
-  (``session_policy.SessionHints``: Retains of live sessions, shared
+  (``retains.SessionHints``: Retains of live sessions, shared
   prefixes and ended heads, ranked by the strategy its shadow caches
   choose per engine), whose hints leave over the control channel in
   batches, paced to the engine's hint rate, from one sender task; a tick
@@ -89,7 +89,8 @@ from sessionkv.router import policy as rules
 from sessionkv.router.config import RouterConfig
 from sessionkv.router.metrics import RouterMetrics
 from sessionkv.router.overlap import score
-from sessionkv.router.session_policy import End, Out, SessionHints
+from sessionkv.router.retain_queue import End, Out
+from sessionkv.router.retains import SessionHints
 from sessionkv.router.state import ResilientStore, SessionStore, StateError
 from sessionkv.router.workers import Worker
 

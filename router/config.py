@@ -24,7 +24,7 @@
       overlap_g2_weight: 0.5       # a G2 block counts this much of a G1 block
       retry: true                  # a turn whose worker died is sent to another one
     policy:
-      strategy: auto               # or one of session_policy.STRATEGIES: recency+shared,
+      strategy: auto               # or one of retain_queue.STRATEGIES: recency+shared,
                                    # density+shared, recency, density, plain
       tick_s: 30                   # how often idle sessions are re-ranked
       watch_s: 600                 # router-owned Retains (shared prefixes, heads) last this long

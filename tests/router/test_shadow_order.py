@@ -169,7 +169,7 @@ def test_the_shadow_keeps_the_blocks_vllms_lru_keeps(script):
 
 def test_the_hint_policy_ends_a_turn_in_its_shadows_when_the_turn_or_session_ends():
     from sessionkv.router.config import HintPolicy
-    from sessionkv.router.session_policy import SessionHints
+    from sessionkv.router.retains import SessionHints
 
     p = SessionHints(HintPolicy(strategy="auto"), lambda: 1000.0)
     p.add_engine("a", 1024, 256, 100.0)

@@ -1,4 +1,4 @@
-"""The router's hint policy (``sessionkv.router.session_policy``), its shadow
+"""The router's hint policy (``sessionkv.router.retains``), its shadow
 caches and its gap model, on a clock the test moves. The replay runs the
 same classes against the real executor (tests/bench)."""
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from sessionkv.hints import KvHint, envelope, parse_envelope
-from sessionkv.router import session_policy
 from sessionkv.router.config import HintPolicy
 from sessionkv.router.gaps import GapModel, density_priority
-from sessionkv.router.session_policy import HEAD_BOOST, ROUTER_OWNER, End, Send, SessionHints
+from sessionkv.router.retain_queue import RERANK_STEPS, ROUTER_OWNER, End, Send
+from sessionkv.router.retains import HEAD_BOOST, SessionHints
 from sessionkv.router.shadow import Selector, ShadowCache
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,14 +121,14 @@ def test_idle_retains_move_by_bands_until_g2_evicts_retained_blocks():
     sent = served("s1", chain(1, 2)) + idle(600, "s1")
     # ten minutes: 10 s -> 616 s is about 24 steps, re-sent after 8 and 16 (and 24)
     assert 2 <= len(sent) - 1 <= 3, sent
-    assert all(a - b >= session_policy.RERANK_STEPS for a, b in zip(sent, sent[1:])), sent
+    assert all(a - b >= RERANK_STEPS for a, b in zip(sent, sent[1:])), sent
     for i in range(80):  # 2,560 blocks retained: G2 holds 1,024
         served(f"t{i}", chain(*range(1000 + 100 * i, 1032 + 100 * i)))
     sent = served("s2", chain(3, 4)) + idle(60, "s2")
     steps = [a - b for a, b in zip(sent, sent[1:])]
     # step by step for PRESSURE_TICKS ticks after the last retained eviction,
     # then, with no turn evicting anything, by bands again
-    assert steps[:3] == [1, 1, 1] and steps[-1] >= session_policy.RERANK_STEPS, sent
+    assert steps[:3] == [1, 1, 1] and steps[-1] >= RERANK_STEPS, sent
 
 
 def test_a_shared_prefix_is_retained_by_the_router_for_its_watch():
@@ -352,7 +352,7 @@ def test_the_replay_drives_the_routers_own_policy_class():
     imported = {
         a.name
         for n in ast.walk(tree)
-        if isinstance(n, ast.ImportFrom) and n.module == "sessionkv.router.session_policy"
+        if isinstance(n, ast.ImportFrom) and n.module == "sessionkv.router.retains"
         for a in n.names
     }
     assert "SessionHints" in imported
@@ -361,7 +361,7 @@ def test_the_replay_drives_the_routers_own_policy_class():
     app = ast.parse((ROOT / "router" / "app.py").read_text())
     assert any(
         isinstance(n, ast.ImportFrom)
-        and n.module == "sessionkv.router.session_policy"
+        and n.module == "sessionkv.router.retains"
         and "SessionHints" in {a.name for a in n.names}
         for n in ast.walk(app)
     )

@@ -44,7 +44,7 @@ most at the engine's per-client rate (a local token bucket at 80 % of it),
 batched per session. Nothing is sent twice for the same priority. An idle
 session's Retain follows its falling rank step by step only while G2 is
 choosing among Retained sessions (its shadow evicted some lately), else
-by bands of ``RERANK_STEPS`` (``_Engine.rerank_steps``, per strategy).
+by bands of ``RERANK_STEPS`` (``EngineView.rerank_steps``, per strategy).
 
 Memory: ``max_sessions`` live sessions and ``max_blocks`` first-seen blocks
 (least recently seen forgotten first); per engine, shadows of at most
@@ -60,73 +60,25 @@ import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
-from sessionkv.hints import Action, hint_action
 from sessionkv.router.config import HintPolicy
 from sessionkv.router.gaps import GapModel, density_priority
-from sessionkv.router.shadow import Selector, ShadowCache
+from sessionkv.router.retain_queue import (
+    ROUTER_OWNER,
+    End,
+    EngineView,
+    Out,
+    QueuedRetain,
+    Send,
+    reranked,
+    router_holds,
+)
+from sessionkv.router.shadow import ShadowCache
 
-ROUTER_OWNER = "sessionkv-router"  # the owner of router-held Retains (shared prefixes, heads)
-# How live sessions are ranked, and with "+shared" whether the router also
-# holds shared prefixes and ended heads itself.
-STRATEGIES = ("recency+shared", "density+shared", "recency", "density", "plain")
 SHARED_CLASSES = (2, 3, 5, 9)  # sessions so far through a shared block -> its gap model
 HEAD_FRACTION = 0.25  # of an ended session's blocks, watched for branches
 HEAD_BOOST = 12  # priority steps a session's first-turn prefix gets over its growth
-RATE_SHARE = 0.8  # of an engine's hint rate the policy uses
-RERANK_STEPS = 8  # priority steps (4x its density) that re-send an idle session
-PRESSURE_TICKS = 10  # ticks a retained eviction keeps re-ranking step by step
-
-
-def _reranked(sent: int, p: int, steps: int) -> bool:
-    """Whether an idle session's Retain at ``sent`` (-1, -2: none yet) is
-    re-sent at ``p``: on a move to or from plain, or by ``steps``."""
-    return sent < 0 or (p == 0) != (sent == 0) or abs(p - sent) >= steps
-
-
-def _router_holds(strategy: str) -> bool:
-    """Whether ``strategy`` has the router Retain shared prefixes and heads."""
-    return strategy.endswith("+shared")
-
-
-class Send(NamedTuple):
-    """Control-channel hints for ``worker``, in one envelope for ``session``."""
-
-    worker: str
-    session: str
-    actions: list[dict[str, Any]]
-
-
-class End(NamedTuple):
-    """End ``session`` on ``worker`` (its pins and retains go)."""
-
-    worker: str
-    session: str
-
-
-Out = Send | End
-
-
-@dataclass
-class _Retain:
-    """A queued Retain: of ``session`` up to ``boundary``, or of ``keys``
-    (router-owned, for ``ttl_s``)."""
-
-    session: str
-    priority: int
-    boundary: bytes | None = None
-    keys: list[bytes] | None = None
-    ttl_s: float | None = None
-
-    def action(self) -> dict[str, Any]:
-        if self.keys is not None:
-            return hint_action(
-                Action.RETAIN, keys=self.keys, priority=self.priority, ttl_s=self.ttl_s
-            )
-        return hint_action(
-            Action.RETAIN, session_id=self.session, boundary=self.boundary, priority=self.priority
-        )
 
 
 @dataclass
@@ -155,77 +107,13 @@ class _Shared:
     claims: dict[str, Counter[int]] = field(default_factory=dict)
 
 
-class _Engine:
-    """One engine: its shadows, selector, hint queue and counters."""
-
-    def __init__(
-        self,
-        name: str,
-        g2_blocks: int,
-        g1_blocks: int,
-        hints_per_s: float,
-        cfg: HintPolicy,
-        now: float,
-    ):
-        self.name = name
-        self.g2_blocks, self.g1_blocks = g2_blocks, g1_blocks
-        self.rate = max(1.0, hints_per_s * RATE_SHARE)
-        self.tokens = self.rate
-        self.stamp = now
-        names = STRATEGIES if cfg.strategy == "auto" else (cfg.strategy,)
-        self.shadows = (
-            {n: ShadowCache(g2_blocks, g1_blocks, cfg.shadow_blocks, ROUTER_OWNER) for n in names}
-            if len(names) > 1
-            else {}
-        )
-        self.holders = tuple(n for n in names if _router_holds(n))
-        self.selector = Selector(names, half_life_refs=64.0 * g2_blocks)
-        # (owner, tag) -> the Retain to send; a re-queued entry moves last, so
-        # a session's Retain never overtakes the router's re-claim after it
-        self.pending: OrderedDict[tuple[str, Any], _Retain] = OrderedDict()
-        self.sent = 0
-        self.reranked = 0  # session Retains re-sent because their priority changed
-        self.requests = 0
-        self.first_t: float | None = None
-        self._evictions_seen: dict[str, int] = {}
-        self._pressed_until: dict[str, float] = {}
-
-    def rerank_steps(self, now: float, tick_s: float) -> dict[str, int]:
-        """Per strategy, how far an idle session's priority moves before its
-        Retain is re-sent (in that strategy's shadow; the followed one's
-        for the engine). Step by step while that strategy's shadow evicted
-        blocks sessions Retained within ``PRESSURE_TICKS`` ticks (G2 chooses
-        among idle sessions: their order matters); else ``RERANK_STEPS`` (a
-        fourfold change of density): within a band, vLLM's LRU order among
-        chunks of one priority ranks older sessions first, and a re-send at
-        each step took 2-4 hints per turn where every session fitted.
-        Without shadows (one strategy configured), step by step."""
-        if not self.shadows:
-            return {self.selector.current: 1}
-        steps = {}
-        for name, sh in self.shadows.items():
-            if sh.retained_evictions != self._evictions_seen.get(name, 0):
-                self._evictions_seen[name] = sh.retained_evictions
-                self._pressed_until[name] = now + PRESSURE_TICKS * tick_s
-            steps[name] = 1 if now < self._pressed_until.get(name, -math.inf) else RERANK_STEPS
-        return steps
-
-    def take(self, now: float) -> bool:
-        self.tokens = min(self.rate, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return True
-        return False
-
-
 class SessionHints:
     """The policy engine (see the module docstring)."""
 
     def __init__(self, cfg: HintPolicy, clock: Callable[[], float]):
         self.cfg = cfg
         self._clock = clock
-        self._engines: dict[str, _Engine] = {}
+        self._engines: dict[str, EngineView] = {}
         self._live: OrderedDict[str, _Live] = OrderedDict()
         self._first: OrderedDict[bytes, str] = OrderedDict()  # block -> first session
         self._shared: dict[bytes, _Shared] = {}
@@ -243,7 +131,7 @@ class SessionHints:
     def add_engine(self, name: str, g2_blocks: int, g1_blocks: int, hints_per_s: float) -> None:
         """An engine the policy hints (from its ``hello``: G2 chunks x blocks
         per chunk, G1 blocks, and its per-client hint rate)."""
-        self._engines[name] = _Engine(
+        self._engines[name] = EngineView(
             name, max(1, g2_blocks), max(0, g1_blocks), hints_per_s, self.cfg, self._clock()
         )
 
@@ -353,7 +241,7 @@ class SessionHints:
                 p = density_priority(self._heads_reused / (self._heads_watched * self.cfg.watch_s))
                 self._queue(eng, ("head", p), head, p)
                 for name, sh in eng.shadows.items():
-                    if _router_holds(name):
+                    if router_holds(name):
                         sh.set(sh.keys_of(head), p, ROUTER_OWNER)
         return out + self._drain(now)
 
@@ -382,12 +270,12 @@ class SessionHints:
             step = steps[eng.name]
             for name, sh in eng.shadows.items():
                 p = self._priority(name, s, now)
-                if _reranked(s.shadow.get(name, -1), p, step[name]):
+                if reranked(s.shadow.get(name, -1), p, step[name]):
                     s.shadow[name] = p
                     self._shadow_retain(sh, sid, s, p)
             if self._session_claims(s, eng, now, rerank=step):
                 claimed.extend(s.keys[: s.head])
-            if _reranked(
+            if reranked(
                 s.sent, self._priority(eng.selector.current, s, now), step[eng.selector.current]
             ):
                 eng.reranked += 1
@@ -403,7 +291,7 @@ class SessionHints:
         for w, keys in lapsed.items():  # the shadows' router Retains lapse too
             eng = self._engines.get(w)
             for name, sh in eng.shadows.items() if eng else ():
-                if _router_holds(name):
+                if router_holds(name):
                     sh.release(sh.keys_of(keys), ROUTER_OWNER)
         self._claim([k for k in dict.fromkeys(claimed) if k in self._shared], now, force=True)
         self._claim(list(self._shared), now, force=False)
@@ -503,9 +391,11 @@ class SessionHints:
         s.held = p > 0
         for tag in ("retain", "first"):
             eng.pending.pop((sid, tag), None)
-        eng.pending[(sid, "retain")] = _Retain(sid, p, boundary=s.keys[-1] if s.keys else None)
+        eng.pending[(sid, "retain")] = QueuedRetain(sid, p, boundary=s.keys[-1] if s.keys else None)
         if grown and p:
-            eng.pending[(sid, "first")] = _Retain(sid, p + HEAD_BOOST, boundary=s.keys[s.first - 1])
+            eng.pending[(sid, "first")] = QueuedRetain(
+                sid, p + HEAD_BOOST, boundary=s.keys[s.first - 1]
+            )
 
     def _drop_branch(self, sid: str, s: _Live) -> None:
         """The session went back to an earlier turn or edited one (a retry, a
@@ -523,7 +413,7 @@ class SessionHints:
         if s.held:
             s.held = False
             eng.pending.pop((sid, "drop"), None)
-            eng.pending[(sid, "drop")] = _Retain(sid, 0, boundary=s.keys[-1])
+            eng.pending[(sid, "drop")] = QueuedRetain(sid, 0, boundary=s.keys[-1])
 
     @staticmethod
     def _shadow_retain(sh: ShadowCache, sid: str, s: _Live, p: int) -> None:
@@ -533,20 +423,20 @@ class SessionHints:
             sh.set(sh.keys_of(s.keys[: s.first]), p + HEAD_BOOST, sid)
 
     def _session_claims(
-        self, s: _Live, eng: _Engine, now: float, rerank: dict[str, int] | None = None
+        self, s: _Live, eng: EngineView, now: float, rerank: dict[str, int] | None = None
     ) -> bool:
         """Record, per router-holding strategy, what idle session ``s`` claims
         its shared head at: its rank there, with the first-turn boost (its
         shared head lies in its first-turn prefix: the router's re-claim
         never ranks a head below what follows it); whether any changed.
-        ``rerank``: a tick's steps per strategy (``_Engine.rerank_steps``);
+        ``rerank``: a tick's steps per strategy (``EngineView.rerank_steps``);
         else every change counts."""
         grown = HEAD_BOOST and 0 < s.first < len(s.keys)
         changed = False
         for name in eng.holders:
             p = self._priority(name, s, now)
             p = p + HEAD_BOOST if grown and p else p
-            if _reranked(s.claimed.get(name, 0), p, rerank.get(name, 1) if rerank else 1):
+            if reranked(s.claimed.get(name, 0), p, rerank.get(name, 1) if rerank else 1):
                 changed |= self._set_claim(s, name, p)
         return changed
 
@@ -618,15 +508,15 @@ class SessionHints:
             sh = self._engines[w].shadows[name]
             sh.set(sh.keys_of(ks), p, ROUTER_OWNER)
 
-    def _queue(self, eng: _Engine, tag: Any, keys: Sequence[bytes], p: int) -> None:
+    def _queue(self, eng: EngineView, tag: Any, keys: Sequence[bytes], p: int) -> None:
         """Queue a router-owned Retain of ``keys``, merged with the one of the
         same group still waiting, and moved behind everything queued (when
         the engine's strategy has the router hold them)."""
-        if not _router_holds(eng.selector.current):
+        if not router_holds(eng.selector.current):
             return
         old = eng.pending.pop((ROUTER_OWNER, tag), None)
         merged = list(dict.fromkeys([*(old.keys if old else ()), *keys]))
-        eng.pending[(ROUTER_OWNER, tag)] = _Retain(
+        eng.pending[(ROUTER_OWNER, tag)] = QueuedRetain(
             ROUTER_OWNER, p, keys=merged, ttl_s=self.cfg.watch_s
         )
 
