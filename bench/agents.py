@@ -87,7 +87,7 @@ from sessionkv.devtools.router_process import RouterProcess
 from sessionkv.devtools.server import ServerProcess, free_port, remove_offload_region
 from sessionkv.devtools.services import lan_address, start_mooncake, start_redis
 from sessionkv.router.app import ROUTED_HEADER
-from sessionkv.router.policy import TOOL_GAP_HEADER
+from sessionkv.router.hinting import TOOL_GAP_HEADER
 
 MODEL = str(MODELS / "realistic")
 MODES = ("plain", "lru", "lru+g3", "sessionkv", "oracle")

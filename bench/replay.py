@@ -18,7 +18,7 @@ trace and ``suite.json``, and prints the ratios to opt. Every run also gets
 resumed-turn TTFT and oracle gain captured under the time model's parameter
 sets (``replay_time.py``: ``cpu``, ``h100-8b``). The simulator is in
 ``replay_sim.py``, the adapters to the routers' policies in
-``replay_router.py`` (``session`` is ``sessionkv.router.retains``,
+``replay_router.py`` (``session`` is ``sessionkv.router.hinting``,
 what ``sessionkv router`` runs); bench/README.md documents them and the JSON.
 """
 

@@ -15,7 +15,7 @@ blocks are ordinary LRU and go first). ``naive``: the same under the
 engine's default ``Limits``.
 
 ``session``: the policy ``sessionkv router`` ships (``PolicyRouter``, a thin
-adapter over ``sessionkv.router.retains``); see bench/README.md.
+adapter over ``sessionkv.router.hinting``); see bench/README.md.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ from sessionkv.engine.executor import HintExecutor
 from sessionkv.hints import Action, KvHint, envelope, hint_action, parse_envelope
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.router.config import HintPolicy
-from sessionkv.router.retain_queue import End
-from sessionkv.router.retains import SessionHints
+from sessionkv.router.hinting import End, HintPlanner
 
 
 class Worker(Protocol):
@@ -123,7 +122,7 @@ TICK_S = 1.0  # router/app.py's _tick loop: policy.tick() once a second
 
 
 class PolicyRouter(Router):
-    """The shipped router policy (``sessionkv.router.retains.SessionHints``,
+    """The shipped router policy (``sessionkv.router.hinting.HintPlanner``,
     the class ``sessionkv router`` runs) on trace time: a thin adapter that
     tells it what the router sees and delivers its hints to the real
     ``HintExecutor`` under the router's client id and rate bucket, as the
@@ -141,7 +140,7 @@ class PolicyRouter(Router):
         config: HintPolicy = HintPolicy(),
     ):
         super().__init__(trace, workers, clock)
-        self.policy = SessionHints(config, clock)
+        self.policy = HintPlanner(config, clock)
         self._next_tick: float | None = None  # from the first request on
         for w, wk in enumerate(workers):
             self.policy.add_engine(

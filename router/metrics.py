@@ -1,5 +1,6 @@
-"""The router's Prometheus metrics: ``GET /metrics``, as the engines serve
-theirs. Everything ``/router/status`` counts comes from the same ``Counters``
+"""What the router counts (``Counters``: ``/router/status``) and its
+Prometheus metrics (``GET /metrics``, as the engines serve theirs).
+Everything ``/router/status`` counts comes from the same ``Counters``
 (read at scrape time, so the two always agree), plus the workers' health and
 load and a TTFT histogram per worker.
 
@@ -21,10 +22,15 @@ Threading: the router's event loop; a scrape reads ``Counters`` under its lock.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import threading
+from collections import Counter
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from sessionkv.hints import HintOutcome
+from sessionkv.report import RequestReport
 
 if TYPE_CHECKING:
     from sessionkv.router.app import Router
@@ -33,6 +39,64 @@ PREFIX = "sessionkv_router"
 # Seconds: a G1 hit on a small model answers in milliseconds, a recomputed
 # 64k-token prefill in tens of seconds.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Counters:
+    """What the router did and what its hints became; thread-safe, JSON-ready."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._outcomes: Counter[tuple[str, str, str]] = Counter()  # (action, status, via)
+        self._blocks: Counter[str] = Counter()
+        self._events: Counter[str] = Counter()
+        self._requests: Counter[tuple[str, str]] = Counter()  # (worker, HTTP status)
+        self._sent: Counter[str] = Counter()  # hints sent, by via
+
+    def outcome(self, outcome: HintOutcome, via: str) -> None:
+        action = (outcome.action or "?").removeprefix("kv.")
+        with self._lock:
+            self._outcomes[
+                (action, str(getattr(outcome.status, "value", outcome.status)), via)
+            ] += 1
+
+    def report(self, report: RequestReport) -> None:
+        with self._lock:
+            self._events["reports"] += 1
+            if report.blocks is None:  # the engine withheld them (report.per_tier)
+                self._events["reports_without_tiers"] += 1
+                return
+            for tier in ("g1", "g2", "g3", "recomputed"):
+                self._blocks[tier] += getattr(report.blocks, tier)
+
+    def event(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._events[name] += n
+
+    def request(self, worker: str, status: int | str) -> None:
+        """A turn proxied to ``worker``: its HTTP status, or "error"."""
+        with self._lock:
+            self._requests[(worker, str(status))] += 1
+
+    def sent(self, via: str, n: int = 1) -> None:
+        """Hints sent: on a request, over the control channel, by the policy."""
+        with self._lock:
+            self._sent[via] += n
+
+    def to_dict(self) -> dict[str, Any]:
+        with self._lock:
+            outcomes: dict[str, dict[str, dict[str, int]]] = {}
+            for (action, status, via), n in sorted(self._outcomes.items()):
+                outcomes.setdefault(action, {}).setdefault(via, {})[status] = n
+            requests: dict[str, dict[str, int]] = {}
+            for (worker, status), n in sorted(self._requests.items()):
+                requests.setdefault(worker, {})[status] = n
+            return {
+                "outcomes": outcomes,
+                "blocks": dict(self._blocks),
+                "events": dict(self._events),
+                "requests": requests,
+                "hints_sent": dict(self._sent),
+            }
 
 
 class RouterMetrics:

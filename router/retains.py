@@ -1,12 +1,14 @@
-"""The router's hint policy: what a router sees of sessions, turned into hints.
+"""Which sessions G2 keeps: what a router sees of sessions, turned into Retains.
 
-``SessionHints`` is the one policy engine: ``sessionkv router`` runs it
-against real engines (``app.py`` delivers its output over the control
-channel) and ``bench/replay.py`` runs the same class on trace time against
-the real ``HintExecutor`` (``bench/replay_router.py``). It sees only what a
-router sees: turn starts (session, engine, the prompt's full-block keys),
-turn ends, session ends, and the engines' G2 capacity and hint rate (their
-``hello``); nothing about when a session returns.
+``SessionHints`` ranks live sessions, shared prefixes and ended heads per
+engine and returns the Retains and session ends that follow (``Send``,
+``End``). ``hinting.HintPlanner`` owns it: ``sessionkv router`` runs the
+planner against real engines (``app.py`` delivers its output over the
+control channel) and ``bench/replay.py`` runs the same planner on trace time
+against the real ``HintExecutor`` (``bench/replay_router.py``). It sees only
+what a router sees: turn starts (session, engine, the prompt's full-block
+keys), turn ends, session ends, and the engines' G2 capacity and hint rate
+(their ``hello``); nothing about when a session returns.
 
 What it keeps, on every engine:
 
@@ -108,7 +110,7 @@ class _Shared:
 
 
 class SessionHints:
-    """The policy engine (see the module docstring)."""
+    """The Retain ranking (see the module docstring)."""
 
     def __init__(self, cfg: HintPolicy, clock: Callable[[], float]):
         self.cfg = cfg
@@ -129,7 +131,7 @@ class SessionHints:
     # ---- engines -------------------------------------------------------------
 
     def add_engine(self, name: str, g2_blocks: int, g1_blocks: int, hints_per_s: float) -> None:
-        """An engine the policy hints (from its ``hello``: G2 chunks x blocks
+        """An engine the ranking hints (from its ``hello``: G2 chunks x blocks
         per chunk, G1 blocks, and its per-client hint rate)."""
         self._engines[name] = EngineView(
             name, max(1, g2_blocks), max(0, g1_blocks), hints_per_s, self.cfg, self._clock()
@@ -148,7 +150,7 @@ class SessionHints:
 
     def turn_started(
         self, session: str, worker: str, keys: Sequence[bytes], extra: Sequence[bytes] = ()
-    ) -> list[Out]:
+    ) -> list[Send]:
         """A turn of ``session`` goes to ``worker``; ``keys``: its prompt's
         full-block keys, root first (empty when the router cannot hash it);
         ``extra``: blocks the engine caches after them that no Retain covers
@@ -190,7 +192,7 @@ class SessionHints:
         self._claim(keys[:head], now, force=True)
         return self._drain(now)
 
-    def turn_ended(self, session: str) -> list[Out]:
+    def turn_ended(self, session: str) -> list[Send]:
         """The turn finished and the session goes on (a tool call, or a chat
         waiting for its user)."""
         now = self._clock()
@@ -207,7 +209,7 @@ class SessionHints:
 
     def sessions_on(self, worker: str) -> list[str]:
         """The live sessions whose turns last went to ``worker`` (at most
-        ``max_sessions``: the policy's own bound)."""
+        ``max_sessions``: the ranking's own bound)."""
         return [sid for sid, s in self._live.items() if s.worker == worker]
 
     def session_ended(self, session: str) -> list[Out]:
@@ -245,7 +247,7 @@ class SessionHints:
                         sh.set(sh.keys_of(head), p, ROUTER_OWNER)
         return out + self._drain(now)
 
-    def tick(self) -> list[Out]:
+    def tick(self) -> list[Send]:
         """Re-rank idle sessions and shared prefixes; call every ``tick_s``
         (more often is harmless: it only acts once per ``tick_s``)."""
         now = self._clock()
@@ -520,10 +522,10 @@ class SessionHints:
             ROUTER_OWNER, p, keys=merged, ttl_s=self.cfg.watch_s
         )
 
-    def _drain(self, now: float) -> list[Out]:
+    def _drain(self, now: float) -> list[Send]:
         """What may leave now, per engine, in queue order: one envelope per
         run of hints for the same session."""
-        out: list[Out] = []
+        out: list[Send] = []
         for eng in self._engines.values():
             while eng.pending and eng.take(now):
                 _, r = eng.pending.popitem(last=False)

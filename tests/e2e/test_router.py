@@ -23,7 +23,7 @@ import requests
 from sessionkv.devtools.engines import TINY
 from sessionkv.devtools.router_process import RouterProcess, engine_pair
 from sessionkv.devtools.server import free_port
-from sessionkv.router.app import admin_token
+from sessionkv.router.auth import admin_token
 
 SECRET = b"router-e2e-secret-0123456789abcdef"
 ADMIN = {"Authorization": f"Bearer {admin_token(SECRET)}"}

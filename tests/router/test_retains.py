@@ -1,6 +1,6 @@
-"""The router's hint policy (``sessionkv.router.retains``), its shadow
+"""The router's Retain ranking (``sessionkv.router.retains``), its shadow
 caches and its gap model, on a clock the test moves. The replay runs the
-same classes against the real executor (tests/bench)."""
+same classes, through the planner, against the real executor (tests/bench)."""
 
 import ast
 from pathlib import Path
@@ -10,6 +10,7 @@ import pytest
 from sessionkv.hints import KvHint, envelope, parse_envelope
 from sessionkv.router.config import HintPolicy
 from sessionkv.router.gaps import GapModel, density_priority
+from sessionkv.router.hinting import HintPlanner
 from sessionkv.router.retain_queue import RERANK_STEPS, ROUTER_OWNER, End, Send
 from sessionkv.router.retains import HEAD_BOOST, SessionHints
 from sessionkv.router.shadow import Selector, ShadowCache
@@ -346,23 +347,23 @@ def test_gap_model_density_is_returns_per_second_held():
     assert density_priority(1.0) == 80 and density_priority(1e-6) == 1
 
 
-def test_the_replay_drives_the_routers_own_policy_class():
-    """bench/replay_router.py adapts SessionHints; it defines no policy of its own."""
+def test_the_replay_drives_the_routers_own_planner_class():
+    """bench/replay_router.py adapts HintPlanner; it defines no policy of its own."""
     tree = ast.parse((ROOT / "bench" / "replay_router.py").read_text())
     imported = {
         a.name
         for n in ast.walk(tree)
-        if isinstance(n, ast.ImportFrom) and n.module == "sessionkv.router.retains"
+        if isinstance(n, ast.ImportFrom) and n.module == "sessionkv.router.hinting"
         for a in n.names
     }
-    assert "SessionHints" in imported
+    assert "HintPlanner" in imported
     classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
     assert classes <= {"Worker", "Router", "NaiveRouter", "PolicyRouter"}, classes
     app = ast.parse((ROOT / "router" / "app.py").read_text())
     assert any(
         isinstance(n, ast.ImportFrom)
-        and n.module == "sessionkv.router.retains"
-        and "SessionHints" in {a.name for a in n.names}
+        and n.module == "sessionkv.router.hinting"
+        and "HintPlanner" in {a.name for a in n.names}
         for n in ast.walk(app)
     )
 
@@ -382,8 +383,8 @@ def test_every_turn_end_retains_the_grown_prefix_even_at_the_same_priority():
 
 
 def test_the_router_and_the_replay_run_one_policy_class_on_the_same_events(tmp_path):
-    """The proxy's policy object and the replay's are both SessionHints, built
-    from the same HintPolicy: on the same events they send the same hints."""
+    """The proxy's planner and the replay's are both HintPlanner, built from
+    the same HintPolicy: on the same events they send the same hints."""
     from replay_router import PolicyRouter
     from replay_sim import Worker as SimWorker
     from replay_trace import SimClock, parse_rows
@@ -405,10 +406,10 @@ def test_the_router_and_the_replay_run_one_policy_class_on_the_same_events(tmp_p
         [{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}]
     )
     replay = PolicyRouter(tr, [SimWorker("session", 16, 64, clock, hinted=True)], clock, cfg.policy)
-    assert type(proxy.policy) is type(replay.policy) is SessionHints
-    proxy.policy.add_engine("0", 64, 16, 100.0)
+    assert type(proxy.planner) is type(replay.policy) is HintPlanner
+    proxy.planner.add_engine("0", 64, 16, 100.0)
     sent = []
-    for pol in (proxy.policy, replay.policy):
+    for pol in (proxy.planner, replay.policy):
         outs = pol.turn_started("s1", "0", chain(1, 2)) + pol.turn_ended("s1")
         sent.append(
             [

@@ -10,13 +10,9 @@ import pytest
 from sessionkv.hints import HintOutcome, Status
 from sessionkv.router import parse_config
 from sessionkv.router.config import RedisConfig, load_config
-from sessionkv.router.policy import (
-    Counters,
-    NoWorker,
-    choose,
-    ends_in_tool_call,
-    tool_gap_from_header,
-)
+from sessionkv.router.hinting import ends_in_tool_call, tool_gap_from_header
+from sessionkv.router.metrics import Counters
+from sessionkv.router.routing import NoWorker, choose
 from sessionkv.router.state import SessionStore
 
 
@@ -236,7 +232,7 @@ def test_routing_affinity_then_overlap_then_load():
 
 
 def test_pin_quota_counts_sessions_per_client_until_their_pins_end():
-    from sessionkv.router.policy import PinQuota
+    from sessionkv.router.hinting import PinQuota
 
     now = [0.0]
     q = PinQuota(per_client=2, max_clients=3, clock=lambda: now[0])

@@ -8,8 +8,7 @@ from types import SimpleNamespace
 from prometheus_client.parser import text_string_to_metric_families
 
 from sessionkv.hints import HintOutcome, Status
-from sessionkv.router.metrics import RouterMetrics
-from sessionkv.router.policy import Counters
+from sessionkv.router.metrics import Counters, RouterMetrics
 
 
 def test_metrics_render_the_counters_and_workers():
