@@ -154,9 +154,9 @@ class Router:
             connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S),
             timeout=aiohttp.ClientTimeout(total=self.cfg.routing.request_timeout_s),
         )
-        for w in self.cfg.workers:
-            self.workers[w.name] = Worker(
-                w, self.cfg.secret, self._http, self.cfg.routing.load_poll_s, self.transport.final
+        for wc in self.cfg.workers:
+            self.workers[wc.name] = Worker(
+                wc, self.cfg.secret, self._http, self.cfg.routing.load_poll_s, self.transport.final
             )
         await asyncio.gather(*(w.start() for w in self.workers.values()))
         for w in self.workers.values():

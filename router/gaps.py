@@ -93,9 +93,12 @@ class GapModel:
 
     def density(self, idle_s: float) -> float:
         """Expected returns per held-second of a session idle for ``idle_s``."""
-        if self._table is None:
+        table = self._table
+        if table is None:
             self.refresh()
-        return float(self._table[self._bin(idle_s)])
+            table = self._table
+            assert table is not None  # refresh() computes it
+        return float(table[self._bin(idle_s)])
 
     def median(self) -> float:
         """The median wait of what was seen (with the prior), in seconds."""

@@ -517,7 +517,8 @@ class SessionHints:
         if not router_holds(eng.selector.current):
             return
         old = eng.pending.pop((ROUTER_OWNER, tag), None)
-        merged = list(dict.fromkeys([*(old.keys if old else ()), *keys]))
+        # a router entry always has keys; `or ()` would hide a None that raises today
+        merged = list(dict.fromkeys([*(old.keys if old else ()), *keys]))  # type: ignore[misc]
         eng.pending[(ROUTER_OWNER, tag)] = QueuedRetain(
             ROUTER_OWNER, p, keys=merged, ttl_s=self.cfg.watch_s
         )

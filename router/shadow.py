@@ -45,6 +45,7 @@ from one thread (the router's event loop).
 from __future__ import annotations
 
 import bisect
+import builtins
 import heapq
 import math
 import zlib
@@ -90,7 +91,7 @@ class ShadowCache:
         self._levels: list[int] = []  # sorted priorities with a resident key
         # turns running: turn -> the sampled blocks it read or stored, and
         # how many those are, over all turns
-        self._open: OrderedDict[str, list[bytes]] = OrderedDict()
+        self._open: OrderedDict[str, Sequence[bytes]] = OrderedDict()
         self._open_blocks = 0
         self._open_max = max_blocks
         self.retained_evictions = 0  # evicted blocks Retained above 0 by a session
@@ -242,7 +243,7 @@ class ShadowCache:
             heap[:] = [(r, q) for r, q in heap if self._prio.get(q) == p and self._rank[q] == r]
             heapq.heapify(heap)
 
-    def _victim(self, protect: set[bytes]) -> bytes | None:
+    def _victim(self, protect: builtins.set[bytes]) -> bytes | None:
         """The least recent block of the lowest level, not in ``protect``."""
         prio, rank = self._prio, self._rank
         for p in self._levels:
@@ -262,7 +263,7 @@ class ShadowCache:
                 return found
         return None
 
-    def _evict(self, protect: set[bytes]) -> None:
+    def _evict(self, protect: builtins.set[bytes]) -> None:
         """Down to capacity, never evicting ``protect`` (the request's own
         blocks: a G2 store makes room among the blocks already there)."""
         while len(self._prio) > self.capacity:

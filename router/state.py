@@ -169,7 +169,7 @@ class SessionStore:
             raise StateError(f"redis {redact(self._cfg.url)}: {e}") from e
 
     async def close(self) -> None:
-        await self._redis.aclose()
+        await self._redis.aclose()  # type: ignore[attr-defined]  # redis>=5 has it; types-redis predates it
 
 
 class ResilientStore:

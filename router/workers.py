@@ -150,14 +150,16 @@ class Worker:
             return
         endpoint = self.cfg.control
         if endpoint is None:
-            if os.path.exists(self.cfg.endpoint_file + ".dp1"):
-                raise DataParallelWorker(self._dp_refusal(f"{self.cfg.endpoint_file}.dp1 exists"))
-            with open(self.cfg.endpoint_file, encoding="utf-8") as f:
+            path = self.cfg.endpoint_file
+            assert path is not None  # parse_config: a worker not plain names one of the two
+            if os.path.exists(path + ".dp1"):
+                raise DataParallelWorker(self._dp_refusal(f"{path}.dp1 exists"))
+            with open(path, encoding="utf-8") as f:
                 endpoint = json.load(f)["control"]
         # One client id per router process: the engine accepts each client's
         # counters only growing, so two routers (or a restarted one next to
         # its predecessor's last frames) must not share one.
-        self.control = AsyncHintClient(
+        control = self.control = AsyncHintClient(
             endpoint,
             self._secret,
             client_id=f"router-{self.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
@@ -168,12 +170,12 @@ class Worker:
             self.control.close()
             raise DataParallelWorker(self._dp_refusal(f"its hello says dp_size {dp_size!r}"))
         self._seq = (await self.control.events(1 << 62, 0)).next_seq - 1
-        await self._verify_hashing()
-        await self._catch_up_index(0, self._seq)
+        await self._verify_hashing(control)
+        await self._catch_up_index(control, 0, self._seq)
         self._tasks = [
             asyncio.create_task(self._poll_load()),
-            asyncio.create_task(self._follow()),
-            asyncio.create_task(self._wake_on_stream()),
+            asyncio.create_task(self._follow(control)),
+            asyncio.create_task(self._wake_on_stream(control)),
         ]
         await self._polled.wait()
 
@@ -194,9 +196,9 @@ class Worker:
         if self.control is not None:
             self.control.close()
 
-    async def _verify_hashing(self) -> None:
+    async def _verify_hashing(self, control: AsyncHintClient) -> None:
         try:
-            answer = await self.control.call("probe", tokens=PROBE_TOKENS)
+            answer = await control.call("probe", tokens=PROBE_TOKENS)
             if not answer.ok:
                 raise ProbeMismatch(f"probe refused: {answer.error}")
             self.hasher = BlockHasher.from_probe(answer.info, PROBE_TOKENS)
@@ -208,11 +210,11 @@ class Worker:
             self.hasher, self.probe_error = None, f"unreadable probe answer: {e!r}"
             log.exception("worker %s: no overlap routing", self.name)
 
-    async def _catch_up_index(self, after: int, upto: int) -> None:
+    async def _catch_up_index(self, control: AsyncHintClient, after: int, upto: int) -> None:
         """Feed the index the events the engine keeps in (after, upto]."""
         try:
             while after < upto:
-                page = await self.control.events(after, 1000)
+                page = await control.events(after, 1000)
                 for ev in page.events:
                     if ev.seq <= upto:
                         self._guarded(self.index.apply, ev)
@@ -366,23 +368,23 @@ class Worker:
             raise ControlError(f"worker {self.name}: no control channel")
         return await self.control.end_session(session_id)
 
-    async def _wake_on_stream(self) -> None:
+    async def _wake_on_stream(self, control: AsyncHintClient) -> None:
         while True:
             try:
-                async for _ in self.control.stream(kinds=("transfer", "outcome")):
+                async for _ in control.stream(kinds=("transfer", "outcome")):
                     self._wake.set()
             except (ControlError, OSError) as e:
                 log.warning("worker %s: event stream: %s", self.name, e)
             await asyncio.sleep(1.0)
 
-    async def _follow(self) -> None:
+    async def _follow(self, control: AsyncHintClient) -> None:
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), 1.0)
             self._wake.clear()
             try:
                 while True:
-                    page = await self.control.events(self._seq, 1000)
+                    page = await control.events(self._seq, 1000)
                     if page.next_seq - 1 < self._seq:  # a new engine: a new log
                         log.warning("worker %s: event log restarted", self.name)
                         self._seq = 0

@@ -81,7 +81,7 @@ def test_the_follower_steps_past_event_kinds_it_does_not_know():
             load_poll_s=1.0,
         )
         w.control = NewerEngine()
-        task = asyncio.create_task(w._follow())
+        task = asyncio.create_task(w._follow(w.control))
         w._wake.set()
         await asyncio.sleep(0.3)
         alive = not task.done()
