@@ -46,9 +46,8 @@ from pathlib import Path
 
 import redis
 import scale_steps as steps
-from vllm import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.request import Request
 
 from sessionkv.connectors.vllm import SessionTierConnector
@@ -105,18 +104,10 @@ class Pulses(threading.Thread):
 
 
 def request(i: int, chunks: int) -> Request:
-    params = SamplingParams(max_tokens=2, ignore_eos=True)
-    params.update_from_generation_config({}, 0)
     base = 1 + i * (chunks * steps.BLOCK + 8)
-    req = Request(
-        request_id=f"r{i}",
-        prompt_token_ids=[(base + t) % 1_000_000 + 1 for t in range(chunks * steps.BLOCK + 3)],
-        sampling_params=params,
-        pooling_params=None,
-        mm_features=None,
-        block_hasher=get_request_block_hasher(steps.BLOCK, sha256),
+    req = steps.session_request(
+        f"r{i}", [(base + t) % 1_000_000 + 1 for t in range(chunks * steps.BLOCK + 3)], f"s{i}", 2
     )
-    req.kv_transfer_params = {"session_id": f"s{i}"}
     return req
 
 

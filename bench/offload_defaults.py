@@ -42,10 +42,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import numpy as np
 
 from sessionkv.devtools.engines import (
-    TINY,
     kv_transfer_config,
     new_engine_id,
     serve,
+    tiny_llm,
     use_engine_env,
 )
 from sessionkv.devtools.server import remove_offload_region
@@ -73,7 +73,7 @@ def moved_counter(manager) -> dict[tuple[str, str], int]:
 
 
 def run(offload_prompt_only: bool, template: str, g1: str, args, tmp: Path) -> dict:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     engine_id = new_engine_id()
     policy = tmp / f"{engine_id}.yaml"
@@ -92,14 +92,11 @@ def run(offload_prompt_only: bool, template: str, g1: str, args, tmp: Path) -> d
         ],
         "sessionkv": {"policy_file": str(policy)},
     }
-    llm = LLM(
-        model=TINY,
-        enforce_eager=True,
+    llm = tiny_llm(
+        kv_transfer_config(engine_id, cpu_bytes=args.g2_mib << 20, **extra),
+        poison=False,
         block_size=BLOCK,
         max_model_len=4096,
-        seed=0,
-        dtype="float32",
-        kv_transfer_config=kv_transfer_config(engine_id, cpu_bytes=args.g2_mib << 20, **extra),
     )
     try:
         sched = llm.llm_engine.engine_core.engine_core.scheduler

@@ -21,17 +21,16 @@ import select
 import tempfile
 import threading
 import time
-import uuid
 
 from replay_router import make_hint
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.kv_offload.base import ReqContext
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from sessionkv.config import SessionKVConfig
 from sessionkv.connectors.manager import SessionTierManager
 from sessionkv.devtools.engines import MODELS
+from sessionkv.devtools.g2 import standalone_g2
 from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.keys import block_key
 from sessionkv.engine import mover as moves
@@ -39,8 +38,6 @@ from sessionkv.engine.service import G3Copies
 from sessionkv.events import EventLog, Outcome
 from sessionkv.hints import Action, Status
 from sessionkv.index.prefix_index import SessionPrefixIndex
-from sessionkv.tiers.g2.policy import SessionCachePolicy
-from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier
 from sessionkv.tiers.g3.backends.disk import DiskTier
 from sessionkv.tiers.g3.tier import Quarantine
 from sessionkv.types import Tier
@@ -74,24 +71,8 @@ class TimedLock:
 
 def _manager(g2_chunks: int, g3_dir: str):
     init_none_hash(sha256)  # what the engine does at start
-    region = SharedOffloadRegion(
-        engine_id=f"holds-{uuid.uuid4().hex[:8]}",
-        num_chunks=g2_chunks,
-        rank=None,
-        kv_bytes_per_chunk=CHUNK,
-        cpu_page_size=CHUNK,
-    )
     index, quarantine, copies, events = SessionPrefixIndex(), Quarantine(), G3Copies(), EventLog()
-    primary = QuarantinedPrimaryTier(
-        num_chunks=g2_chunks,
-        mmap_region=region,
-        cache_policy=SessionCachePolicy.__name__,
-        cache_policy_module_path=SessionCachePolicy.__module__,
-        index=index,
-        blocks_per_chunk=1,
-        quarantine=quarantine,
-        event_log=events,
-    )
+    primary = standalone_g2(g2_chunks, CHUNK, index, quarantine, events, page_size=CHUNK)
     g3 = DiskTier(
         standalone_spec(str(MODELS / "tiny"), CHUNK),
         primary.get_kv_memoryview(),

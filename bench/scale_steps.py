@@ -307,6 +307,25 @@ def make_scheduler(
     )
 
 
+def session_request(
+    rid: str, tokens: list[int], session: str, max_tokens: int, hasher=None
+) -> Request:
+    """A greedy request of ``session`` (``kv_transfer_params``), generating
+    ``max_tokens`` tokens past EOS, its blocks hashed as the engine does."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params.update_from_generation_config({}, 0)
+    req = Request(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        sampling_params=params,
+        pooling_params=None,
+        mm_features=None,
+        block_hasher=hasher or get_request_block_hasher(BLOCK, sha256),
+    )
+    req.kv_transfer_params = {"session_id": session}
+    return req
+
+
 def make_requests(
     spec: StepSpec, seed: int = 0, n: int | None = None, max_tokens: int = 1 << 20
 ) -> list[Request]:
@@ -320,8 +339,6 @@ def make_requests(
     out = []
     n = spec.running if n is None else n
     for i in range(n):
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        params.update_from_generation_config({}, 0)
         base = (seed * spec.running + i) * spec.context
         # Prompts of different lengths, as traffic has, so that decode steps
         # fill blocks of different requests at different steps. Drawn, not
@@ -330,16 +347,8 @@ def make_requests(
         # offset with the start into 8 phases, 32 blocks every other step
         # and none between, against 16 every step at 4k (16 prefill a step).
         length = spec.context - rng.randrange(BLOCK)
-        req = Request(
-            request_id=f"r{seed}-{i}",
-            prompt_token_ids=[(base + t) % 50_000 + 1 for t in range(length)],
-            sampling_params=params,
-            pooling_params=None,
-            mm_features=None,
-            block_hasher=hasher,
-        )
-        req.kv_transfer_params = {"session_id": f"s{seed}-{i}"}
-        out.append(req)
+        tokens = [(base + t) % 50_000 + 1 for t in range(length)]
+        out.append(session_request(f"r{seed}-{i}", tokens, f"s{seed}-{i}", max_tokens, hasher))
     return out
 
 

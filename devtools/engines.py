@@ -17,6 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = Path(os.environ.get("SESSIONKV_MODELS", ROOT / ".cache" / "models"))
 TINY = str(MODELS / "tiny")
 POISON_EXT = "sessionkv.devtools.kvpoison.KVPoisonExtension"
+# ``vllm serve`` of the tiny model as the tests run it (``tiny_llm``'s, as flags).
+SERVER_ARGS = (
+    "--enforce-eager --block-size 32 --max-model-len 1024 --dtype float32 --seed 0".split()
+)
 # In-process engines start in ~10 s instead of ~35 s; a small G1 lets several
 # of them fit next to each other.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -128,3 +132,25 @@ def engine_process(tmp_path, spec: dict) -> dict:
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     return {**json.loads(out.read_text()), "log": p.stderr[-4000:]}
+
+
+def tiny_llm(kv_transfer_config: dict, poison: bool = True, **overrides):
+    """An in-process engine as the tests and benches run one: the tiny model,
+    eager, seed 0, float32, 1,024 tokens, 32-token blocks, with
+    ``kv_transfer_config``; with the worker extension that poisons KV
+    (``kvpoison.py``) unless ``poison`` is false. ``overrides`` replace or
+    add ``vllm.LLM`` arguments."""
+    from vllm import LLM
+
+    args: dict = dict(
+        model=TINY,
+        enforce_eager=True,
+        block_size=32,
+        max_model_len=1024,
+        seed=0,
+        dtype="float32",
+        kv_transfer_config=kv_transfer_config,
+    )
+    if poison:
+        args["worker_extension_cls"] = POISON_EXT
+    return LLM(**{**args, **overrides})

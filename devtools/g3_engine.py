@@ -29,15 +29,15 @@ import time
 
 
 def main(spec_path: str, out_path: str) -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from sessionkv.devtools.engines import (
-        POISON_EXT,
         control_hint,
         kv_transfer_config,
         new_engine_id,
         poison_g2,
         serve,
+        tiny_llm,
     )
     from sessionkv.devtools.keys import keys_of
     from sessionkv.devtools.server import remove_offload_region
@@ -50,15 +50,10 @@ def main(spec_path: str, out_path: str) -> None:
             f.write(spec["policy"])
         extra["sessionkv"] = {"policy_file": policy}
     engine_id = new_engine_id()
-    llm = LLM(
+    llm = tiny_llm(
+        kv_transfer_config(engine_id, cpu_bytes=16 << 20, **extra),
         model=spec["model"],
-        enforce_eager=True,
         block_size=spec["block_size"],
-        max_model_len=1024,
-        seed=0,
-        dtype="float32",
-        worker_extension_cls=POISON_EXT,
-        kv_transfer_config=kv_transfer_config(engine_id, cpu_bytes=16 << 20, **extra),
     )
     try:
         if spec.get("poison"):

@@ -25,11 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from sessionkv.devtools.engines import (
-    POISON_EXT,
-    TINY,
     kv_transfer_config,
     new_engine_id,
     poison_g2,
+    tiny_llm,
     use_engine_env,
 )
 from sessionkv.devtools.keys import keys_of
@@ -56,7 +55,6 @@ RECOVERY_S = 60.0
 def make_engine(tier: dict, workdir: Path):
     """An engine on ``tier`` with the cluster secret in its policy: its G3
     objects are sealed with the MAC key derived from it."""
-    from vllm import LLM
 
     engine_id = new_engine_id()
     tier = {
@@ -74,18 +72,10 @@ def make_engine(tier: dict, workdir: Path):
     # before every request, and writing 1 GiB of noise each time starved the
     # backend's threads of CPU (its calls missed the 1 s deadline in the
     # normal phase on this 2-core machine).
-    llm = LLM(
-        model=TINY,
-        enforce_eager=True,
+    llm = tiny_llm(
+        kv_transfer_config(engine_id, cpu_bytes=G2_CHUNKS * CHUNK_BYTES, **extra),
         block_size=BLOCK,
-        max_model_len=1024,
-        seed=0,
-        dtype="float32",
-        worker_extension_cls=POISON_EXT,
         num_gpu_blocks_override=64,
-        kv_transfer_config=kv_transfer_config(
-            engine_id, cpu_bytes=G2_CHUNKS * CHUNK_BYTES, **extra
-        ),
     )
     return llm, engine_id
 

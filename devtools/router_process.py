@@ -13,6 +13,8 @@ import uuid
 import requests
 import yaml
 
+from sessionkv.devtools.engines import SERVER_ARGS
+
 
 class RouterProcess:
     """``sessionkv router`` on ``config`` (a dict written as router.yaml);
@@ -70,15 +72,7 @@ class RouterProcess:
 
 
 ENGINE_ARGS = [
-    "--enforce-eager",
-    "--block-size",
-    "32",
-    "--max-model-len",
-    "1024",
-    "--dtype",
-    "float32",
-    "--seed",
-    "0",
+    *SERVER_ARGS,
     "--max-num-seqs",
     "8",
     "--enable-prompt-tokens-details",

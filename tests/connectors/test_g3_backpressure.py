@@ -16,9 +16,8 @@ import time
 import pytest
 import redis
 import scale_steps as steps
-from vllm import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.kv_offload.tiering.backpressure import EMABackpressureDetector
 from vllm.v1.request import Request
 
@@ -102,18 +101,10 @@ def stall(redis_url):
 def request(i: int, chunks: int) -> Request:
     """Session ``s<i>``'s request: ``chunks`` full blocks of its own (a chunk
     is a block here), 2 tokens out."""
-    params = SamplingParams(max_tokens=2, ignore_eos=True)
-    params.update_from_generation_config({}, 0)
     base = 1 + i * (chunks + 1) * steps.BLOCK
-    req = Request(
-        request_id=f"r{i}",
-        prompt_token_ids=[base + t for t in range(chunks * steps.BLOCK + 3)],
-        sampling_params=params,
-        pooling_params=None,
-        mm_features=None,
-        block_hasher=get_request_block_hasher(steps.BLOCK, sha256),
+    req = steps.session_request(
+        f"r{i}", [base + t for t in range(chunks * steps.BLOCK + 3)], f"s{i}", 2
     )
-    req.kv_transfer_params = {"session_id": f"s{i}"}
     return req
 
 

@@ -16,11 +16,11 @@ from replay_router import make_hint
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from sessionkv.config import SessionKVConfig
 from sessionkv.connectors.manager import SessionTierManager
 from sessionkv.devtools.engines import MODELS
+from sessionkv.devtools.g2 import standalone_g2
 from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.keys import block_key
 from sessionkv.engine.service import G3Copies
@@ -28,8 +28,6 @@ from sessionkv.events import EventLog, Outcome, Transfer
 from sessionkv.hints import Action, Status
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.tiers import compat
-from sessionkv.tiers.g2.policy import SessionCachePolicy
-from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier
 from sessionkv.tiers.g3.backends.redis import RedisTier
 from sessionkv.tiers.g3.tier import Quarantine
 from sessionkv.types import Tier
@@ -41,13 +39,6 @@ init_none_hash(sha256)  # what the engine does at start
 
 @pytest.fixture
 def parts(redis_url):
-    region = SharedOffloadRegion(
-        engine_id=f"waves-{uuid.uuid4().hex[:8]}",
-        num_chunks=CHUNKS,
-        rank=None,
-        kv_bytes_per_chunk=CHUNK,
-        cpu_page_size=4096,
-    )
     index, quarantine, copies, events = SessionPrefixIndex(), Quarantine(), G3Copies(), EventLog()
     seen = []  # every G3 copy the tier made: (load, keys, ok)
 
@@ -55,16 +46,7 @@ def parts(redis_url):
         seen.append((load, list(keys), list(ok)))
         copies.observe(load, keys, ok)
 
-    primary = QuarantinedPrimaryTier(
-        num_chunks=CHUNKS,
-        mmap_region=region,
-        cache_policy=SessionCachePolicy.__name__,
-        cache_policy_module_path=SessionCachePolicy.__module__,
-        index=index,
-        blocks_per_chunk=1,
-        quarantine=quarantine,
-        event_log=events,
-    )
+    primary = standalone_g2(CHUNKS, CHUNK, index, quarantine, events)
     g3 = RedisTier(
         standalone_spec(str(MODELS / "tiny"), CHUNK),
         primary.get_kv_memoryview(),

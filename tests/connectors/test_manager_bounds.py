@@ -6,26 +6,20 @@ index and the hint executor, built as ``SessionTierSpec`` builds them."""
 
 import threading
 import time
-import uuid
 
 import pytest
 from replay_router import make_hint
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from sessionkv.config import SessionKVConfig
 from sessionkv.connectors.manager import SessionTierManager
-from sessionkv.devtools.engines import MODELS
-from sessionkv.devtools.g3_spec import standalone_spec
+from sessionkv.devtools.g2 import disk_g3, standalone_g2
 from sessionkv.devtools.keys import block_key
 from sessionkv.engine import service as service_mod
 from sessionkv.engine.service import G3Copies
 from sessionkv.hints import Action
 from sessionkv.index.prefix_index import SessionPrefixIndex, alias64
 from sessionkv.tiers.g2 import tier as g2_mod
-from sessionkv.tiers.g2.policy import SessionCachePolicy
-from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier, SessionPrimaryTier
-from sessionkv.tiers.g3.backends.disk import DiskTier
 from sessionkv.tiers.g3.tier import Quarantine
 from sessionkv.types import Tier
 
@@ -35,23 +29,8 @@ TIMEOUT = 10.0
 
 @pytest.fixture
 def manager():
-    region = SharedOffloadRegion(
-        engine_id=f"bounds-{uuid.uuid4().hex[:8]}",
-        num_chunks=CHUNKS,
-        rank=None,
-        kv_bytes_per_chunk=4096,
-        cpu_page_size=4096,
-    )
     index = SessionPrefixIndex(idle_timeout_s=TIMEOUT)
-    primary = SessionPrimaryTier(
-        num_chunks=CHUNKS,
-        mmap_region=region,
-        cache_policy=SessionCachePolicy.__name__,
-        cache_policy_module_path=SessionCachePolicy.__module__,
-        index=index,
-        blocks_per_chunk=1,
-        event_log=None,
-    )
+    primary = standalone_g2(CHUNKS, 4096, index)
     m = SessionTierManager(primary, [], index, SessionKVConfig(), G3Copies(), None)
     yield m
     m.shutdown()
@@ -201,32 +180,10 @@ def test_g3_copies_are_known_for_a_bounded_number_of_chunks(manager):
 def with_disk_g3(tmp_path):
     """``manager``'s parts with a real G3 tier (a directory), so that vLLM's
     tiering manager runs under ours."""
-    region = SharedOffloadRegion(
-        engine_id=f"bounds-{uuid.uuid4().hex[:8]}",
-        num_chunks=CHUNKS,
-        rank=None,
-        kv_bytes_per_chunk=4096,
-        cpu_page_size=4096,
-    )
     index, quarantine, copies = SessionPrefixIndex(), Quarantine(), G3Copies()
-    primary = QuarantinedPrimaryTier(
-        num_chunks=CHUNKS,
-        mmap_region=region,
-        cache_policy=SessionCachePolicy.__name__,
-        cache_policy_module_path=SessionCachePolicy.__module__,
-        index=index,
-        blocks_per_chunk=1,
-        quarantine=quarantine,
-        event_log=None,
-    )
-    g3 = DiskTier(
-        standalone_spec(str(MODELS / "tiny"), 4096),
-        primary.get_kv_memoryview(),
-        "disk",
-        path=str(tmp_path / "g3"),
-        max_bytes=1 << 24,
-        quarantine=quarantine,
-        observer=copies.observe,
+    primary = standalone_g2(CHUNKS, 4096, index, quarantine)
+    g3 = disk_g3(
+        primary, str(tmp_path / "g3"), 1 << 24, quarantine=quarantine, observer=copies.observe
     )
     return SessionTierManager(primary, [g3], index, SessionKVConfig(), copies, None)
 

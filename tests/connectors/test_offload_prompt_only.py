@@ -14,10 +14,8 @@ import time
 
 import pytest
 import scale_steps as steps
-from vllm import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.request import Request
+from vllm.v1.core.kv_cache_utils import init_none_hash
 
 from sessionkv.connectors.vllm import bind_spec
 from sessionkv.events import Outcome
@@ -44,17 +42,7 @@ def turn(sched, rid, prompt, pin=False):
     """One request of session ``s`` (carrying a signed Pin with ``pin``)
     until it finished and its stores ended: its prompt plus the tokens it
     generated (7s)."""
-    params = SamplingParams(max_tokens=OUTPUT, ignore_eos=True)
-    params.update_from_generation_config({}, 0)
-    req = Request(
-        request_id=rid,
-        prompt_token_ids=prompt,
-        sampling_params=params,
-        pooling_params=None,
-        mm_features=None,
-        block_hasher=get_request_block_hasher(steps.BLOCK, sha256),
-    )
-    req.kv_transfer_params = {"session_id": "s"}
+    req = steps.session_request(rid, prompt, "s", OUTPUT)
     if pin:
         env = {
             "protocol_version": "1.0",

@@ -13,9 +13,8 @@ import time
 import pytest
 import scale_steps as steps
 import vllm
-from vllm import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.request import Request
 
 from sessionkv.client import HintClient
@@ -45,17 +44,9 @@ class PausingConnector(SessionTierConnector):
 
 
 def request(rid: str, session: str, base: int) -> Request:
-    params = SamplingParams(max_tokens=2, ignore_eos=True)
-    params.update_from_generation_config({}, 0)
-    req = Request(
-        request_id=rid,
-        prompt_token_ids=[base + t for t in range(PROMPT_BLOCKS * steps.BLOCK + 3)],
-        sampling_params=params,
-        pooling_params=None,
-        mm_features=None,
-        block_hasher=get_request_block_hasher(steps.BLOCK, sha256),
+    req = steps.session_request(
+        rid, [base + t for t in range(PROMPT_BLOCKS * steps.BLOCK + 3)], session, 2
     )
-    req.kv_transfer_params = {"session_id": session}
     return req
 
 

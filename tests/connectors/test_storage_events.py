@@ -34,21 +34,19 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
     get_offload_block_hash,
 )
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.request import Request
 
 from sessionkv.config import SessionKVConfig
 from sessionkv.connectors.kv_events import SessionEventsTracker
 from sessionkv.connectors.manager import SessionTierManager
 from sessionkv.devtools.engines import MODELS
+from sessionkv.devtools.g2 import standalone_g2
 from sessionkv.devtools.g3_spec import standalone_spec
 from sessionkv.devtools.keys import block_key
 from sessionkv.engine.service import G3Copies
 from sessionkv.events import EventLog, Outcome
 from sessionkv.hints import Action, Status
 from sessionkv.index.prefix_index import SessionPrefixIndex
-from sessionkv.tiers.g2.policy import SessionCachePolicy
-from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier
 from sessionkv.tiers.g3.backends.disk import DiskBackend, DiskTier
 from sessionkv.tiers.g3.backends.redis import RedisTier
 from sessionkv.tiers.g3.tier import Quarantine
@@ -63,26 +61,9 @@ class Stack:
     """G2, one G3 tier, the manager and vLLM's events tracker, events on."""
 
     def __init__(self, make_g3):
-        region = SharedOffloadRegion(
-            engine_id=f"ev-{uuid.uuid4().hex[:8]}",
-            num_chunks=CHUNKS,
-            rank=None,
-            kv_bytes_per_chunk=CHUNK,
-            cpu_page_size=4096,
-        )
         index, quarantine, copies = SessionPrefixIndex(), Quarantine(), G3Copies()
         self.log = EventLog()
-        self.g2 = QuarantinedPrimaryTier(
-            num_chunks=CHUNKS,
-            mmap_region=region,
-            cache_policy=SessionCachePolicy.__name__,
-            cache_policy_module_path=SessionCachePolicy.__module__,
-            index=index,
-            blocks_per_chunk=1,
-            quarantine=quarantine,
-            event_log=self.log,
-            enable_events=True,
-        )
+        self.g2 = standalone_g2(CHUNKS, CHUNK, index, quarantine, self.log, enable_events=True)
         spec = standalone_spec(str(MODELS / "tiny"), CHUNK)
         spec.kv_events_config = types.SimpleNamespace(enable_kv_cache_events=True)
         self.g3 = make_g3(spec, self.g2.get_kv_memoryview(), quarantine, copies.observe)

@@ -17,9 +17,8 @@ import time
 
 import pytest
 import scale_steps as steps
-from vllm import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.request import Request
@@ -64,16 +63,7 @@ def make(tmp_path, monkeypatch, async_sched: bool, bpc: int):
 
 def turn(rid: str, session: str, action: dict) -> Request:
     """A request of session ``session`` carrying one signed hint."""
-    params = SamplingParams(max_tokens=OUTPUT, ignore_eos=True)
-    params.update_from_generation_config({}, 0)
-    req = Request(
-        request_id=rid,
-        prompt_token_ids=[1 + t for t in range(PROMPT)],
-        sampling_params=params,
-        pooling_params=None,
-        mm_features=None,
-        block_hasher=get_request_block_hasher(steps.BLOCK, sha256),
-    )
+    req = steps.session_request(rid, [1 + t for t in range(PROMPT)], session, OUTPUT)
     env = {"protocol_version": "1.0", "message_id": rid, "actions": [action]}
     req.kv_transfer_params = {
         "session_id": session,
@@ -234,55 +224,27 @@ def test_a_pins_g3_side_waits_for_copies_that_end_out_of_order(tmp_path):
     Pin's G3 side waits for that one too, and pins both once it is there;
     a chunk in G2, idle and not in G3 is not waited for (nothing copies it).
     The parts as ``SessionTierSpec`` builds them, over a disk G3 tier."""
-    import uuid
 
     from replay_router import make_hint
     from vllm.v1.kv_offload.base import ReqContext
-    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
     from sessionkv.config import Limits, SessionKVConfig, TierPolicy
     from sessionkv.connectors.manager import SessionTierManager
-    from sessionkv.devtools.engines import MODELS
-    from sessionkv.devtools.g3_spec import standalone_spec
+    from sessionkv.devtools.g2 import disk_g3, standalone_g2
     from sessionkv.devtools.keys import block_key
     from sessionkv.engine.service import G3Copies
     from sessionkv.engine.waits import Turn
     from sessionkv.events import EventLog
     from sessionkv.hints import Action
     from sessionkv.index.prefix_index import SessionPrefixIndex
-    from sessionkv.tiers.g2.policy import SessionCachePolicy
-    from sessionkv.tiers.g2.tier import QuarantinedPrimaryTier
-    from sessionkv.tiers.g3.backends.disk import DiskTier
     from sessionkv.tiers.g3.tier import Quarantine
     from sessionkv.types import Tier
 
     init_none_hash(sha256)
-    region = SharedOffloadRegion(
-        engine_id=f"order-{uuid.uuid4().hex[:8]}",
-        num_chunks=8,
-        rank=None,
-        kv_bytes_per_chunk=4096,
-        cpu_page_size=4096,
-    )
     index, quarantine, copies, log = SessionPrefixIndex(), Quarantine(), G3Copies(), EventLog()
-    primary = QuarantinedPrimaryTier(
-        num_chunks=8,
-        mmap_region=region,
-        cache_policy=SessionCachePolicy.__name__,
-        cache_policy_module_path=SessionCachePolicy.__module__,
-        index=index,
-        blocks_per_chunk=1,
-        quarantine=quarantine,
-        event_log=log,
-    )
-    g3 = DiskTier(
-        standalone_spec(str(MODELS / "tiny"), 4096),
-        primary.get_kv_memoryview(),
-        "disk",
-        path=str(tmp_path / "g3"),
-        max_bytes=1 << 24,
-        quarantine=quarantine,
-        observer=copies.observe,
+    primary = standalone_g2(8, 4096, index, quarantine, log)
+    g3 = disk_g3(
+        primary, str(tmp_path / "g3"), 1 << 24, quarantine=quarantine, observer=copies.observe
     )
     config = SessionKVConfig(
         policy=TierPolicy(limits=Limits(pin_fraction_session=1.0, pin_fraction_global=1.0))

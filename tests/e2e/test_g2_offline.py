@@ -12,16 +12,15 @@ import json
 
 import numpy as np
 import pytest
-from vllm import LLM, SamplingParams
+from vllm import SamplingParams
 from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 
 from sessionkv.devtools.engines import (
-    POISON_EXT,
-    TINY,
     kv_transfer_config,
     new_engine_id,
     poison_g2,
     serve,
+    tiny_llm,
 )
 from sessionkv.devtools.server import remove_offload_region
 from sessionkv.hints import sign
@@ -53,17 +52,11 @@ def engine(request, tmp_path_factory):
         "report: {per_tier: all}\n"  # the test reads the tiers
         f"trust: {{secret_file: {d / 'secret'}}}\n"
     )
-    llm = LLM(
-        model=TINY,
-        enforce_eager=True,
-        block_size=BLOCK,
-        max_model_len=1024,
-        seed=0,
-        dtype="float32",
-        worker_extension_cls=POISON_EXT,
-        kv_transfer_config=kv_transfer_config(
+    llm = tiny_llm(
+        kv_transfer_config(
             engine_id, block_size=BLOCK * bpc, sessionkv={"policy_file": str(d / "tiers.yaml")}
         ),
+        block_size=BLOCK,
     )
     yield llm, engine_id, bpc
     llm.llm_engine.engine_core.shutdown()

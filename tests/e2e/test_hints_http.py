@@ -14,26 +14,14 @@ import numpy as np
 import pytest
 import requests
 
-from sessionkv.devtools.engines import TINY, kv_transfer_config, new_engine_id
+from sessionkv.devtools.engines import SERVER_ARGS, TINY, kv_transfer_config, new_engine_id
 from sessionkv.devtools.hint_cases import expected_count, hostile_envelope, hostile_kvcr
 from sessionkv.devtools.server import ServerProcess, remove_offload_region
 from sessionkv.hints import envelope, sign
 from sessionkv.report import RequestReport
 
 SECRET = b"router-secret-for-tests-0123456789"
-ARGS = [
-    "--enforce-eager",
-    "--block-size",
-    "32",
-    "--max-model-len",
-    "1024",
-    "--dtype",
-    "float32",
-    "--seed",
-    "0",
-    "--max-num-seqs",
-    "16",
-]
+ARGS = [*SERVER_ARGS, "--max-num-seqs", "16"]
 RNG = np.random.default_rng(3)
 PROMPTS = [RNG.integers(10, 4000, n).tolist() for n in (40, 70, 100, 130)]
 

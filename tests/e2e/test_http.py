@@ -6,21 +6,14 @@ import numpy as np
 import pytest
 import requests
 
+from sessionkv.devtools import engines
 from sessionkv.devtools.engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id
 from sessionkv.devtools.server import ServerProcess, remove_offload_region
 from sessionkv.report import RequestReport
 
 BLOCK = 32
 SERVER_ARGS = [
-    "--enforce-eager",
-    "--block-size",
-    str(BLOCK),
-    "--max-model-len",
-    "1024",
-    "--dtype",
-    "float32",
-    "--seed",
-    "0",
+    *engines.SERVER_ARGS,
     "--worker-extension-cls",
     POISON_EXT,
     "--enable-prompt-tokens-details",

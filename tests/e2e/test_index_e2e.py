@@ -9,10 +9,10 @@ and from the primary tier (G2).
 
 import numpy as np
 import pytest
-from vllm import LLM, SamplingParams
+from vllm import SamplingParams
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
-from sessionkv.devtools.engines import TINY, kv_transfer_config, new_engine_id
+from sessionkv.devtools.engines import kv_transfer_config, new_engine_id, tiny_llm
 from sessionkv.devtools.keys import keys_of
 from sessionkv.devtools.server import remove_offload_region
 from sessionkv.types import Tier
@@ -33,14 +33,10 @@ FLOOD = [RNG.integers(10, 4000, 330).tolist() for _ in range(2)]  # 10 blocks ea
 @pytest.fixture(scope="module")
 def engine():
     engine_id = new_engine_id()
-    llm = LLM(
-        model=TINY,
-        enforce_eager=True,
+    llm = tiny_llm(
+        kv_transfer_config(engine_id, cpu_bytes=G2_CHUNKS * BLOCK_BYTES),
+        poison=False,
         block_size=BLOCK,
-        max_model_len=1024,
-        seed=0,
-        dtype="float32",
-        kv_transfer_config=kv_transfer_config(engine_id, cpu_bytes=G2_CHUNKS * BLOCK_BYTES),
     )
     yield llm
     llm.llm_engine.engine_core.shutdown()

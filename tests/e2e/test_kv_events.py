@@ -16,12 +16,12 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from vllm import LLM, SamplingParams
+from vllm import SamplingParams
 from vllm.config import KVEventsConfig
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from sessionkv.connectors.kv_events import SessionEventsTracker
-from sessionkv.devtools.engines import TINY, kv_transfer_config, new_engine_id, serve
+from sessionkv.devtools.engines import kv_transfer_config, new_engine_id, serve, tiny_llm
 from sessionkv.devtools.server import free_port, remove_offload_region
 
 RNG = np.random.default_rng(41)
@@ -80,21 +80,16 @@ def engine(tmp_path_factory):
     }
     engine_id = new_engine_id()
     sub = Subscriber(endpoint)  # bound before the engine's publisher connects
-    llm = LLM(
-        model=TINY,
-        enforce_eager=True,
-        block_size=32,
-        max_model_len=1024,
-        seed=0,
-        dtype="float32",
-        kv_events_config=KVEventsConfig(
-            enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv"
-        ),
-        kv_transfer_config=kv_transfer_config(
+    llm = tiny_llm(
+        kv_transfer_config(
             engine_id,
             secondary_tiers=[tier],
             self_describing_kv_events=True,
             sessionkv={"policy_file": str(d / "tiers.yaml")},
+        ),
+        poison=False,
+        kv_events_config=KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv"
         ),
     )
     yield llm, sub

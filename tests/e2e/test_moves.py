@@ -13,17 +13,16 @@ import uuid
 
 import pytest
 from test_pin_retain import CHUNK_BYTES, G2_CHUNKS, SECRET, P, cold, in_g2, reset_g1, run
-from vllm import LLM
 
 from sessionkv.client import HintClient
 from sessionkv.devtools.engines import (
-    POISON_EXT,
     TINY,
     control_hint,
     engine_process,
     kv_transfer_config,
     new_engine_id,
     poison_g2,
+    tiny_llm,
 )
 from sessionkv.devtools.keys import keys_of
 from sessionkv.devtools.server import remove_offload_region
@@ -62,20 +61,13 @@ def engine(tmp_path_factory, tier):
     (d / "secret").write_bytes(SECRET)
     (d / "tiers.yaml").write_text(POLICY + f"trust: {{secret_file: {d / 'secret'}}}\n")
     engine_id = new_engine_id()
-    llm = LLM(
-        model=TINY,
-        enforce_eager=True,
-        block_size=32,
-        max_model_len=1024,
-        seed=0,
-        dtype="float32",
-        worker_extension_cls=POISON_EXT,
-        kv_transfer_config=kv_transfer_config(
+    llm = tiny_llm(
+        kv_transfer_config(
             engine_id,
             cpu_bytes=G2_CHUNKS * CHUNK_BYTES,
             secondary_tiers=[tier],
             sessionkv={"policy_file": str(d / "tiers.yaml")},
-        ),
+        )
     )
     yield llm
     llm.llm_engine.engine_core.shutdown()

@@ -9,10 +9,15 @@ import threading
 
 import numpy as np
 import pytest
-from vllm import LLM, SamplingParams
+from vllm import SamplingParams
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
-from sessionkv.devtools.engines import POISON_EXT, TINY, kv_transfer_config, new_engine_id, serve
+from sessionkv.devtools.engines import (
+    kv_transfer_config,
+    new_engine_id,
+    serve,
+    tiny_llm,
+)
 from sessionkv.devtools.server import remove_offload_region
 from sessionkv.events import Outcome, Via
 from sessionkv.hints import sign
@@ -38,19 +43,13 @@ def make_engine(tmp_path_factory, eviction):
         f"trust: {{secret_file: {d / 'secret'}}}\n"
     )
     engine_id = new_engine_id()
-    llm = LLM(
-        model=TINY,
-        enforce_eager=True,
-        block_size=BLOCK,
-        max_model_len=1024,
-        seed=0,
-        dtype="float32",
-        worker_extension_cls=POISON_EXT,
-        kv_transfer_config=kv_transfer_config(
+    llm = tiny_llm(
+        kv_transfer_config(
             engine_id,
             cpu_bytes=G2_CHUNKS * CHUNK_BYTES,
             sessionkv={"policy_file": str(d / "tiers.yaml")},
         ),
+        block_size=BLOCK,
     )
     return llm, engine_id
 
