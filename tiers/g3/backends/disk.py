@@ -91,6 +91,16 @@ from contextlib import contextmanager
 
 from vllm.v1.kv_offload.base import Locality
 
+from sessionkv.tiers.g3.backends.disk_tree import (
+    _NOFOLLOW,
+    FANOUT,
+    MARK,  # noqa: F401  (re-exported: tests import it from here)
+    _is_tmp_name,
+    _open_tree,
+    _regular_size,
+    _unlink,
+    _write_all,
+)
 from sessionkv.tiers.g3.tier import G3Tier, ObjectBackend
 
 HIGH_WATER = 0.9  # of max_bytes: a put past it wakes the evictor
@@ -98,79 +108,10 @@ LOW_WATER = 0.8  # the evictor removes objects down to this
 RECOUNT_SLACK = 0.01  # of max_bytes: a scan this far off the count recounts
 STALE_TMP_S = 3600.0  # tmp/ files older than this are left by a crash: removed
 PUT_TRIES = 8  # a put that lost this many races for its name fails
-FANOUT = 256  # objects/<2 hex digits>/
-MARK = "sessionkv-disk-tier"
-_FILES = ("usage", "usage.lock", "evict.lock", "count.lock", MARK)
-_DIRS = ("objects", "tmp")
-_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 _U64 = struct.Struct("<Q")
 _F64 = struct.Struct("<d")
 
 logger = logging.getLogger(__name__)
-
-
-def _is_tmp_name(name: str) -> bool:
-    """A tmp/ name this layout makes: ``uuid4().hex``."""
-    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
-
-
-def _open_tree(root: str) -> None:
-    """Make ``root`` this layout's tree, or raise ValueError saying why not
-    (see the module docstring's trust boundary). Creates what is missing."""
-    try:
-        os.makedirs(root, mode=0o700, exist_ok=True)
-        st = os.stat(root)  # the operator may point path at a link: followed once
-    except OSError as e:
-        raise ValueError(f"DiskTier: cannot use path {root!r}: {e}") from e
-    if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"DiskTier: path {root!r} is not a directory")
-    if st.st_uid != os.geteuid():
-        raise ValueError(
-            f"DiskTier: path {root!r} belongs to uid {st.st_uid}, not to this "
-            f"engine's ({os.geteuid()}): give a directory of the engine's user"
-        )
-    names = set(os.listdir(root))
-    if MARK not in names and names - set(_FILES) - set(_DIRS):
-        foreign = sorted(names - set(_FILES) - set(_DIRS))[:3]
-        raise ValueError(
-            f"DiskTier: path {root!r} holds files that are not a DiskTier's "
-            f"({', '.join(foreign)}): give an empty or new directory"
-        )
-    for name in names & set(_FILES + _DIRS):
-        _check_own(os.path.join(root, name), dir_=name in _DIRS)
-    objects = os.path.join(root, "objects")
-    for name in _DIRS:
-        _mkdir_own(os.path.join(root, name))
-    for i in range(FANOUT):
-        _mkdir_own(os.path.join(objects, f"{i:02x}"))
-    try:
-        os.close(os.open(os.path.join(root, MARK), os.O_WRONLY | os.O_CREAT | _NOFOLLOW, 0o600))
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            os.chmod(root, 0o700)  # a tree made before the mark was 0755
-    except OSError as e:
-        raise ValueError(f"DiskTier: cannot use path {root!r}: {e}") from e
-
-
-def _check_own(path: str, dir_: bool) -> None:
-    """``path`` (not followed) is a directory, or a regular file, of this
-    engine's user: else ValueError naming it."""
-    st = os.lstat(path)
-    kind = stat.S_ISDIR(st.st_mode) if dir_ else stat.S_ISREG(st.st_mode)
-    if not kind or st.st_uid != os.geteuid():
-        what = "directory" if dir_ else "regular file"
-        raise ValueError(
-            f"DiskTier: {path!r} is not a {what} of this engine's user "
-            f"(a link, or another user's): remove it or give another path"
-        )
-
-
-def _mkdir_own(path: str) -> None:
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        _check_own(path, dir_=True)
-    except OSError as e:
-        raise ValueError(f"DiskTier: cannot use path {path!r}: {e}") from e
 
 
 class DiskBackend(ObjectBackend):
@@ -551,42 +492,12 @@ class DiskBackend(ObjectBackend):
             os.close(fd)
 
 
-def _write_all(fd: int, parts: Sequence, size: int) -> None:
-    """Every byte of ``parts`` (``size`` in all), through short writes."""
-    views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
-    while views:
-        n = os.writev(fd, views)
-        if n <= 0:
-            raise OSError(f"writev wrote {n} of {size} bytes")
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
-
-
-def _regular_size(path: str) -> int:
-    """The size of the regular file at ``path`` (not followed), else -1."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return -1
-    return st.st_size if stat.S_ISREG(st.st_mode) else -1
-
-
-def _unlink(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except OSError:
-        return False
-
-
 class DiskTier(G3Tier):
     """G3 tier on a local directory (see the module docstring). Tier config
     keys: ``path``, ``max_bytes``, and ``G3Tier``'s own."""
 
     backend_class = DiskBackend
+    _backend: DiskBackend  # the only backend that calls ``_evicted``
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, on_evict=self._evicted, **kwargs)
