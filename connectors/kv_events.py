@@ -37,11 +37,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
 )
 from vllm.v1.kv_offload.base import OffloadingEvent
 
+from sessionkv.tiers import compat
+
 # A chunk's users: a session id, None (requests without one), or this.
 _SHARED = object()
 
 
-class SessionEventsTracker(OffloadingEventsTracker):
+class SessionEventsTracker(compat.StoredEventHook, OffloadingEventsTracker):
     """vLLM's tracker, plus each chunk's sole session (module docstring)."""
 
     _sessions: OrderedDict
@@ -88,10 +90,11 @@ class SessionEventsTracker(OffloadingEventsTracker):
         self._remember(req, offload_key)
         super().record_partial_lookup(req, group_config, boundary_tokens, offload_key)
 
-    def _take_stored_event(self, event: OffloadingEvent) -> Iterable[KVCacheEvent]:
+    def stored_events(
+        self, event: OffloadingEvent, outs: list[KVCacheEvent]
+    ) -> Iterable[KVCacheEvent]:
         # vLLM yields one BlockStored per key, in the event's key order; were
         # that to change, its events go out untagged rather than mismatched.
-        outs = list(super()._take_stored_event(event))
         if len(outs) != len(event.keys):
             yield from outs
             return

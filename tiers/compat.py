@@ -55,6 +55,7 @@ Private names, and why no public API serves:
 | ``_free_list``, ``_num_allocated_chunks`` | ``CPUOffloadingManager`` | ``QuarantinedSlots`` | the same allocator: returned and reset slots re-enter its list |
 | ``_should_store_to_tier`` | ``TieringOffloadingManager`` | ``CascadeGate`` | ``g3.write_through: false`` turns vLLM's G2 -> G3 cascade off; vLLM has no setting for it |
 | ``_cascade_existing_chunks_to_request_level_tiers``, ``_flush_pending_cascades``, ``_req_state`` | ``TieringOffloadingManager`` | ``ParkedCascades`` | vLLM retries parked request-level cascades by walking every request's state at the end of every step; only that method parks keys, so the walk can wait for one |
+| ``_take_stored_event`` | ``OffloadingEventsTracker`` | ``StoredEventHook`` | the KV events a stored chunk becomes are built there, with no hook to tag them with the storing session |
 | ``_acquire_step``, ``_release_step`` | ``OffloadingConnectorScheduler`` (0.33) | ``open_step``/``close_step`` | the connector's own work in ``build_connector_meta`` belongs to the step's lock region; vLLM opens it only inside its own hooks |
 
 Copied upstream code: ``SessionTierSpec.get_manager`` rebuilds the tiering
@@ -68,6 +69,7 @@ from __future__ import annotations
 import inspect
 import threading
 import time
+from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -83,10 +85,13 @@ from vllm.v1.kv_offload.tiering.manager import (
 if TYPE_CHECKING:
     # The mixins' bases as a type checker reads them (object at run time):
     # the classes they are mixed into, whose methods their super() calls reach.
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+        OffloadingEventsTracker as _EventsTrackerBase,
+    )
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as _CPUManagerBase
     from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager as _TieringBase
 else:
-    _CPUManagerBase = _TieringBase = object
+    _CPUManagerBase = _TieringBase = _EventsTrackerBase = object
 
 __all__ = [
     "LookupResult",
@@ -97,6 +102,7 @@ __all__ = [
     "CascadeGate",
     "ParkedCascades",
     "QuarantinedSlots",
+    "StoredEventHook",
     "after_vllm_step",
     "close_step",
     "cpu_policy",
@@ -278,3 +284,15 @@ class ParkedCascades(_TieringBase):
         if self._parked:
             self._parked = False  # a key parked again sets it again
             super()._flush_pending_cascades()
+
+
+class StoredEventHook(_EventsTrackerBase):
+    """Mixed into vLLM's ``OffloadingEventsTracker``: the KV events a stored
+    chunk's ``OffloadingEvent`` becomes pass through ``stored_events(event,
+    outs)``, which the subclass defines."""
+
+    def stored_events(self, event: Any, outs: list[Any]) -> Iterable[Any]:
+        raise NotImplementedError
+
+    def _take_stored_event(self, event: Any) -> Iterable[Any]:
+        return self.stored_events(event, list(super()._take_stored_event(event)))

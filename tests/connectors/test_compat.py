@@ -9,27 +9,20 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import pkgutil
 import re
 import textwrap
 
+from sessionkv import connectors, engine, tiers
 from sessionkv.tiers import compat
 
-MODULES = (
-    "sessionkv.connectors.vllm",
-    "sessionkv.connectors.manager",
-    "sessionkv.tiers.g2.tier",
-    "sessionkv.connectors.spec",
-    "sessionkv.connectors.cpu_worker",
-    "sessionkv.engine.mover",
-    "sessionkv.tiers.g2.policy",
-    "sessionkv.tiers.g2.levels",
-    "sessionkv.tiers.g3.tier",
-    "sessionkv.tiers.g3.objects",
-    "sessionkv.tiers.g3.io",
-    "sessionkv.tiers.g3.spec",
-    "sessionkv.tiers.g3.backends.redis",
-    "sessionkv.tiers.g3.backends.mooncake",
-    "sessionkv.tiers.g3.backends.lmcache",
+# Every module of the layers that subclass vLLM's classes but compat itself,
+# found by walking the packages, so that a new or split module is checked too.
+MODULES = tuple(
+    m.name
+    for pkg in (connectors, engine, tiers)
+    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")
+    if m.name != compat.__name__
 )
 _SET = re.compile(r"self\.(_[a-zA-Z]\w*)\s*(?::[^=\n]*)?=")
 

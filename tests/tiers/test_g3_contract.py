@@ -1,5 +1,6 @@
-"""The contract every G3 tier passes (Mooncake, Redis, LMCache: a backend joins
-by adding itself to ``BACKENDS``), on the real backend service.
+"""The contract every G3 tier passes (Mooncake, Redis, LMCache, the disk and the
+in-memory reference: a backend joins by adding itself to ``BACKENDS``), on
+the real backend service.
 
 A tier is driven the way vLLM's tiering manager drives it: ``submit_store``
 from G2 slots, ``lookup``, ``submit_load`` into other G2 slots (poisoned
@@ -113,7 +114,8 @@ class LMCache:
 
 
 class Stall:
-    """FAKE fault, for the disk only: a filesystem that stops answering (an
+    """FAKE fault, for the disk and the in-memory backend only (they have no
+    process to stop): a filesystem that stops answering (an
     NFS mount whose server went away), which a local directory cannot be
     made to do on cue. ``signal(SIGSTOP)`` makes every backend call wait
     until ``signal(SIGCONT)``, as a stopped service process does."""
@@ -178,7 +180,42 @@ def _stalled(backend, stall):
     return backend
 
 
-BACKENDS = {"mooncake": Mooncake, "redis": Redis, "lmcache": LMCache, "disk": Disk}
+class Memory:
+    """The in-memory reference backend (``tiers/g3/backends/memory.py``): one
+    store for the session's tests (namespaces keep them apart); for faults,
+    its own behind a ``Stall``."""
+
+    SHARED = None
+
+    @classmethod
+    def shared(cls, request):
+        from sessionkv.tiers.g3.backends.memory import MemoryBackend
+
+        if cls.SHARED is None:
+            cls.SHARED = MemoryBackend(1 << 30)
+        return cls.SHARED
+
+    @staticmethod
+    def own(log_dir):
+        from sessionkv.tiers.g3.backends.memory import MemoryBackend
+
+        return (MemoryBackend(1 << 30), Stall()), None, []
+
+    @staticmethod
+    def tier(where, spec_, view, namespace, **kw):
+        from sessionkv.tiers.g3.backends.memory import MemoryTier
+
+        backend = _stalled(*where) if isinstance(where, tuple) else where
+        return MemoryTier(spec_, view, "memory", backend=backend, namespace=namespace, **kw)
+
+
+BACKENDS = {
+    "mooncake": Mooncake,
+    "redis": Redis,
+    "lmcache": LMCache,
+    "disk": Disk,
+    "memory": Memory,
+}
 
 
 @pytest.fixture(params=sorted(BACKENDS))

@@ -10,7 +10,8 @@ Objects are bytes in an ``OrderedDict`` in least recently used order, at
 most ``max_bytes`` in all: a put past it evicts the least recently used
 objects not pinned, and fails when pinned ones alone fill it. Pins lapse by
 themselves (``pin_lapses``). Checksums live in checksum objects
-(``sum_objects``), puts replace (``put_replaces``).
+(``sum_objects``), read with their data in one call (``owned_reads``); puts
+replace (``put_replaces``).
 
 Threading: one lock around the dict; every call holds it for its batch.
 Cost: O(bytes copied) per call, O(objects evicted) per put.
@@ -29,6 +30,8 @@ from sessionkv.tiers.g3.tier import G3Tier
 
 class MemoryBackend(ObjectBackend):
     """Named objects in a dict (see the module docstring)."""
+
+    owned_reads = True  # get_small hands out the stored bytes: loads need no staging
 
     def __init__(self, max_bytes: int = 1 << 30):
         self._max_bytes = max_bytes
