@@ -5,7 +5,7 @@ caches count one copy each (duplicates once), blocks it drops or a
 
 from vllm.v1.core.block_pool import BlockPool
 
-from sessionkv.connectors.vllm import g1_probe
+from sessionkv.connectors.startup import g1_probe
 from sessionkv.devtools.keys import block_key
 from sessionkv.index.prefix_index import SessionPrefixIndex
 from sessionkv.types import Tier

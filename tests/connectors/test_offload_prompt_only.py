@@ -17,7 +17,7 @@ import scale_steps as steps
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import init_none_hash
 
-from sessionkv.connectors.vllm import bind_spec
+from sessionkv.connectors.startup import bind_spec
 from sessionkv.events import Outcome
 from sessionkv.hints import sign
 from sessionkv.types import Tier

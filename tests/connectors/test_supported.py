@@ -4,7 +4,7 @@ import pytest
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 
-from sessionkv.connectors.vllm import check_supported
+from sessionkv.connectors.startup import check_supported
 
 FULL = KVCacheGroupSpec(
     ["l0"], FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)

@@ -53,7 +53,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from sessionkv.connectors.spec import SessionTierSpec
-from sessionkv.connectors.vllm import model_identity
+from sessionkv.connectors.startup import model_identity
 from sessionkv.devtools.engines import TINY
 from sessionkv.devtools.keys import block_key
 from sessionkv.hints import Action, Status

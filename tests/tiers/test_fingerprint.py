@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sessionkv.connectors.vllm import model_identity
+from sessionkv.connectors.startup import model_identity
 from sessionkv.devtools.engines import TINY
 from sessionkv.devtools.g3_spec import standalone_identity
 from sessionkv.doctor import _pair
