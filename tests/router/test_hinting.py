@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 import pytest
+from test_retains import Clock, chain, key
 
 from sessionkv.events import Transfer
 from sessionkv.hints import Action, KvHint, envelope, parse_envelope
@@ -24,22 +25,6 @@ from sessionkv.router.hinting import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(8, "big") * 2 + b"\0" * 4
-
-
-def chain(*ids: int) -> list[bytes]:
-    return [key(i) for i in ids]
 
 
 def planner(**cfg):
