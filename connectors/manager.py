@@ -135,6 +135,7 @@ class SessionTierManager(OffloadingManager):
             self.stats,
             self.lock,
         )
+        self._executor = self.service.executor  # read on every store (complete_store)
 
     @property
     def lock(self) -> threading.Lock:
@@ -199,7 +200,8 @@ class SessionTierManager(OffloadingManager):
     ) -> None:
         self.vllm.complete_store(keys, req_context, success)
         self._transferred(_G1, _G2, keys, success, req_context)
-        self.service.stored(keys, success)
+        if self._executor.waiting:  # a decode step stores a block of every 16th request
+            self.service.stored(keys, success)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return self.vllm.on_new_request(req_context)

@@ -14,7 +14,8 @@ themselves (``pin_lapses``). Checksums live in checksum objects
 replace (``put_replaces``).
 
 Threading: one lock around the dict; every call holds it for its batch.
-Cost: O(bytes copied) per call, O(objects evicted) per put.
+Cost: O(bytes copied) per call; a put past ``max_bytes`` also walks the
+least recently used objects up to the last it evicts (pinned ones included).
 """
 
 from __future__ import annotations
@@ -111,12 +112,15 @@ class MemoryBackend(ObjectBackend):
     def _make_room(self, size: int) -> bool:
         """Evict the least recently used objects not pinned until ``size``
         more bytes fit; whether they do."""
-        now = time.monotonic()
-        for name in list(self._objects):
-            if self._bytes + size <= self._max_bytes:
+        now, need, going = time.monotonic(), self._bytes + size - self._max_bytes, []
+        for name, data in self._objects.items():  # least recently used first
+            if need <= 0:
                 break
             if self._pinned.get(name, 0.0) <= now:
-                self._drop(name)
+                going.append(name)
+                need -= len(data)
+        for name in going:
+            self._drop(name)
         return self._bytes + size <= self._max_bytes
 
 
